@@ -1,0 +1,146 @@
+"""One tenant's LoRA adapter, its accumulated gradient and its own AdamW state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..types import AdamParams
+
+LORA_ALPHA = 32.0  # scale = alpha / rank, as in PEFT with lora_alpha=32
+
+
+@dataclass
+class AdamState:
+    step: int = 0
+    exp_avg: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    exp_avg_sq: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class LoRAAdapter:
+    """A, B per wrapped linear: A [rank, in] from `seed` (PEFT's kaiming-uniform), B [out, rank] zero."""
+
+    def __init__(self, targets: dict[str, tuple[int, int]], rank: int, seed: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32, alpha: float = LORA_ALPHA):
+        self.rank = rank
+        self.alpha = alpha
+        self.scale = alpha / rank
+        self.seed = seed
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name in sorted(targets):
+            fan_in, fan_out = targets[name]
+            # kaiming_uniform_(a=sqrt(5)) on [rank, fan_in] draws from U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+            bound = 1.0 / math.sqrt(fan_in)
+            lora_a = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+            lora_b = torch.zeros(fan_out, rank, dtype=torch.float64)
+            self.weights[name] = (lora_a.to(dtype).to(device).requires_grad_(True),
+                                  lora_b.to(dtype).to(device).requires_grad_(True))
+        self.grad: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # accumulated, until optim_step
+        self.adam = AdamState()
+
+    # -- parameters ------------------------------------------------------------
+    def parameters(self) -> list[torch.Tensor]:
+        return [t for pair in self.weights.values() for t in pair]
+
+    def zero_param_grads(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def take_param_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The gradient the last backward left on the parameters (zeros where none flowed)."""
+        out = {}
+        for name, (a, b) in self.weights.items():
+            ga = a.grad if a.grad is not None else torch.zeros_like(a)
+            gb = b.grad if b.grad is not None else torch.zeros_like(b)
+            out[name] = (ga.detach().clone(), gb.detach().clone())
+        self.zero_param_grads()
+        return out
+
+    def accumulate(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self.grad is None:
+            self.grad = grads
+            return
+        self.grad = {n: (ga + grads[n][0], gb + grads[n][1]) for n, (ga, gb) in self.grad.items()}
+
+    # -- optimizer ---------------------------------------------------------------
+    def grad_norm(self) -> float:
+        if self.grad is None:
+            return 0.0
+        total = sum(float(g.double().pow(2).sum()) for pair in self.grad.values() for g in pair)
+        return math.sqrt(total)
+
+    def adamw_step(self, params: AdamParams) -> dict[str, float]:
+        """torch.optim.AdamW's update (decoupled weight decay), with this call's hyperparameters.
+
+        All new tensors are computed first and swapped in only at the end, so an
+        exception leaves weights and moments as they were.
+        """
+        grads = self.grad if self.grad is not None else {
+            n: (torch.zeros_like(a), torch.zeros_like(b)) for n, (a, b) in self.weights.items()}
+        norm = self.grad_norm()
+        clip = 1.0
+        if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+            clip = params.grad_clip_norm / (norm + 1e-6)
+        step = self.adam.step + 1
+        b1, b2, lr, eps, wd = params.beta1, params.beta2, params.learning_rate, params.eps, params.weight_decay
+        bias1 = 1 - b1 ** step
+        bias2_sqrt = math.sqrt(1 - b2 ** step)
+        new_w, new_m, new_v = {}, {}, {}
+        with torch.no_grad():
+            for name, pair in self.weights.items():
+                ws, ms, vs = [], [], []
+                for i, p in enumerate(pair):
+                    g = grads[name][i] * clip if clip != 1.0 else grads[name][i]
+                    m_prev = self.adam.exp_avg[name][i] if name in self.adam.exp_avg else torch.zeros_like(p)
+                    v_prev = self.adam.exp_avg_sq[name][i] if name in self.adam.exp_avg_sq else torch.zeros_like(p)
+                    m = m_prev * b1 + g * (1 - b1)
+                    v = v_prev * b2 + g * g * (1 - b2)
+                    denom = v.sqrt() / bias2_sqrt + eps
+                    w = p * (1 - lr * wd) - (lr / bias1) * (m / denom)
+                    ws.append(w)
+                    ms.append(m)
+                    vs.append(v)
+                new_w[name], new_m[name], new_v[name] = ws, tuple(ms), tuple(vs)
+            if not all(torch.isfinite(w).all() for ws in new_w.values() for w in ws):
+                raise FloatingPointError("optim_step produced non-finite weights")
+            for name, (a, b) in self.weights.items():
+                a.copy_(new_w[name][0])
+                b.copy_(new_w[name][1])
+        self.adam.exp_avg, self.adam.exp_avg_sq, self.adam.step = new_m, new_v, step
+        self.grad = None
+        return {"grad_norm:mean": norm, "learning_rate:mean": lr, "step:max": float(step)}
+
+    # -- state -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "rank": self.rank, "alpha": self.alpha, "seed": self.seed,
+            "weights": {n: (a.detach().cpu().clone(), b.detach().cpu().clone()) for n, (a, b) in self.weights.items()},
+            "adam_step": self.adam.step,
+            "exp_avg": {n: tuple(t.cpu().clone() for t in pair) for n, pair in self.adam.exp_avg.items()},
+            "exp_avg_sq": {n: tuple(t.cpu().clone() for t in pair) for n, pair in self.adam.exp_avg_sq.items()},
+        }
+
+    def load_state_dict(self, state: dict, with_optimizer: bool) -> None:
+        if set(state["weights"]) != set(self.weights):
+            raise ValueError("checkpoint adapter targets do not match this client's LoRA targets")
+        with torch.no_grad():
+            for name, (a, b) in self.weights.items():
+                src_a, src_b = state["weights"][name]
+                if src_a.shape != a.shape or src_b.shape != b.shape:
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(src_a.shape)}, expected {tuple(a.shape)}")
+            for name, (a, b) in self.weights.items():
+                a.copy_(state["weights"][name][0])
+                b.copy_(state["weights"][name][1])
+        device = self.parameters()[0].device
+        if with_optimizer:
+            self.adam = AdamState(
+                step=int(state["adam_step"]),
+                exp_avg={n: tuple(t.to(device) for t in p) for n, p in state["exp_avg"].items()},
+                exp_avg_sq={n: tuple(t.to(device) for t in p) for n, p in state["exp_avg_sq"].items()},
+            )
+        else:
+            self.adam = AdamState()
+        self.grad = None

@@ -1,0 +1,159 @@
+"""Base models: the built-in tiny Llama (no download) and local Hugging Face causal LMs.
+
+A loaded base is frozen, put in eval mode, switched to the packed attention
+implementation, and has its LoRA-able linears wrapped by `MultiLoRALinear` once; every
+tenant of that base then shares it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..errors import UnknownModelError
+from .packing import ATTN_IMPLEMENTATION, MultiLoRALinear, register_attention
+
+DEFAULT_MODEL = "trio/tiny-llama-byte"
+
+LoRAKind = Literal["attn", "mlp", "unembed"]
+
+
+def _tiny_llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=259,  # ByT5 byte tokenizer: pad, eos, unk, then 256 bytes
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+    )
+
+
+def byte_tokenizer():
+    """A real Hugging Face tokenizer that needs no vocabulary file: one token per byte."""
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer(extra_ids=0)
+
+
+BUILTIN_MODELS: dict[str, str] = {
+    DEFAULT_MODEL: "tiny Llama (4 layers, d=128) with a byte-level tokenizer; deterministic init, no download",
+}
+
+
+@dataclass
+class BaseModel:
+    name: str
+    model: nn.Module
+    tokenizer: Any
+    vocab_size: int
+    context_length: int
+    device: torch.device
+    dtype: torch.dtype
+    # Wrapped linear name -> (kind, in_features, out_features)
+    lora_targets: dict[str, tuple[LoRAKind, int, int]]
+    source: str  # "builtin" or a local path
+
+    def targets_for(self, train_attn: bool, train_mlp: bool, train_unembed: bool) -> dict[str, tuple[int, int]]:
+        allowed = {"attn": train_attn, "mlp": train_mlp, "unembed": train_unembed}
+        return {name: (i, o) for name, (kind, i, o) in self.lora_targets.items() if allowed[kind]}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _classify(name: str) -> LoRAKind | None:
+    leaf = name.rsplit(".", 1)[-1]
+    path = name.lower()
+    if "attn" in path or "attention" in path:
+        return "attn"
+    if "mlp" in path or "feed_forward" in path or "ffn" in path or leaf in {"gate_proj", "up_proj", "down_proj"}:
+        return "mlp"
+    return None
+
+
+def _install_lora_wrappers(model: nn.Module) -> dict[str, tuple[LoRAKind, int, int]]:
+    head = model.get_output_embeddings()
+    targets: dict[str, tuple[LoRAKind, int, int]] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        kind: LoRAKind | None = "unembed" if module is head else _classify(name)
+        if kind is None:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, MultiLoRALinear(module, name))
+        targets[name] = (kind, module.in_features, module.out_features)
+    return targets
+
+
+def _build_builtin(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the same base weights in every process
+        model = LlamaForCausalLM(_tiny_llama_config())
+    return model.to(dtype), byte_tokenizer()
+
+
+def _load_local(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        known = ", ".join(BUILTIN_MODELS)
+        raise UnknownModelError(
+            f"unknown model {name!r}: it is not built in ({known}), not a local directory with a saved "
+            f"Hugging Face model, and not in the local Hugging Face cache (nothing is downloaded)",
+            field="base_model",
+        ) from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return model, tokenizer
+
+
+_REGISTER_LOCK = threading.Lock()
+
+
+def load_base_model(name: str, device: torch.device) -> BaseModel:
+    with _REGISTER_LOCK:
+        register_attention()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not isinstance(name, str) or not name:
+        raise UnknownModelError(f"base_model must be a non-empty string, got {name!r}", field="base_model")
+    if name in BUILTIN_MODELS:
+        model, tokenizer = _build_builtin(name, dtype)
+        source = "builtin"
+    else:
+        model, tokenizer = _load_local(name, dtype)
+        source = os.path.abspath(name) if os.path.isdir(name) else name
+    model.requires_grad_(False)
+    model.eval()
+    model.config.use_cache = False
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    targets = _install_lora_wrappers(model)
+    model.to(device)
+    context = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    return BaseModel(name=name, model=model, tokenizer=tokenizer, vocab_size=vocab, context_length=context,
+                     device=device, dtype=dtype, lora_targets=targets, source=source)

@@ -1,0 +1,153 @@
+"""One pass over a shared base model for many tenants.
+
+A micro-batch is a flat row of tokens: every sequence of every tenant, back to back,
+with no padding. Two pieces make that row behave like separate sequences:
+
+* `packed_attention` (registered as a transformers attention implementation) runs
+  causal attention inside each sequence only;
+* `MultiLoRALinear` wraps a frozen `nn.Linear` and adds each tenant's LoRA delta on
+  that tenant's token segment only.
+
+Both read the active `PackPlan` from a context variable that the engine sets around
+the forward pass; with no plan active the model behaves exactly like the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from .lora import LoRAAdapter
+
+ATTN_IMPLEMENTATION = "trio_packed"
+
+
+@dataclass
+class Segment:
+    """Rows [start, end) of the flattened input belong to `adapter` (None: base only)."""
+
+    start: int
+    end: int
+    adapter: "LoRAAdapter | None"
+
+
+@dataclass
+class PackPlan:
+    segments: list[Segment]
+    # Lengths of the packed sequences, in order; None when the input is an ordinary
+    # [batch, length] tensor whose attention needs no special handling (sampling).
+    seq_lens: list[int] | None = None
+    _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
+
+    def length_groups(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
+        """Sequences grouped by length, as (length, token index or None if contiguous)."""
+        if self._groups is None:
+            assert self.seq_lens is not None
+            if len(set(self.seq_lens)) == 1:
+                self._groups = [(self.seq_lens[0], None)]
+            else:
+                offsets, by_len = 0, {}
+                for n in self.seq_lens:
+                    by_len.setdefault(n, []).append(torch.arange(offsets, offsets + n))
+                    offsets += n
+                self._groups = [(n, torch.cat(idx).to(device)) for n, idx in by_len.items()]
+        return self._groups
+
+
+_ACTIVE_PLAN: contextvars.ContextVar[PackPlan | None] = contextvars.ContextVar("trio_pack_plan", default=None)
+
+
+@contextlib.contextmanager
+def active_plan(plan: PackPlan) -> Iterator[None]:
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _ACTIVE_PLAN.reset(token)
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed sequence (query/key/value: [1, heads, T, dim])."""
+    plan = _ACTIVE_PLAN.get()
+    if plan is None or plan.seq_lens is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        key = key.repeat_interleave(n_rep, dim=1)
+        value = value.repeat_interleave(n_rep, dim=1)
+    heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
+    groups = plan.length_groups(query.device)
+    out = query.new_empty(heads, total, value.shape[-1]) if len(groups) > 1 else None
+    for length, index in groups:
+        def split(t: torch.Tensor) -> torch.Tensor:
+            t = t[0] if index is None else t[0].index_select(1, index)
+            return t.reshape(t.shape[0], -1, length, t.shape[-1]).transpose(0, 1)  # [n, H, L, D]
+
+        attn = F.scaled_dot_product_attention(split(query), split(key), split(value),
+                                              is_causal=True, scale=scaling)
+        flat = attn.transpose(0, 1).reshape(heads, -1, attn.shape[-1])  # [H, n*L, D]
+        if out is None:
+            return flat.transpose(0, 1).unsqueeze(0).contiguous(), None
+        out = out.index_copy(1, index, flat)
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen linear layer plus, per segment, that segment's tenant's LoRA delta."""
+
+    def __init__(self, base: nn.Linear, name: str):
+        super().__init__()
+        self.base = base
+        self.name = name
+
+    @property
+    def weight(self) -> torch.Tensor:  # transformers' weight tying looks for it
+        return self.base.weight
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        plan = _ACTIVE_PLAN.get()
+        if plan is None:
+            return out
+        flat = x.reshape(-1, x.shape[-1])
+        pieces, touched = [], False
+        for seg in plan.segments:
+            pair = seg.adapter.weights.get(self.name) if seg.adapter is not None else None
+            if pair is None:
+                pieces.append(out.new_zeros(seg.end - seg.start, out.shape[-1]))
+                continue
+            lora_a, lora_b = pair
+            xs = flat[seg.start:seg.end].to(lora_a.dtype)
+            delta = F.linear(F.linear(xs, lora_a), lora_b) * seg.adapter.scale
+            pieces.append(delta.to(out.dtype))
+            touched = True
+        if not touched:
+            return out
+        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return out + delta.view_as(out)

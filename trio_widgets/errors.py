@@ -1,0 +1,35 @@
+"""Errors the client raises. Bad input is a ValueError subclass that names the field."""
+
+from __future__ import annotations
+
+__all__ = ["InvalidInputError", "PoolClosedError", "RequestFailedError", "UnknownModelError"]
+
+
+class InvalidInputError(ValueError):
+    """A request was rejected at submit time; nothing was queued or changed.
+
+    `field` names what is wrong (e.g. ``data[2].loss_fn_inputs['weights']``) and
+    `datum_index` is the index of the offending datum, or None.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, datum_index: int | None = None):
+        self.field = field
+        self.datum_index = datum_index
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class UnknownModelError(InvalidInputError):
+    """The base model is neither built in nor a local Hugging Face model."""
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed inside a cycle (its own fault); its tenant's state is unchanged."""
+
+    def __init__(self, message: str, *, client_id: str | None = None, cycle: int | None = None):
+        self.client_id = client_id
+        self.cycle = cycle
+        super().__init__(message)
+
+
+class PoolClosedError(RuntimeError):
+    """The pool was closed before this request could finish."""

@@ -1,0 +1,137 @@
+"""What the pool did, kept in bounded ring buffers, and pushed to live subscribers.
+
+The clock thread writes; any thread reads. Records are small dataclasses; a request
+record is updated in place as the request moves from queued to delivered.
+Times are `time.perf_counter()` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+__all__ = ["ClientInfo", "CycleRecord", "QueueDepthRecord", "RequestRecord", "Telemetry", "TelemetryEvent"]
+
+log = logging.getLogger(__name__)
+
+EventKind = Literal["client", "queued", "boundary", "cycle", "delivered"]
+
+
+@dataclass(slots=True)
+class ClientInfo:
+    client_id: str
+    kind: Literal["training", "sampling"]
+    base_model: str
+    label: str
+    rank: int | None = None
+
+
+@dataclass(slots=True)
+class CycleRecord:
+    index: int
+    started_at: float
+    ended_at: float
+    busy_s: float
+    n_requests: int
+    tokens: int
+    ops: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class QueueDepthRecord:
+    """Requests waiting in each client's queue at a cycle boundary, before the cycle took any."""
+
+    cycle: int
+    time: float
+    depths: dict[str, int]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: int
+    client_id: str
+    op: str
+    queued_at: float
+    tokens: int = 0
+    cycle: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    delivered_at: float | None = None
+    status: Literal["queued", "running", "ok", "error", "cancelled"] = "queued"
+    error: str | None = None
+    # loss:sum and the number of loss-weighted tokens for forward ops; step for optim_step
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TelemetryEvent:
+    kind: EventKind
+    record: object
+
+
+class Telemetry:
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self.cycles: deque[CycleRecord] = deque(maxlen=capacity)
+        self.requests: deque[RequestRecord] = deque(maxlen=capacity * 4)
+        self.queue_depths: deque[QueueDepthRecord] = deque(maxlen=capacity)
+        self.clients: dict[str, ClientInfo] = {}
+        self.total_cycles = 0
+        self.total_updates = 0
+        self.total_tokens = 0
+        self._subscribers: list[Callable[[TelemetryEvent], None]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, callback: Callable[[TelemetryEvent], None]) -> Callable[[], None]:
+        """Call `callback(event)` for every new record; returns a function that unsubscribes.
+
+        Callbacks run on the pool's clock thread (or the submitting thread for
+        'queued'): keep them short and thread-safe, e.g. append to a deque.
+        """
+        with self._lock:
+            self._subscribers = [*self._subscribers, callback]
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._subscribers = [s for s in self._subscribers if s is not callback]
+
+        return unsubscribe
+
+    def emit(self, kind: EventKind, record: object) -> None:
+        event = TelemetryEvent(kind, record)
+        for callback in self._subscribers:  # a snapshot: subscribe() replaces the list
+            try:
+                callback(event)
+            except Exception:  # a broken viewer must never stop the clock
+                log.exception("telemetry subscriber failed")
+
+    # -- writers (pool side) ---------------------------------------------------
+    def add_client(self, info: ClientInfo) -> None:
+        self.clients[info.client_id] = info
+        self.emit("client", info)
+
+    def add_request(self, record: RequestRecord) -> None:
+        self.requests.append(record)
+        self.emit("queued", record)
+
+    def add_boundary(self, record: QueueDepthRecord) -> None:
+        self.queue_depths.append(record)
+        self.emit("boundary", record)
+
+    def add_cycle(self, record: CycleRecord) -> None:
+        self.cycles.append(record)
+        self.total_cycles += 1
+        self.total_tokens += record.tokens
+        self.emit("cycle", record)
+
+    def request_delivered(self, record: RequestRecord) -> None:
+        if record.op == "optim_step" and record.status == "ok":
+            self.total_updates += 1
+        self.emit("delivered", record)
+
+    # -- readers -----------------------------------------------------------------
+    def requests_of(self, client_id: str) -> list[RequestRecord]:
+        return [r for r in list(self.requests) if r.client_id == client_id]
