@@ -3,20 +3,31 @@
 `import trio_widgets as trio` gives the Tinker / PyTRIO client API over a local pool.
 """
 
-from .client import ServiceClient, TrainingClient, default_pool
+from .client import SamplingClient, ServiceClient, TrainingClient, default_pool
 from .engine import DEFAULT_MODEL, LocalPool
-from .errors import InvalidInputError, PoolClosedError, RequestFailedError, UnknownModelError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidInputError,
+    PoolClosedError,
+    RequestFailedError,
+    UnknownModelError,
+)
 from .futures import APIFuture
+from .loop import TrainingRun, run_sync, train
 from .types import (
     AdamParams,
     Datum,
     EncodedTextChunk,
     ForwardBackwardOutput,
+    LoadWeightsResponse,
     ModelInput,
     OptimStepResponse,
     SampledSequence,
     SampleResponse,
     SamplingParams,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
     TensorData,
 )
 
@@ -27,10 +38,13 @@ __all__ = [
     "DEFAULT_MODEL",
     "APIFuture",
     "AdamParams",
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
     "InvalidInputError",
+    "LoadWeightsResponse",
     "LocalPool",
     "ModelInput",
     "OptimStepResponse",
@@ -38,10 +52,26 @@ __all__ = [
     "RequestFailedError",
     "SampleResponse",
     "SampledSequence",
+    "SamplingClient",
     "SamplingParams",
+    "SaveWeightsForSamplerResponse",
+    "SaveWeightsResponse",
     "ServiceClient",
     "TensorData",
     "TrainingClient",
     "UnknownModelError",
     "default_pool",
+    "Dashboard",
+    "TrainingRun",
+    "run_sync",
+    "train",
 ]
+
+
+def __getattr__(name: str):
+    # The dashboard pulls in ipywidgets and bokeh: import it only when asked for.
+    if name == "Dashboard":
+        from .widgets.dashboard import Dashboard
+
+        return Dashboard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,14 +7,18 @@ rejected request raises an `InvalidInputError` and never reaches the pool.
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from .engine import checkpoints as _ckpt
+from .engine import sampling as _sampling
 from .engine.clock import LocalPool, Tenant
 from .engine.compute import ForwardJob, PreparedDatum
 from .engine.lora import LoRAAdapter
@@ -22,9 +26,22 @@ from .engine.losses import FLOAT_INPUTS, LOSSES, REQUIRED_INPUTS, resolved_confi
 from .engine.models import DEFAULT_MODEL, BaseModel
 from .errors import InvalidInputError
 from .futures import APIFuture
-from .types import AdamParams, Datum, ForwardBackwardOutput, ModelInput, OptimStepResponse, TensorData
+from .types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    TensorData,
+)
 
-__all__ = ["ServiceClient", "TrainingClient", "default_pool", "ServerCapabilities", "SupportedModel", "TrainingInfo"]
+__all__ = ["SamplingClient", "ServiceClient", "TrainingClient", "default_pool", "ServerCapabilities",
+           "SupportedModel", "TrainingInfo"]
 
 _DEFAULT_POOL: LocalPool | None = None
 _DEFAULT_POOL_LOCK = threading.Lock()
@@ -230,6 +247,72 @@ class TrainingClient:
     async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self.optim_step(adam_params)
 
+    # -- checkpoints and sampling ------------------------------------------------------
+    # State ops run in the client's cycle in submission order, after an optim_step
+    # submitted before them. A path is validated and read at submit time.
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
+        """Adapter weights + AdamW state under `name`; the result's `path` resumes training.
+        (`ttl_seconds` is accepted for hosted-service code and ignored: local files stay.)"""
+        job = _ckpt.SaveJob(_ckpt.validate_name(name))
+        return self._pool.submit(self.client_id, "save_state", job)
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Load the weights only; the AdamW moments and step count start afresh."""
+        return self._submit_load(path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Load the weights and the AdamW state (moments and step): training continues exactly."""
+        return self._submit_load(path, with_optimizer=True)
+
+    def _submit_load(self, path: str, with_optimizer: bool) -> APIFuture[LoadWeightsResponse]:
+        loaded = _ckpt.read_checkpoint(path, self._pool, require_optimizer=with_optimizer)
+        shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
+        _ckpt.check_compatible(loaded, self._tenant, shown)
+        op = "load_state_with_optimizer" if with_optimizer else "load_state"
+        return self._pool.submit(self.client_id, op, _ckpt.LoadJob(loaded, with_optimizer, shown))
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None
+                                 ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """Write the current weights as a PEFT adapter directory (the result's `path`), for
+        `create_sampling_client(model_path=...)` or `peft.PeftModel.from_pretrained(base, path)`."""
+        job = _ckpt.SaveJob(_ckpt.validate_name(name))
+        return self._pool.submit(self.client_id, "save_weights_for_sampler", job)
+
+    def _submit_snapshot(self, name: str | None) -> APIFuture:
+        job = _ckpt.SaveJob(_ckpt.validate_name(name) if name is not None else None, snapshot=True)
+        return self._pool.submit(self.client_id, "save_weights_for_sampler", job)
+
+    def _sampling_client_from(self, snap: "_ckpt.SamplerSnapshot") -> "SamplingClient":
+        return self._service._new_sampling_client(self._tenant.base, snap.adapter, snap.path,
+                                                  f"{self.client_id} sampler")
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> "SamplingClient":
+        """A sampling client over a copy of the weights as of the ops submitted before this call
+        (later training does not change what it samples). With `name`, also written to disk."""
+        return self._sampling_client_from(self._submit_snapshot(name).result())
+
+    def create_sampling_client(self, model_path: str) -> "SamplingClient":
+        return self._service.create_sampling_client(model_path=model_path)
+
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
+        return self.save_state(name, ttl_seconds)
+
+    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path)
+
+    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path)
+
+    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None
+                                             ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        return self.save_weights_for_sampler(name, ttl_seconds)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> "SamplingClient":
+        return self._sampling_client_from(await self._submit_snapshot(name))
+
+    async def create_sampling_client_async(self, model_path: str) -> "SamplingClient":
+        return self.create_sampling_client(model_path)
+
     # -- info ------------------------------------------------------------------------
     def get_info(self) -> TrainingInfo:
         t = self._tenant
@@ -239,6 +322,71 @@ class TrainingClient:
 
     async def get_info_async(self) -> TrainingInfo:
         return self.get_info()
+
+    def get_tokenizer(self):
+        if self._tenant.base.tokenizer is None:
+            raise RuntimeError(f"no tokenizer was saved with {self._tenant.base.name!r}")
+        return self._tenant.base.tokenizer
+
+
+def _retire(pool_ref: "weakref.ref[LocalPool]", client_id: str) -> None:
+    pool = pool_ref()
+    if pool is not None and not pool.closed:
+        pool.retire_tenant(client_id)
+
+
+class SamplingClient:
+    """Samples from a frozen snapshot of a LoRA adapter (or from the bare base model).
+
+    Sample requests go through the clock like training requests: every sample of a
+    cycle, from every client of the same base model, runs in one batch.
+    `sample` / `compute_logprobs` return an APIFuture; as on the hosted services,
+    `sample_async` / `compute_logprobs_async` return the result itself after one await.
+    When this object is garbage-collected, the pool forgets its adapter.
+    """
+
+    def __init__(self, pool: LocalPool, tenant: Tenant, model_path: str | None = None):
+        self._pool = pool
+        self._tenant = tenant
+        self.client_id = tenant.client_id
+        self.model_path = model_path
+        weakref.finalize(self, _retire, weakref.ref(pool), tenant.client_id)
+
+    def __repr__(self) -> str:
+        what = f"rank={self._tenant.rank}" if self._tenant.adapter is not None else "base only"
+        return f"<SamplingClient {self.client_id} {self._tenant.base.name} {what}>"
+
+    @property
+    def pool(self) -> LocalPool:
+        return self._pool
+
+    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
+        """`num_samples` continuations of `prompt`; each sequence has `tokens`, `logprobs` and
+        `stop_reason` ("stop" or "length"). `prompt_logprobs` (first None) if asked for."""
+        if topk_prompt_logprobs:
+            raise InvalidInputError("top-k prompt logprobs are not supported by the local pool; pass 0",
+                                    field="topk_prompt_logprobs")
+        job = _sampling.build_sample_job(self._tenant.base, prompt, num_samples, sampling_params,
+                                         include_prompt_logprobs)
+        return self._pool.submit(self.client_id, "sample", job, tokens=len(job.prompt))
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        """The log-probability of each prompt token given the ones before it (the first is None)."""
+        job = _sampling.build_logprobs_job(self._tenant.base, prompt)
+        return self._pool.submit(self.client_id, "compute_logprobs", job, tokens=len(job.prompt))
+
+    async def sample_async(self, prompt: ModelInput, num_samples: int = 1,
+                           sampling_params: SamplingParams | None = None, include_prompt_logprobs: bool = False,
+                           topk_prompt_logprobs: int = 0) -> SampleResponse:
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
+                                 topk_prompt_logprobs)
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
+        return await self.compute_logprobs(prompt)
+
+    def get_base_model(self) -> str:
+        return self._tenant.base.name
 
     def get_tokenizer(self):
         if self._tenant.base.tokenizer is None:
@@ -286,3 +434,76 @@ class ServiceClient:
 
     async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
         return self.create_lora_training_client(*args, **kwargs)
+
+    # -- sampling and checkpoints ------------------------------------------------------------
+    def _new_sampling_client(self, base: BaseModel, adapter: LoRAAdapter | None, model_path: str | None,
+                             label: str | None) -> SamplingClient:
+        rank = adapter.rank if adapter is not None else 0
+        tenant = Tenant(self.pool.new_client_id("sampler"), base, adapter, rank, adapter.seed if adapter else 0)
+        self.pool.add_tenant(tenant, "sampling", label)
+        return SamplingClient(self.pool, tenant, model_path)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               user_metadata: dict[str, str] | None = None) -> SamplingClient:
+        """Sample from saved weights (`model_path`: a directory from save_weights_for_sampler or
+        save_state, or any PEFT LoRA adapter directory) or from a bare `base_model`."""
+        label = (user_metadata or {}).get("name")
+        if model_path is None:
+            if base_model is None:
+                raise InvalidInputError("give model_path (saved weights) or base_model", field="model_path")
+            return self._new_sampling_client(self.pool.get_base_model(base_model), None, None, label)
+        loaded = _ckpt.read_checkpoint(model_path, self.pool)
+        shown = os.fspath(model_path) if isinstance(model_path, (str, os.PathLike)) else loaded.path
+        name = base_model or loaded.base_model
+        if name is None:
+            raise InvalidInputError(f"{shown!r} does not say which base model it adapts: pass base_model",
+                                    field="base_model")
+        if base_model is not None and loaded.kind != "peft" and loaded.base_model != base_model:
+            raise _ckpt.CheckpointError(f"checkpoint {shown!r} is for base model {loaded.base_model!r}, not "
+                                        f"{base_model!r}", path=shown, field="base_model")
+        base = self.pool.get_base_model(name)
+        _ckpt.targets_of(loaded, base, shown)
+        adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
+        return self._new_sampling_client(base, adapter, loaded.path, label)
+
+    def create_training_client_from_state(self, path: str, user_metadata: dict[str, str] | None = None,
+                                          with_optimizer: bool = True) -> TrainingClient:
+        """A new training client that resumes a save_state checkpoint: same base model, rank and
+        LoRA targets, the saved weights and (unless with_optimizer=False) the AdamW state, so
+        training continues exactly where it stopped."""
+        loaded = _ckpt.read_checkpoint(path, self.pool, require_optimizer=with_optimizer)
+        shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
+        if loaded.base_model is None:
+            raise InvalidInputError(f"{shown!r} does not say which base model it adapts", field="path")
+        base = self.pool.get_base_model(loaded.base_model)
+        targets = _ckpt.targets_of(loaded, base, shown)
+        if loaded.rank > self.pool.max_rank:
+            raise _ckpt.CheckpointError(f"checkpoint {shown!r} has rank {loaded.rank}, more than the pool's "
+                                        f"max_rank {self.pool.max_rank}", path=shown)
+        kinds = {base.lora_targets[name][0] for name in targets}
+        meta = loaded.meta
+        flags = {key: bool(meta.get(key, kind in kinds))
+                 for key, kind in (("train_attn", "attn"), ("train_mlp", "mlp"), ("train_unembed", "unembed"))}
+        adapter = LoRAAdapter(targets, loaded.rank, loaded.seed, base.device, alpha=loaded.alpha)
+        adapter.load_state_dict(loaded.state_dict(), with_optimizer=with_optimizer)
+        tenant = Tenant(self.pool.new_client_id("lora"), base, adapter, loaded.rank, loaded.seed, **flags)
+        tenant.extra["resumed_from"] = loaded.path
+        self.pool.add_tenant(tenant, "training", (user_metadata or {}).get("name"))
+        return TrainingClient(self.pool, tenant, self)
+
+    def create_training_client_from_state_with_optimizer(self, path: str,
+                                                         user_metadata: dict[str, str] | None = None
+                                                         ) -> TrainingClient:
+        return self.create_training_client_from_state(path, user_metadata, with_optimizer=True)
+
+    async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
+                                           user_metadata: dict[str, str] | None = None) -> SamplingClient:
+        return self.create_sampling_client(model_path, base_model, user_metadata)
+
+    async def create_training_client_from_state_async(self, path: str, user_metadata: dict[str, str] | None = None,
+                                                      with_optimizer: bool = True) -> TrainingClient:
+        return self.create_training_client_from_state(path, user_metadata, with_optimizer)
+
+    async def create_training_client_from_state_with_optimizer_async(
+            self, path: str, user_metadata: dict[str, str] | None = None) -> TrainingClient:
+        return self.create_training_client_from_state(path, user_metadata, with_optimizer=True)

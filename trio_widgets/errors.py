@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["InvalidInputError", "PoolClosedError", "RequestFailedError", "UnknownModelError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "InvalidInputError",
+    "PoolClosedError",
+    "RequestFailedError",
+    "UnknownModelError",
+]
 
 
 class InvalidInputError(ValueError):
@@ -20,6 +27,29 @@ class InvalidInputError(ValueError):
 
 class UnknownModelError(InvalidInputError):
     """The base model is neither built in nor a local Hugging Face model."""
+
+
+class CheckpointError(InvalidInputError):
+    """A checkpoint path cannot be used: corrupted, incomplete, or made for another model.
+
+    `path` is the checkpoint directory (or file) at fault.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = "path"):
+        self.path = path
+        super().__init__(message, field=field)
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at that path. Also a FileNotFoundError, so `except OSError` catches it."""
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = "path"):
+        super().__init__(message, path=path, field=field)
+        self._text = Exception.__str__(self)
+        self.filename = path
+
+    def __str__(self) -> str:  # not OSError's "[Errno None] ..." form
+        return self._text
 
 
 class RequestFailedError(RuntimeError):

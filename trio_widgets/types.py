@@ -17,12 +17,15 @@ __all__ = [
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "LoadWeightsResponse",
     "LossFnType",
     "ModelInput",
     "OptimStepResponse",
     "SampledSequence",
     "SampleResponse",
     "SamplingParams",
+    "SaveWeightsForSamplerResponse",
+    "SaveWeightsResponse",
     "TensorData",
 ]
 
@@ -148,6 +151,14 @@ class AdamParams:
 
 @dataclass
 class SamplingParams:
+    """How `SamplingClient.sample` generates.
+
+    `temperature` 0 is greedy; `top_k` -1 (or 0) and `top_p` 1.0 turn those filters off;
+    `stop` is a string, a list of strings, or a list of token ids: generation ends right
+    after the token that completes one (that token is kept in the output). The same
+    `seed` with the same prompt and model gives the same samples.
+    """
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_k: int = -1
@@ -176,6 +187,9 @@ class OptimStepResponse:
 
 @dataclass
 class SampledSequence:
+    """`logprobs[i]` is the model's log-probability of `tokens[i]` (at temperature 1, before
+    top-k / top-p), so it equals `compute_logprobs` of the same tokens."""
+
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
@@ -185,3 +199,22 @@ class SampledSequence:
 class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass
+class SaveWeightsResponse:
+    """`save_state`: `path` is the checkpoint directory (adapter weights + optimizer state)."""
+
+    path: str
+
+
+@dataclass
+class SaveWeightsForSamplerResponse:
+    """`save_weights_for_sampler`: `path` is a PEFT adapter directory (None if not written)."""
+
+    path: str | None
+
+
+@dataclass
+class LoadWeightsResponse:
+    path: str

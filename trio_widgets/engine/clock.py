@@ -13,14 +13,16 @@ The rules (DESIGN.md, "Clock-cycle semantics"):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
@@ -152,13 +154,18 @@ class LocalPool:
 
     def __init__(self, min_cycle_s: float = 0.05, device: str | torch.device = "auto", *,
                  max_tokens_per_pass: int = 4096, max_rank: int = 128, max_samples_per_cycle: int = 64,
-                 telemetry_capacity: int = 4096, checkpoint_dir: str | None = None, name: str | None = None):
+                 telemetry_capacity: int = 4096, checkpoint_dir: str | None = None, name: str | None = None,
+                 torch_threads: int | Literal["auto"] | None = "auto"):
         if not (min_cycle_s >= 0):
             raise ValueError(f"min_cycle_s must be >= 0, got {min_cycle_s!r}")
         if max_tokens_per_pass < 1:
             raise ValueError(f"max_tokens_per_pass must be >= 1, got {max_tokens_per_pass!r}")
         self.min_cycle_s = float(min_cycle_s)
         self.device = resolve_device(device)
+        if self.device.type == "cpu" and torch_threads is not None:
+            # Small per-cycle ops on a shared machine (kernel, server, browser) run far
+            # steadier on half the cores: OpenMP spin-waits collapse under contention.
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2) if torch_threads == "auto" else int(torch_threads))
         self.max_tokens_per_pass = int(max_tokens_per_pass)
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)
@@ -168,8 +175,10 @@ class LocalPool:
         self.cycle_index = 0  # the index the next boundary will take
 
         self._clock = _Clock()
+        self._boundary_gate = threading.Lock()  # held by hold(): no boundary is taken meanwhile
         self._queues: dict[str, deque[Request]] = {}
         self._tenants: dict[str, Tenant] = {}
+        self._retired: set[str] = set()  # clients whose objects are gone: dropped once their queue is empty
         self._models: dict[str, BaseModel] = {}
         self._models_lock = threading.Lock()
         self._request_ids = itertools.count(1)
@@ -210,6 +219,15 @@ class LocalPool:
                 f"{request.op} (request #{request.request_id}) never ran: the pool {self.name!r} was closed"))
         _LIVE_POOLS.discard(self)
 
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Take no cycle boundary while inside: what is submitted here lands in one cycle.
+
+        For tests and teaching; a held pool's clock waits, it does not skip cycles.
+        """
+        with self._boundary_gate:
+            yield
+
     def __enter__(self) -> "LocalPool":
         return self
 
@@ -244,6 +262,12 @@ class LocalPool:
     def tenant(self, client_id: str) -> Tenant:
         return self._tenants[client_id]
 
+    def retire_tenant(self, client_id: str) -> None:
+        """Forget a client (and its adapter) once nothing of it is queued; its client object is gone."""
+        with self._clock.cond:
+            if client_id in self._tenants:
+                self._retired.add(client_id)
+
     # -- requests ------------------------------------------------------------------
     def submit(self, client_id: str, op: str, payload: Any, tokens: int = 0) -> APIFuture:
         self._check_open()
@@ -257,6 +281,7 @@ class LocalPool:
         with self._clock.cond:
             self._check_open()
             self._queues[client_id].append(request)
+            self._clock.cond.notify_all()
         self.telemetry.add_request(record)
         return future
 
@@ -292,6 +317,9 @@ class LocalPool:
                     queue.popleft()
                 if requests:
                     taken[cid] = requests
+            for cid in [c for c in self._retired if not self._queues[c] and c not in taken]:
+                del self._tenants[cid], self._queues[cid]
+                self._retired.discard(cid)
         for requests in taken.values():
             for request in requests:
                 request.future.cycle = index
@@ -406,6 +434,7 @@ class LocalPool:
 
 
 _POOL_IDS = itertools.count(1)
+_IDLE_TICK_S = 0.001
 
 
 def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
@@ -432,7 +461,9 @@ def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
                 last.ended_at = boundary
                 pool.telemetry.add_cycle(last)
             return
-        index, taken = pool._take_boundary(boundary)
+        with pool._boundary_gate:
+            boundary = time.perf_counter()
+            index, taken = pool._take_boundary(boundary)
         if last is not None:
             last.ended_at = boundary
             pool.telemetry.add_cycle(last)
@@ -455,6 +486,10 @@ def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
         del pool  # don't hold the pool while sleeping
         with clock.cond:
             deadline = boundary + min_cycle_s
+            if not requests and min_cycle_s < _IDLE_TICK_S:
+                # An idle clock with no minimum would spin and starve the client threads of
+                # the GIL; it waits a moment, or until the next submit wakes it.
+                clock.cond.wait(_IDLE_TICK_S)
             while not clock.closing:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:

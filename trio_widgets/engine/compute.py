@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..errors import RequestFailedError
 from ..types import Datum, ForwardBackwardOutput, TensorData
-from .lora import LoRAAdapter
+from .lora import LoRAAdapter, all_finite
 from .losses import LOSSES
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
@@ -165,7 +165,7 @@ def _run_pass(base: BaseModel, jobs: list[ForwardJob], token_budget: int, backwa
 def _finite(result: _PassResult) -> bool:
     if not math.isfinite(result.loss_sum):
         return False
-    return result.grads is None or all(torch.isfinite(g).all() for pair in result.grads.values() for g in pair)
+    return result.grads is None or all_finite([g for pair in result.grads.values() for g in pair])
 
 
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:

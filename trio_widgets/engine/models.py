@@ -113,23 +113,61 @@ def _build_builtin(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
     return model.to(dtype), byte_tokenizer()
 
 
-def _load_local(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _local_model_dir(name: str) -> str | None:
+    """A directory holding `name`: the path itself, or its snapshot in the local HF cache.
 
+    Resolved here, never by transformers, so that no lookup ever reaches the network.
+    """
+    if os.path.isdir(name):
+        return name
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=True, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        known = ", ".join(BUILTIN_MODELS)
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached, or not a valid repo id
+        return None
+
+
+def _load_local(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM
+
+    path = _local_model_dir(name)
+    known = ", ".join(BUILTIN_MODELS)
+    if path is None:
         raise UnknownModelError(
             f"unknown model {name!r}: it is not built in ({known}), not a local directory with a saved "
             f"Hugging Face model, and not in the local Hugging Face cache (nothing is downloaded)",
-            field="base_model",
-        ) from exc
+            field="base_model")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    return model, tokenizer
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise UnknownModelError(f"could not load {name!r} as a Hugging Face causal LM from {path}: {exc}",
+                                field="base_model") from exc
+    return model, _load_tokenizer(path)
+
+
+def _load_tokenizer(path: str) -> Any:
+    """The tokenizer class the directory names, else AutoTokenizer's pick.
+
+    transformers 5 lets AutoTokenizer prefer the model type's tokenizer over the saved
+    `tokenizer_class` (a Qwen2 config with a byte tokenizer loads a 4-token Qwen2Tokenizer).
+    """
+    import json
+
+    import transformers
+
+    config_file = os.path.join(path, "tokenizer_config.json")
+    named = None
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            named = json.load(f).get("tokenizer_class")
+    cls = getattr(transformers, named, None) if named else None
+    try:
+        if cls is not None:
+            return cls.from_pretrained(path, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 _REGISTER_LOCK = threading.Lock()

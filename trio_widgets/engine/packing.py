@@ -136,18 +136,31 @@ class MultiLoRALinear(nn.Module):
         if plan is None:
             return out
         flat = x.reshape(-1, x.shape[-1])
-        pieces, touched = [], False
-        for seg in plan.segments:
+        # Segments of equal length and rank go through one batched matmul pair: far fewer
+        # ops than one pair per tenant, which is what small per-tenant batches pay for.
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, seg in enumerate(plan.segments):
             pair = seg.adapter.weights.get(self.name) if seg.adapter is not None else None
-            if pair is None:
-                pieces.append(out.new_zeros(seg.end - seg.start, out.shape[-1]))
-                continue
-            lora_a, lora_b = pair
-            xs = flat[seg.start:seg.end].to(lora_a.dtype)
-            delta = F.linear(F.linear(xs, lora_a), lora_b) * seg.adapter.scale
-            pieces.append(delta.to(out.dtype))
-            touched = True
-        if not touched:
+            if pair is not None:
+                groups.setdefault((seg.end - seg.start, pair[0].shape[0]), []).append(i)
+        if not groups:
             return out
-        delta = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        return out + delta.view_as(out)
+        pieces: list[torch.Tensor | None] = [None] * len(plan.segments)
+        for (length, _rank), members in groups.items():
+            segs = [plan.segments[i] for i in members]
+            lora_a = torch.stack([s.adapter.weights[self.name][0] for s in segs])  # [S, r, in]
+            # alpha/rank folded into the small B, not the [tokens, out] delta
+            lora_b = torch.stack([s.adapter.weights[self.name][1] for s in segs]) * segs[0].adapter.scale
+            if len(segs) == len(plan.segments):  # one group covering the row in order: a view
+                xs = flat.view(len(segs), length, flat.shape[-1])
+            else:
+                xs = torch.stack([flat[s.start:s.end] for s in segs])
+            delta = torch.bmm(torch.bmm(xs.to(lora_a.dtype), lora_a.transpose(1, 2)), lora_b.transpose(1, 2))
+            if len(segs) == len(plan.segments):
+                return out + delta.reshape(out.shape).to(out.dtype)
+            for i, d in zip(members, delta.unbind(0)):
+                pieces[i] = d.to(out.dtype)
+        for i, seg in enumerate(plan.segments):
+            if pieces[i] is None:
+                pieces[i] = out.new_zeros(seg.end - seg.start, out.shape[-1])
+        return out + torch.cat(pieces, dim=0).view_as(out)

@@ -1,0 +1,48 @@
+# Quick start: `make lab` (set up, open JupyterLab on the first notebook), `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch (on this project's machines it lies on disk). With a GPU,
+# install your CUDA torch into $(VENV) first: an importable torch is left alone.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+LAB_PORT ?= 8888
+
+.PHONY: setup lab test test-fast demo bench browser-deps clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,lab]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Debian's chromium drives the browser tests (Playwright cannot download browsers here).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "chromium missing: run 'sudo apt-get install -y chromium' (browser tests need it)"; exit 1; fi; }
+
+lab: setup
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_quickstart.ipynb
+
+demo: setup
+	$(PY) -m trio_widgets demo
+
+test: setup browser-deps
+	$(PY) -m pytest -q -rs --durations=15 tests
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not browser and not notebooks" tests
+
+bench: setup
+	$(PY) benchmarks/engine_throughput.py
+	$(PY) benchmarks/dashboard_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,131 @@
+"""Every built-in loss against an independent computation (values with numpy, gradients via PEFT)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import trio_widgets as trio
+from conftest import close_to_1e5
+from test_gradients import _peft_model
+from trio_widgets.client import prepare_data
+from trio_widgets.engine.compute import ForwardJob, run_forward_jobs
+from trio_widgets.engine.lora import LoRAAdapter
+from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model
+
+
+def rl_batch(seed: int, n: int = 2) -> list[trio.Datum]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        size = rng.randint(6, 14)
+        tokens = [rng.randrange(3, 259) for _ in range(size + 1)]
+        out.append(trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "weights": [rng.uniform(0.2, 1.0) for _ in range(size)],
+            # sampler logprobs near the model's (about -5.5 for an untrained byte model)
+            "logprobs": np.array([-5.55 + rng.uniform(-0.4, 0.4) for _ in range(size)], dtype=np.float32),
+            "advantages": torch.tensor([rng.uniform(-1, 1) for _ in range(size)]),
+        }))
+    return out
+
+
+def reference_loss(name: str, logp, d: dict, config: dict):
+    """Written from the Tinker docs, independently of trio_widgets.engine.losses; works for numpy and torch."""
+    lib = torch if isinstance(logp, torch.Tensor) else np
+    target_q, adv = d.get("logprobs"), d.get("advantages")
+    if name == "cross_entropy":
+        return (-(d["weights"] * logp)).sum()
+    ratio = lib.exp(logp - target_q)
+    lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    clip = torch.clamp(ratio, lo, hi) if lib is torch else np.clip(ratio, lo, hi)
+    if name == "importance_sampling":
+        return (-ratio * adv).sum()
+    if name == "ppo":
+        return (-lib.minimum(ratio * adv, clip * adv)).sum()
+    if name == "cispo":
+        clip = clip.detach() if lib is torch else clip
+        return (-(clip * logp * adv)).sum()
+    if name == "dro":
+        beta = config.get("beta", 0.05)
+        return (-(logp * adv - 0.5 * beta * (logp - target_q) ** 2)).sum()
+    raise AssertionError(name)
+
+
+CASES = [("cross_entropy", None), ("importance_sampling", None), ("ppo", None),
+         ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02}), ("cispo", None),
+         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", None), ("dro", {"beta": 0.3})]
+
+
+@pytest.fixture(scope="module")
+def models():
+    device = torch.device("cpu")
+    return load_base_model(DEFAULT_MODEL, device), _build_builtin(DEFAULT_MODEL, torch.float32)[0]
+
+
+@pytest.mark.parametrize("loss_fn,config", CASES)
+def test_loss_value_and_gradient(models, loss_fn, config):
+    base, plain = models
+    adapter = LoRAAdapter(base.targets_for(True, True, True), rank=4, seed=1, device=base.device)
+    with torch.no_grad():
+        for _, lora_b in adapter.weights.values():
+            lora_b.copy_(torch.randn(lora_b.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    batch = rl_batch(hash((loss_fn, str(config))) % 1000)
+    from trio_widgets.engine.losses import resolved_config
+
+    job = ForwardJob(adapter=adapter, data=prepare_data(batch, base, loss_fn), loss_fn=loss_fn,
+                     config=resolved_config(loss_fn, config), backward=True)
+    (out,) = run_forward_jobs(base, [job], token_budget=4096)
+    assert isinstance(out, trio.ForwardBackwardOutput), out
+
+    model = _peft_model(plain, adapter)
+    model.zero_grad()
+    expected_total = 0.0
+    for datum, outputs in zip(batch, out.loss_fn_outputs):
+        ids = torch.tensor([datum.model_input.to_ints()])
+        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1).gather(1, targets[:, None])[:, 0]
+        inputs = {k: torch.tensor(v.data) for k, v in datum.loss_fn_inputs.items() if k != "target_tokens"}
+        loss = reference_loss(loss_fn, logp, inputs, config or {})
+        loss.backward()
+        np_inputs = {k: np.asarray(v.data, dtype=np.float64) for k, v in datum.loss_fn_inputs.items()}
+        np_loss = reference_loss(loss_fn, logp.detach().double().numpy(), np_inputs, config or {})
+        expected_total += float(np_loss)
+        np.testing.assert_allclose(outputs["logprobs"].to_numpy(), logp.detach().numpy(), atol=1e-5)
+        assert abs(float(outputs["elementwise_loss"].to_numpy().sum()) - float(np_loss)) < 1e-4
+    assert abs(out.metrics["loss:sum"] - expected_total) < 1e-4
+    named = dict(model.named_parameters())
+    for name, (ga, gb) in adapter.grad.items():
+        ref_a = named[f"base_model.model.{name}.lora_A.default.weight"].grad
+        ref_b = named[f"base_model.model.{name}.lora_B.default.weight"].grad
+        assert close_to_1e5(ga, ref_a) and close_to_1e5(gb, ref_b), name
+
+
+def test_custom_loss_gradient_equals_builtin(pool):
+    """forward_backward_custom with the cross-entropy written by hand gives the built-in's gradient."""
+    service = trio.ServiceClient(pool)
+    builtin, custom = (service.create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7) for _ in range(2))
+    batch = rl_batch(3)
+
+    def my_ce(data, logprobs):
+        total = sum(-(torch.tensor(d.loss_fn_inputs["weights"].data) * lp).sum() for d, lp in zip(data, logprobs))
+        return total, {"tokens:sum": float(sum(len(lp) for lp in logprobs))}
+
+    a = builtin.forward_backward(batch, "cross_entropy")
+    b = custom.forward_backward_custom(batch, my_ce)
+    ra, rb = a.result(timeout=60), b.result(timeout=60)
+    assert abs(ra.metrics["loss:sum"] - rb.metrics["loss:sum"]) < 1e-4
+    assert rb.metrics["tokens:sum"] == sum(d.model_input.length for d in batch)
+    for name, (ga, gb) in builtin._tenant.adapter.grad.items():
+        ca, cb = custom._tenant.adapter.grad[name]
+        torch.testing.assert_close(ga, ca, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(gb, cb, atol=1e-6, rtol=1e-5)
+
+
+def test_forward_has_no_side_effects(pool):
+    tc = trio.ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7)
+    out = tc.forward(rl_batch(4), "cross_entropy").result(timeout=60)
+    assert out.metrics["loss:sum"] > 0 and tc._tenant.adapter.grad is None

@@ -1,0 +1,106 @@
+"""Base models: the built-in one, and real Hugging Face models loaded from disk or the local cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import trio_widgets as trio
+from conftest import random_batch
+from trio_widgets.engine.models import byte_tokenizer
+
+
+def _save_tiny_qwen2(path) -> None:
+    """A different architecture than the built-in one (Qwen2, grouped-query attention), saved for real."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+
+
+def _train(pool, base_model: str, steps: int = 8, lr: float = 3e-3) -> list[float]:
+    tc = trio.ServiceClient(pool).create_lora_training_client(base_model, rank=8, seed=0)
+    batch = random_batch(3, n=2, length=24, vary=True)
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(batch)
+        tc.optim_step(trio.AdamParams(learning_rate=lr))
+        losses.append(fb.result(timeout=60).metrics["loss:sum"])
+    return losses
+
+
+def test_local_directory_model_trains(tmp_path, pool):
+    _save_tiny_qwen2(tmp_path / "qwen2-tiny")
+    losses = _train(pool, str(tmp_path / "qwen2-tiny"))
+    assert losses[-1] < 0.9 * losses[0]
+    tc = trio.ServiceClient(pool).create_lora_training_client(str(tmp_path / "qwen2-tiny"), rank=2)
+    assert tc.get_tokenizer().decode(tc.get_tokenizer().encode("hi", add_special_tokens=False)) == "hi"
+    base = pool.get_base_model(str(tmp_path / "qwen2-tiny"))
+    assert base.context_length == 128 and "lm_head" in base.lora_targets
+    assert str(tmp_path / "qwen2-tiny") in [m.model_name for m in
+                                            trio.ServiceClient(pool).get_server_capabilities().supported_models]
+
+
+def test_packed_logits_equal_plain_model_with_gqa(tmp_path):
+    """The packed varlen pass over several sequences equals running each sequence alone."""
+    from transformers import AutoModelForCausalLM
+
+    from trio_widgets.engine.compute import _target_logprobs, ForwardJob
+    from trio_widgets.engine.models import load_base_model
+    from trio_widgets.client import prepare_data
+
+    _save_tiny_qwen2(tmp_path / "m")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    base = load_base_model(str(tmp_path / "m"), torch.device("cpu"))
+    batch = random_batch(9, n=4, length=20, vary=True)
+    job = ForwardJob(adapter=None, data=prepare_data(batch, base, "cross_entropy"), loss_fn="cross_entropy",
+                     config={}, backward=False)
+    with torch.no_grad():
+        packed = _target_logprobs(base, [job], [(0, i) for i in range(len(batch))])
+        for datum, logp in zip(batch, packed):
+            logits = plain(input_ids=torch.tensor([datum.model_input.to_ints()])).logits[0]
+            targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
+            expected = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+            torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_model_from_the_local_hf_cache(tmp_path):
+    """An id already in the local Hugging Face cache loads offline (a real cache layout)."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--qwen2-tiny" / "snapshots" / ("0" * 40)
+    _save_tiny_qwen2(snapshot)
+    (cache / "models--someone--qwen2-tiny" / "refs").mkdir(parents=True)
+    (cache / "models--someone--qwen2-tiny" / "refs" / "main").write_text("0" * 40)
+    code = (
+        "import trio_widgets as trio\n"
+        "with trio.LocalPool(min_cycle_s=0) as p:\n"
+        "    tc = trio.ServiceClient(p).create_lora_training_client('someone/qwen2-tiny', rank=2)\n"
+        "    print(tc.get_info().model_data.base_model, p.get_base_model('someone/qwen2-tiny').context_length)\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["someone/qwen2-tiny", "128"]
+
+
+def test_builtin_model_is_deterministic_and_on_cpu_fp32(pool):
+    base = pool.get_base_model(trio.DEFAULT_MODEL)
+    from trio_widgets.engine.models import _build_builtin
+
+    again, tokenizer = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
+    assert base.dtype == torch.float32 and base.device.type == "cpu"
+    assert torch.equal(base.model.get_input_embeddings().weight, again.get_input_embeddings().weight)
+    assert base.vocab_size == len(tokenizer) == 259
+
+
+def test_default_model_learns_within_a_few_updates(pool):
+    losses = _train(pool, trio.DEFAULT_MODEL, steps=10)
+    assert losses[-1] < 0.8 * losses[0]

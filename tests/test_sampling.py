@@ -1,0 +1,270 @@
+"""Sampling through the clock: numerics against an independent reference, seeds, stops,
+batching across clients, snapshots, bad input, and the RL example."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import trio_widgets as trio
+from trio_widgets.engine.models import _build_builtin
+
+PROMPT = [3 + b for b in b"The cat "]  # byte tokenizer: token = byte + 3
+
+
+def _train(tc: trio.TrainingClient, steps: int = 4) -> None:
+    text = [3 + b for b in b"the quick brown fox jumps over the lazy dog"]
+    datum = trio.Datum(trio.ModelInput.from_ints(text[:-1]), {"target_tokens": text[1:]})
+    for _ in range(steps):
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(trio.AdamParams(learning_rate=2e-2)).result()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with trio.LocalPool(min_cycle_s=0.002, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt"))) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def trained(pool):
+    """A training client with a non-trivial adapter and a sampling snapshot of it."""
+    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=3)
+    _train(tc)
+    return tc, tc.save_weights_and_get_sampling_client()
+
+
+@pytest.fixture(scope="module")
+def reference(trained):
+    """An independent model: a fresh Hugging Face Llama (no wrappers, no packing) with the
+    sampler's LoRA merged into its weights (W + alpha/r * B @ A)."""
+    _, sc = trained
+    model, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
+    model.eval()
+    adapter = sc._tenant.adapter
+    with torch.no_grad():
+        for name, (a, b) in adapter.weights.items():
+            model.get_submodule(name).weight += adapter.scale * (b @ a)
+    return model
+
+
+def _ref_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), -1)
+
+
+def test_greedy_equals_independent_argmax_continuation(trained, reference):
+    _, sc = trained
+    res = sc.sample(trio.ModelInput.from_ints(PROMPT), 2, trio.SamplingParams(max_tokens=12, temperature=0.0)).result()
+    tokens = list(PROMPT)
+    for _ in range(12):  # recompute the whole sequence each step: no cache, no padding
+        tokens.append(int(_ref_logprobs(reference, tokens)[-1].argmax()))
+    expected = tokens[len(PROMPT):]
+    for seq in res.sequences:
+        assert seq.tokens == expected
+        assert seq.stop_reason == "length"
+    # the adapter matters: the bare base model continues differently
+    base_sc = trio.ServiceClient(sc.pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    base = base_sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=12, temperature=0.0)).result()
+    assert base.sequences[0].tokens != expected
+
+
+def test_same_seed_same_samples(trained):
+    _, sc = trained
+    params = trio.SamplingParams(max_tokens=10, temperature=1.0, seed=1234)
+    first = sc.sample(PROMPT, 4, params).result()
+    again = sc.sample(PROMPT, 4, params).result()
+    other = sc.sample(PROMPT, 4, trio.SamplingParams(max_tokens=10, temperature=1.0, seed=1235)).result()
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
+    assert [s.logprobs for s in first.sequences] == [s.logprobs for s in again.sequences]
+    assert [s.tokens for s in first.sequences] != [s.tokens for s in other.sequences]
+    assert len({tuple(s.tokens) for s in first.sequences}) > 1  # the rows of one request differ
+
+
+def test_stop_token_and_stop_string_end_with_stop(trained):
+    _, sc = trained
+    tokenizer = sc.get_tokenizer()
+    free = trio.SamplingParams(max_tokens=12, temperature=1.0, seed=21)
+    full = sc.sample(PROMPT, 1, free).result().sequences[0].tokens
+    assert len(full) == 12
+    # the first position k >= 2 whose token did not occur before (same seed: same draws up to there)
+    k = next(i for i, t in enumerate(full) if i >= 2 and t not in full[:i])
+    by_id = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=12, temperature=1.0, seed=21,
+                                                     stop=[full[k]])).result().sequences[0]
+    assert by_id.tokens == full[:k + 1] and by_id.stop_reason == "stop"
+    # a stop string: the text of tokens k-1..k; generation ends at the token that completes it
+    text = tokenizer.decode(full[k - 1:k + 1])
+    assert text
+    by_str = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=12, temperature=1.0, seed=21,
+                                                      stop=["never-appears", text])).result().sequences[0]
+    assert by_str.stop_reason == "stop"
+    assert by_str.tokens == full[:len(by_str.tokens)] and len(by_str.tokens) <= k + 1
+    assert text in tokenizer.decode(by_str.tokens)
+    assert text not in tokenizer.decode(by_str.tokens[:-1])
+    # no stop hit: "length"
+    assert sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=5, temperature=1.0, seed=21, stop=[258])
+                     ).result().sequences[0].stop_reason == ("stop" if 258 in full[:5] else "length")
+
+
+@pytest.mark.parametrize("params", [
+    trio.SamplingParams(max_tokens=10, temperature=1.0, seed=7),
+    trio.SamplingParams(max_tokens=10, temperature=0.7, top_k=20, top_p=0.9, seed=8),
+])
+def test_sampled_logprobs_equal_compute_logprobs(trained, reference, params):
+    _, sc = trained
+    res = sc.sample(PROMPT, 3, params, include_prompt_logprobs=True).result()
+    prompt_lp = sc.compute_logprobs(PROMPT).result()
+    assert prompt_lp[0] is None and res.prompt_logprobs[0] is None
+    assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), torch.tensor(prompt_lp[1:]), atol=1e-5, rtol=0)
+    for seq in res.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) == 10
+        full = sc.compute_logprobs(trio.ModelInput.from_ints(PROMPT + seq.tokens)).result()
+        assert torch.allclose(torch.tensor(seq.logprobs), torch.tensor(full[len(PROMPT):]), atol=1e-5, rtol=0)
+        # and both equal the independent model's log-probabilities
+        ref = _ref_logprobs(reference, PROMPT + seq.tokens)
+        expected = ref[len(PROMPT) - 1:-1].gather(1, torch.tensor(seq.tokens)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_top_k_and_top_p_filter_the_distribution(trained, reference):
+    _, sc = trained
+    greedy = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=8, temperature=0.0)).result().sequences[0].tokens
+    top1 = sc.sample(PROMPT, 3, trio.SamplingParams(max_tokens=8, temperature=2.0, top_k=1, seed=1)).result()
+    tiny_p = sc.sample(PROMPT, 3, trio.SamplingParams(max_tokens=8, temperature=2.0, top_p=1e-6, seed=1)).result()
+    assert all(s.tokens == greedy for s in top1.sequences + tiny_p.sequences)
+    hot = sc.sample(PROMPT, 6, trio.SamplingParams(max_tokens=8, temperature=5.0, top_k=3, seed=2)).result()
+    assert any(s.tokens != greedy for s in hot.sequences)
+    for seq in hot.sequences:
+        ref = _ref_logprobs(reference, PROMPT + seq.tokens)[len(PROMPT) - 1:-1]
+        top3 = ref.topk(3, dim=-1).indices
+        assert all(tok in top3[i].tolist() for i, tok in enumerate(seq.tokens))
+
+
+def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained):
+    tc, sc = trained
+    base_sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=99)
+    solo = [c.sample(PROMPT, 2, params).result() for c in (sc, base_sc)]
+    model = tc._tenant.base.model
+    calls = []
+    hook = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with pool.hold():  # no boundary while both are submitted
+            futures = [c.sample(PROMPT, 2, params) for c in (sc, base_sc)]
+        together = [f.result() for f in futures]
+    finally:
+        hook.remove()
+    assert futures[0].cycle == futures[1].cycle
+    assert len(calls) == 6  # one prefill + 5 decode steps for all 4 rows: one batch, not two
+    for a, b in zip(solo, together):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        assert torch.allclose(torch.tensor([s.logprobs for s in a.sequences]),
+                              torch.tensor([s.logprobs for s in b.sequences]), atol=1e-5, rtol=0)
+    assert solo[0].sequences[0].tokens != solo[1].sequences[0].tokens  # different adapters really differ
+    cycle = next(c for c in pool.telemetry.cycles if c.index == futures[0].cycle)
+    assert cycle.ops == {"sample": 2}
+    records = [r for r in pool.telemetry.requests_of(sc.client_id) if r.request_id == futures[0].request_id]
+    assert records[0].op == "sample" and records[0].status == "ok" and records[0].cycle == futures[0].cycle
+    assert records[0].metrics["sampled_tokens:sum"] == 12
+    assert pool.telemetry.clients[sc.client_id].kind == "sampling"
+
+
+def test_sampling_client_is_an_immutable_snapshot(pool):
+    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
+    _train(tc, 1)
+    sc = tc.save_weights_and_get_sampling_client()
+    before = sc.compute_logprobs(PROMPT).result()
+    _train(tc, 2)
+    assert sc.compute_logprobs(PROMPT).result() == before
+    later = tc.save_weights_and_get_sampling_client().compute_logprobs(PROMPT).result()
+    assert max(abs(a - b) for a, b in zip(later[1:], before[1:])) > 1e-3
+
+
+def test_dropped_sampling_client_is_forgotten_by_the_pool(pool):
+    sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    cid = sc.client_id
+    fut = sc.compute_logprobs(PROMPT)
+    del sc
+    gc.collect()
+    assert fut.result()[0] is None  # a request in flight still finishes
+    deadline = time.monotonic() + 5
+    while cid in pool._tenants and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cid not in pool._tenants
+
+
+@pytest.mark.parametrize("prompt, num_samples, params, field", [
+    ([], 1, trio.SamplingParams(), "prompt"),
+    (trio.ModelInput.empty(), 1, trio.SamplingParams(), "prompt"),
+    ([5, 999], 1, trio.SamplingParams(), "prompt"),
+    ("text", 1, trio.SamplingParams(), "prompt"),
+    (PROMPT, 0, trio.SamplingParams(), "num_samples"),
+    (PROMPT, 1, trio.SamplingParams(max_tokens=0), "sampling_params.max_tokens"),
+    (PROMPT, 1, trio.SamplingParams(max_tokens=600), "sampling_params.max_tokens"),
+    (PROMPT, 1, trio.SamplingParams(temperature=-0.1), "sampling_params.temperature"),
+    (PROMPT, 1, trio.SamplingParams(temperature=float("nan")), "sampling_params.temperature"),
+    (PROMPT, 1, trio.SamplingParams(top_p=0.0), "sampling_params.top_p"),
+    (PROMPT, 1, trio.SamplingParams(top_p=1.5), "sampling_params.top_p"),
+    (PROMPT, 1, trio.SamplingParams(top_k=-2), "sampling_params.top_k"),
+    (PROMPT, 1, trio.SamplingParams(stop=[""]), "sampling_params.stop"),
+    (PROMPT, 1, trio.SamplingParams(stop=[100000]), "sampling_params.stop"),
+    (PROMPT, 1, trio.SamplingParams(seed="x"), "sampling_params.seed"),
+    (PROMPT, 1, {"max_tokens": 3}, "sampling_params"),
+])
+def test_bad_sampling_input_is_rejected_at_submit(trained, prompt, num_samples, params, field):
+    _, sc = trained
+    depth = sum(sc.pool.queue_depths().values())
+    with pytest.raises(trio.InvalidInputError) as info:
+        sc.sample(prompt, num_samples, params)
+    assert info.value.field == field
+    assert sum(sc.pool.queue_depths().values()) <= depth
+
+
+def test_bad_logprobs_input_and_missing_model(trained):
+    _, sc = trained
+    with pytest.raises(trio.InvalidInputError, match="empty") as info:
+        sc.compute_logprobs([])
+    assert info.value.field == "prompt"
+    with pytest.raises(trio.InvalidInputError) as info:
+        trio.ServiceClient(sc.pool).create_sampling_client()
+    assert info.value.field == "model_path"
+
+
+def test_async_sampling_api(trained):
+    tc, sc = trained
+
+    async def go():
+        res = await sc.sample_async(PROMPT, 2, trio.SamplingParams(max_tokens=3, seed=4))
+        lps = await sc.compute_logprobs_async(PROMPT)
+        sc2 = await tc.save_weights_and_get_sampling_client_async()
+        fut = await tc.save_weights_for_sampler_async("async-weights")
+        return res, lps, sc2, await fut
+
+    res, lps, sc2, saved = asyncio.run(go())
+    assert isinstance(res, trio.SampleResponse) and len(res.sequences) == 2
+    assert lps == sc.compute_logprobs(PROMPT).result()
+    assert isinstance(sc2, trio.SamplingClient)
+    assert Path(saved.path, "adapter_model.safetensors").is_file()
+
+
+def _load_example():
+    path = Path(__file__).resolve().parents[1] / "examples" / "rl_importance_sampling.py"
+    spec = importlib.util.spec_from_file_location("rl_importance_sampling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rl_example_mean_reward_rises():
+    example = _load_example()
+    with trio.LocalPool(min_cycle_s=0.002) as pool:
+        means = example.train(trio.ServiceClient(pool), updates=9, group_size=16, seed=0)
+    assert len(means) == 9
+    assert max(means[:3]) < 0.3  # the untrained policy rarely writes a-z
+    assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.3

@@ -1,0 +1,393 @@
+"""The training loop: naive, together or pipelined updates as an asyncio task.
+
+>>> run = train(tc, batches, mode="pipelined", lookahead=1, learning_rate=3e-3, steps=200)
+>>> run.pause(); run.resume(); run.stop()     # from any thread; applied at the next update
+>>> await run                                  # or: run_sync(run) in a script / blocking cell
+
+Modes (DESIGN.md, "Clock-cycle semantics"; cycles per update = the period):
+
+* ``naive``     await forward_backward, then submit optim_step and await it: 4 cycles
+* ``together``  submit both, await both, then the next batch: 2 cycles
+* ``pipelined`` keep up to ``lookahead`` updates queued ahead of the one awaited: 1 cycle
+
+Per step the run records cookbook-style metrics (``step``, ``loss`` per weighted token,
+``tokens``, ``cycle``, ``cycles`` since the previous update, ``time/get_batch``,
+``time/submit``, ``time/wait``, ``time/total``, ``learning_rate``, ``mode``) in
+``run.metrics`` (bounded) and, with ``metrics_path``, as lines of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterable, Awaitable, Callable, Iterable, Literal, TypeVar
+
+from .errors import PoolClosedError
+from .futures import APIFuture
+from .types import AdamParams, Datum
+
+__all__ = ["MODES", "TrainingRun", "run_sync", "train"]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["naive", "together", "pipelined"]
+MODES: tuple[str, ...] = ("naive", "together", "pipelined")
+State = Literal["created", "running", "paused", "stopped", "finished", "error"]
+T = TypeVar("T")
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode
+
+
+def _check_lookahead(lookahead: int) -> int:
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
+    return lookahead
+
+
+def batch_weight(batch: list[Datum]) -> tuple[float, int]:
+    """(loss-weighted tokens, input tokens) of a batch: the loss is a sum over the former."""
+    weight, tokens = 0.0, 0
+    for datum in batch:
+        n = datum.model_input.length
+        tokens += n
+        w = datum.loss_fn_inputs.get("weights")
+        weight += float(sum(w.data)) if w is not None else float(n)
+    return weight, tokens
+
+
+@dataclass
+class _Update:
+    step: int
+    fb: APIFuture
+    opt: APIFuture
+    weight: float
+    tokens: int
+    learning_rate: float
+    mode: str
+    t_get_batch: float
+    t_submit: float
+
+
+class TrainingRun:
+    """One training loop over one client. Build it with :func:`train`.
+
+    ``pause()``, ``resume()`` and ``stop()`` are safe from any thread; they take effect at
+    the next update boundary (what is already submitted finishes first, so the weights
+    always have whole updates). ``mode``, ``lookahead`` and ``learning_rate`` may be set
+    at any time too and apply from the next update on.
+    """
+
+    def __init__(self, client: Any, batches: Iterable[list[Datum]] | AsyncIterable[list[Datum]], *,
+                 mode: Mode = "pipelined", lookahead: int = 1, adam_params: AdamParams | None = None,
+                 learning_rate: float | None = None, loss_fn: str = "cross_entropy",
+                 loss_fn_config: dict | None = None, steps: int | None = None,
+                 metrics_path: str | os.PathLike | None = None, name: str | None = None,
+                 history: int = 10_000, on_step: Callable[[dict], None] | None = None):
+        self.client = client
+        self.name = name or getattr(client, "client_id", "run")
+        self._batches = batches
+        self._mode = _check_mode(mode)
+        self._lookahead = _check_lookahead(lookahead)
+        params = adam_params if adam_params is not None else AdamParams(learning_rate=1e-4)
+        if learning_rate is not None:
+            params = replace(params, learning_rate=float(learning_rate))
+        self._adam = params
+        self.loss_fn = loss_fn
+        self.loss_fn_config = loss_fn_config
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ValueError(f"steps must be an integer >= 0 or None, got {steps!r}")
+        self.steps = steps
+        self.metrics_path = os.fspath(metrics_path) if metrics_path is not None else None
+        self.metrics: deque[dict] = deque(maxlen=history)
+        self.on_step = on_step
+        self.step = 0
+        self.state: State = "created"
+        self.error: BaseException | None = None
+        self.task: asyncio.Task | None = None
+        self._lock = threading.Lock()
+        self._pause_requested = False
+        self._stop_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._last_fb_cycle: int | None = None
+        self._last_done: float | None = None
+        self._file = None
+
+    def __repr__(self) -> str:
+        return f"<TrainingRun {self.name} {self.state} step={self.step} mode={self._mode}>"
+
+    # -- settings (any thread; read at each update) ----------------------------------
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        self._mode = _check_mode(value)
+
+    @property
+    def lookahead(self) -> int:
+        return self._lookahead
+
+    @lookahead.setter
+    def lookahead(self, value: int) -> None:
+        self._lookahead = _check_lookahead(value)
+
+    @property
+    def adam_params(self) -> AdamParams:
+        return self._adam
+
+    @adam_params.setter
+    def adam_params(self, params: AdamParams) -> None:
+        if not isinstance(params, AdamParams):
+            raise TypeError(f"expected AdamParams, got {type(params).__name__}")
+        self._adam = params
+
+    @property
+    def learning_rate(self) -> float:
+        return self._adam.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {value!r}")
+        self._adam = replace(self._adam, learning_rate=value)
+
+    # -- controls (any thread) ------------------------------------------------------------
+    def pause(self) -> None:
+        with self._lock:
+            self._pause_requested = True
+        self._poke()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._pause_requested = False
+        self._poke()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop_requested = True
+        self._poke()
+
+    @property
+    def paused(self) -> bool:
+        return self.state == "paused"
+
+    def done(self) -> bool:
+        return self.state in ("stopped", "finished", "error")
+
+    def _poke(self) -> None:
+        loop, event = self._loop, self._wakeup
+        if loop is None or event is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    # -- running ------------------------------------------------------------------------
+    def start(self) -> "TrainingRun":
+        """Schedule the loop as a task on the running event loop (call it on that loop)."""
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._main(), name=f"trio-train-{self.name}")
+        return self
+
+    async def wait(self) -> "TrainingRun":
+        """Wait until the run ends; re-raises the error that ended it, if any."""
+        if self.task is None:
+            self.start()
+        await asyncio.shield(self.task) if not self.task.done() else None
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __await__(self):
+        return self.wait().__await__()
+
+    async def _next_batch(self, iterator: Any, is_async: bool) -> list[Datum] | None:
+        try:
+            return await iterator.__anext__() if is_async else next(iterator)
+        except (StopIteration, StopAsyncIteration):
+            return None
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        is_async = hasattr(self._batches, "__aiter__")
+        iterator = self._batches.__aiter__() if is_async else iter(self._batches)
+        if self.metrics_path is not None:
+            self._file = open(self.metrics_path, "w", encoding="utf-8")
+        inflight: deque[_Update] = deque()
+        self.state = "running"
+        self._last_done = time.perf_counter()
+        try:
+            while True:
+                # ---- an update boundary: controls and settings apply here
+                if self._stop_requested:
+                    break
+                if self._pause_requested:
+                    await self._drain(inflight)
+                    if not await self._paused():
+                        break
+                if self.steps is not None and self.step + len(inflight) >= self.steps:
+                    break
+                mode, lookahead, adam = self._mode, self._lookahead, self._adam
+                if mode != "pipelined" or len(inflight) > lookahead:
+                    await self._drain(inflight)
+                t0 = time.perf_counter()
+                batch = await self._next_batch(iterator, is_async)
+                if batch is None:
+                    break
+                t1 = time.perf_counter()
+                weight, tokens = batch_weight(batch)
+                step = self.step + len(inflight) + 1
+                if mode == "naive":
+                    fb = await self.client.forward_backward_async(batch, self.loss_fn, self.loss_fn_config)
+                    t2 = time.perf_counter()
+                    result = await fb
+                    t3 = time.perf_counter()
+                    opt = await self.client.optim_step_async(adam)
+                    t4 = time.perf_counter()
+                    await opt
+                    self._record(_Update(step, fb, opt, weight, tokens, adam.learning_rate, mode, t1 - t0,
+                                         (t2 - t1) + (t4 - t3)), result, wait=(t3 - t2) + (time.perf_counter() - t4))
+                    continue
+                fb = await self.client.forward_backward_async(batch, self.loss_fn, self.loss_fn_config)
+                opt = await self.client.optim_step_async(adam)
+                update = _Update(step, fb, opt, weight, tokens, adam.learning_rate, mode, t1 - t0,
+                                 time.perf_counter() - t1)
+                inflight.append(update)
+                if mode == "together":
+                    await self._drain(inflight)
+                else:
+                    while len(inflight) > lookahead:
+                        await self._complete(inflight.popleft())
+            await self._drain(inflight)
+            self.state = "stopped" if self._stop_requested else "finished"
+        except asyncio.CancelledError:
+            self.state = "stopped"
+            raise
+        except PoolClosedError as exc:
+            self.state = "stopped"
+            log.info("training run %s ended: %s", self.name, exc)
+        except Exception as exc:
+            self.state = "error"
+            self.error = exc
+            log.warning("training run %s failed: %s", self.name, exc)
+        finally:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    async def _paused(self) -> bool:
+        """Wait while paused; False if stopped meanwhile."""
+        self.state = "paused"
+        while self._pause_requested and not self._stop_requested:
+            self._wakeup.clear()
+            if not self._pause_requested or self._stop_requested:
+                break
+            await self._wakeup.wait()
+        if self._stop_requested:
+            return False
+        self.state = "running"
+        self._last_done = time.perf_counter()
+        self._last_fb_cycle = None  # the pause is not part of the next update's period
+        return True
+
+    async def _drain(self, inflight: deque[_Update]) -> None:
+        while inflight:
+            await self._complete(inflight.popleft())
+
+    async def _complete(self, update: _Update) -> None:
+        t0 = time.perf_counter()
+        result = await update.fb
+        await update.opt
+        self._record(update, result, wait=time.perf_counter() - t0)
+
+    def _record(self, update: _Update, result: Any, wait: float) -> None:
+        now = time.perf_counter()
+        loss_sum = float(result.metrics.get("loss:sum", math.nan))
+        cycle = update.fb.cycle
+        cycles = None if self._last_fb_cycle is None or cycle is None else cycle - self._last_fb_cycle
+        self._last_fb_cycle = cycle
+        row = {
+            "step": update.step,
+            "loss": loss_sum / update.weight if update.weight > 0 else math.nan,
+            "loss:sum": loss_sum,
+            "tokens": update.tokens,
+            "weight": update.weight,
+            "cycle": cycle,
+            "cycles": cycles,
+            "optim_cycle": update.opt.cycle,
+            "learning_rate": update.learning_rate,
+            "mode": update.mode,
+            "time/get_batch": update.t_get_batch,
+            "time/submit": update.t_submit,
+            "time/wait": wait,
+            "time/total": now - (self._last_done if self._last_done is not None else now),
+        }
+        self._last_done = now
+        self.step = update.step
+        self.metrics.append(row)
+        if self._file is not None:
+            self._file.write(json.dumps({"run": self.name, **row}) + "\n")
+            self._file.flush()
+        if self.on_step is not None:
+            try:
+                self.on_step(row)
+            except Exception:
+                log.exception("on_step callback failed")
+
+
+def train(client: Any, batches: Iterable[list[Datum]] | AsyncIterable[list[Datum]], *,
+          mode: Mode = "pipelined", lookahead: int = 1, adam_params: AdamParams | None = None,
+          learning_rate: float | None = None, loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None,
+          steps: int | None = None, metrics_path: str | os.PathLike | None = None, name: str | None = None,
+          history: int = 10_000, on_step: Callable[[dict], None] | None = None) -> TrainingRun:
+    """Train `client` on `batches` (lists of Datum; ends when they do, or after `steps`).
+
+    Inside a running event loop (a notebook cell) the loop starts at once as a background
+    task and this returns immediately: the cell ends, buttons keep working. Outside one,
+    the run starts when awaited, e.g. ``run_sync(train(...))`` in a script.
+    """
+    run = TrainingRun(client, batches, mode=mode, lookahead=lookahead, adam_params=adam_params,
+                      learning_rate=learning_rate, loss_fn=loss_fn, loss_fn_config=loss_fn_config, steps=steps,
+                      metrics_path=metrics_path, name=name, history=history, on_step=on_step)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return run
+    return run.start()
+
+
+def run_sync(awaitable: Awaitable[T]) -> T:
+    """Run `awaitable` to completion and return its result, from sync code.
+
+    With no event loop running in this thread this is ``asyncio.run``. Inside a running
+    loop (a notebook cell that must block) it applies ``nest_asyncio`` to that loop, here
+    and only here, and runs the loop re-entrantly until done: other tasks on the loop
+    (dashboards, other runs) keep going meanwhile.
+    """
+    async def _wrap() -> T:
+        return await awaitable
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(_wrap())
+    import nest_asyncio
+
+    nest_asyncio.apply(loop)
+    return loop.run_until_complete(_wrap())

@@ -1,0 +1,127 @@
+"""Exports of what a pool did: a Chrome / Perfetto trace, and metrics.jsonl.
+
+Engine side: reads `Telemetry` only, imports no widget code.
+
+* :func:`chrome_trace` — the Trace Event Format (``{"traceEvents": [...]}``) that
+  ui.perfetto.dev and chrome://tracing open: one process per pool, one track per client
+  with a span per request (name = op; args: request id, cycle, queue wait, loss), a
+  "clock" track with a span per cycle, and counter tracks "queue <client>" with the
+  requests queued at each boundary.
+* :func:`metrics_rows` / :func:`write_metrics_jsonl` — one JSON object per update
+  (cookbook-style keys: ``step``, ``loss``, ``tokens``, ``cycle``, ``cycles``), for a
+  loop the user wrote; the loop API (`trio_widgets.loop`) writes richer rows itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable
+
+from .telemetry import Telemetry
+
+__all__ = ["chrome_trace", "metrics_rows", "write_chrome_trace", "write_metrics_jsonl"]
+
+_FORWARD_OPS = ("forward_backward", "forward_backward_custom")
+
+
+def _us(t: float, t0: float) -> float:
+    return round((t - t0) * 1e6, 1)
+
+
+def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1) -> dict[str, Any]:
+    """The pool's recent history (what its ring buffers still hold) as a trace dict."""
+    cycles = list(telemetry.cycles)
+    requests = [r for r in list(telemetry.requests) if r.started_at is not None and r.finished_at is not None]
+    depths = list(telemetry.queue_depths)
+    clients = dict(telemetry.clients)
+    starts = [c.started_at for c in cycles] + [r.queued_at for r in requests] + [d.time for d in depths]
+    t0 = min(starts) if starts else 0.0
+
+    tids: dict[str, int] = {}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}},
+        {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "clock"}},
+        {"ph": "M", "pid": pid, "tid": 0, "name": "thread_sort_index", "args": {"sort_index": 0}},
+    ]
+
+    def tid_of(client_id: str) -> int:
+        if client_id not in tids:
+            tids[client_id] = tid = len(tids) + 1
+            info = clients.get(client_id)
+            label = info.label if info is not None else client_id
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                           "args": {"name": f"{label} ({client_id})" if label != client_id else client_id}})
+            events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
+                           "args": {"sort_index": tid}})
+        return tids[client_id]
+
+    for cid in clients:
+        tid_of(cid)
+    for c in cycles:
+        events.append({"ph": "X", "pid": pid, "tid": 0, "name": f"cycle {c.index}", "cat": "cycle",
+                       "ts": _us(c.started_at, t0), "dur": _us(c.ended_at, c.started_at),
+                       "args": {"cycle": c.index, "busy_ms": round(c.busy_s * 1e3, 3), "requests": c.n_requests,
+                                "tokens": c.tokens, "ops": dict(c.ops), "idle": c.n_requests == 0}})
+    for r in requests:
+        args: dict[str, Any] = {"request_id": r.request_id, "client": r.client_id, "cycle": r.cycle,
+                                "status": r.status, "tokens": r.tokens,
+                                "queued_ms": round((r.started_at - r.queued_at) * 1e3, 3)}
+        if r.delivered_at is not None:
+            args["delivered_ms"] = round((r.delivered_at - r.finished_at) * 1e3, 3)
+        for key, value in r.metrics.items():
+            args[key] = value if isinstance(value, (int, float)) and math.isfinite(value) else str(value)
+        if r.error:
+            args["error"] = r.error
+        events.append({"ph": "X", "pid": pid, "tid": tid_of(r.client_id), "name": r.op, "cat": r.op,
+                       "ts": _us(r.started_at, t0), "dur": max(_us(r.finished_at, r.started_at), 1.0),
+                       "args": args})
+    for d in depths:
+        for cid, depth in d.depths.items():
+            info = clients.get(cid)
+            events.append({"ph": "C", "pid": pid, "tid": 0, "name": f"queue {info.label if info else cid}",
+                           "ts": _us(d.time, t0), "args": {"queued": depth}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"total_cycles": telemetry.total_cycles, "total_updates": telemetry.total_updates,
+                          "total_tokens": telemetry.total_tokens}}
+
+
+def write_chrome_trace(telemetry: Telemetry, path: str | os.PathLike, **kwargs: Any) -> str:
+    """Write :func:`chrome_trace` to `path` (open it in ui.perfetto.dev); returns the path."""
+    path = os.fspath(path)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(chrome_trace(telemetry, **kwargs), f)
+    return path
+
+
+def metrics_rows(telemetry: Telemetry) -> list[dict[str, Any]]:
+    """One row per delivered forward_backward, per client, from the telemetry alone."""
+    clients = dict(telemetry.clients)
+    steps: dict[str, int] = {}
+    last_cycle: dict[str, int] = {}
+    rows = []
+    for r in sorted(list(telemetry.requests), key=lambda r: r.request_id):
+        if r.op not in _FORWARD_OPS or r.status != "ok" or r.cycle is None:
+            continue
+        steps[r.client_id] = step = steps.get(r.client_id, 0) + 1
+        weight = r.metrics.get("weight:sum", 0.0)
+        loss_sum = r.metrics.get("loss:sum", math.nan)
+        prev = last_cycle.get(r.client_id)
+        last_cycle[r.client_id] = r.cycle
+        info = clients.get(r.client_id)
+        rows.append({"run": info.label if info else r.client_id, "client_id": r.client_id, "step": step,
+                     "loss": loss_sum / weight if weight else math.nan, "loss:sum": loss_sum,
+                     "tokens": r.tokens, "cycle": r.cycle, "cycles": None if prev is None else r.cycle - prev,
+                     "time/wait": (r.delivered_at - r.queued_at) if r.delivered_at is not None else None})
+    return rows
+
+
+def write_metrics_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike) -> str:
+    """Write dict rows as JSON lines (NaN as null); returns the path."""
+    path = os.fspath(path)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            f.write(json.dumps(clean) + "\n")
+    return path

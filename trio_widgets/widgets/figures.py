@@ -1,0 +1,315 @@
+"""The dashboard's bokeh figures: cycle timeline, queue depth, loss curves.
+
+Built once; afterwards :meth:`DashboardFigures.update` only *streams* new rows into the
+sources (with rollover) and moves the shared time range. Call everything on one thread
+(the dashboard's periodic task on the kernel loop).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import zlib
+from bisect import bisect_right
+from collections import deque
+from typing import Iterable
+
+from bokeh.layouts import column, row
+from bokeh.models import (
+    ColumnDataSource,
+    DataRange1d,
+    FixedTicker,
+    HoverTool,
+    LabelSet,
+    Legend,
+    LegendItem,
+    Range1d,
+)
+from bokeh.plotting import figure
+
+from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord
+
+__all__ = ["CLIENT_COLORS", "OP_COLORS", "DashboardFigures", "op_color"]
+
+OP_COLORS = {
+    "forward_backward": "#2563eb",         # blue
+    "forward_backward_custom": "#1e3a8a",  # dark blue
+    "forward": "#7c3aed",                  # violet
+    "optim_step": "#f97316",               # orange
+    "sample": "#16a34a",                   # green
+    "compute_logprobs": "#0d9488",         # teal
+    "save_state": "#64748b",
+    "save_weights_for_sampler": "#64748b",
+    "load_state": "#475569",
+    "load_state_with_optimizer": "#475569",
+}
+_FALLBACK = ("#db2777", "#9333ea", "#0891b2", "#65a30d", "#b45309", "#334155")
+CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569")
+_FORWARD_OPS = ("forward_backward", "forward_backward_custom")
+_FONT = "Inter, 'Segoe UI', Helvetica, Arial, sans-serif"
+
+
+def op_color(op: str) -> str:
+    """A colour for any op: fixed for the known ones, a stable hash for new ones."""
+    return OP_COLORS.get(op) or _FALLBACK[zlib.crc32(op.encode()) % len(_FALLBACK)]
+
+
+def _style(fig, title: str) -> None:
+    fig.title.text = title
+    fig.title.text_font = _FONT
+    fig.title.text_font_size = "11pt"
+    fig.title.text_color = "#111827"
+    fig.outline_line_color = "#e5e7eb"
+    fig.background_fill_color = "#ffffff"
+    fig.border_fill_color = "#ffffff"
+    for axis in (*fig.xaxis, *fig.yaxis):
+        axis.axis_line_color = "#d1d5db"
+        axis.major_tick_line_color = "#d1d5db"
+        axis.minor_tick_line_color = None
+        axis.major_label_text_color = "#4b5563"
+        axis.major_label_text_font_size = "8pt"
+        axis.axis_label_text_font_size = "8pt"
+        axis.axis_label_text_color = "#6b7280"
+        axis.axis_label_text_font_style = "normal"
+    fig.xgrid.grid_line_color = None
+    fig.ygrid.grid_line_color = "#f1f5f9"
+    fig.toolbar.logo = None
+
+
+class _ClientViews:
+    __slots__ = ("client_id", "label", "lane", "color", "queue", "loss", "step", "ema", "ema_weight")
+
+    def __init__(self, client_id: str, label: str, lane: int, color: str):
+        self.client_id, self.label, self.lane, self.color = client_id, label, lane, color
+        self.queue = ColumnDataSource(data={"t": [], "depth": []})
+        self.loss = ColumnDataSource(data={"step": [], "loss": [], "smooth": []})
+        self.step = 0
+        self.ema = 0.0
+        self.ema_weight = 0.0
+
+
+class DashboardFigures:
+    """Timeline + queue depth (one time axis) beside the loss curves, as one bokeh layout."""
+
+    def __init__(self, t0: float, *, window: int = 24, max_clients: int = 8, bars: int = 1500,
+                 loss_points: int = 2000, smoothing: float = 0.1, width: int = 760, loss_width: int = 430):
+        self.t0 = t0
+        self.window = max(4, int(window))
+        self.max_clients = max_clients
+        self.bar_rollover = bars
+        self.loss_rollover = loss_points
+        self.smoothing = smoothing
+        self.band_rollover = 4 * self.window
+        self.queue_rollover = 4 * self.window
+        self.width = width
+        self.clients: dict[str, _ClientViews] = {}
+        self._band_starts: deque[float] = deque(maxlen=self.window)
+        self._last_end: float | None = None
+        self._cycle_s: deque[float] = deque(maxlen=32)
+        self._boundary_t: list[float] = []
+        self._boundary_i: list[int] = []
+        self.streams = 0  # stream() calls made (for tests: one per source per update at most)
+
+        self.x_range = Range1d(0.0, 1.0)
+        tl = figure(height=250, width=width, x_range=self.x_range, y_range=Range1d(-0.6, 0.95),
+                    tools="xpan,xwheel_zoom,reset", toolbar_location=None, x_axis_label="time (s)")
+        _style(tl, "Cycle timeline — one lane per client, bands are cycles (hatched: idle)")
+        tl.yaxis.ticker = FixedTicker(ticks=[])
+        tl.yaxis.major_label_overrides = {}
+        tl.ygrid.grid_line_color = None
+        self.bands = ColumnDataSource(data={"left": [], "right": [], "fill": [], "hatch": [], "mid": [],
+                                            "label": [], "index": []})
+        tl.quad(left="left", right="right", bottom=-1000, top=1000, source=self.bands, fill_color="fill",
+                line_color="#ffffff", line_width=0.5, hatch_pattern="hatch", hatch_color="#cbd5e1",
+                hatch_alpha=0.9, hatch_scale=8, level="underlay")
+        tl.add_layout(LabelSet(x="mid", y=0.62, text="label", source=self.bands, text_font_size="7.5pt",
+                               text_align="center", text_color="#64748b"))
+        self.bars = ColumnDataSource(data={
+            "left": [], "right": [], "bottom": [], "top": [], "color": [], "op": [], "rid": [], "client": [],
+            "cycle": [], "wait_ms": [], "waited": [], "run_ms": [], "status": []})
+        bars = tl.quad(left="left", right="right", bottom="bottom", top="top", source=self.bars,
+                       fill_color="color", line_color="color", fill_alpha=0.9)
+        tl.add_tools(HoverTool(renderers=[bars], tooltips=[
+            ("request", "#@rid @op"), ("client", "@client"), ("cycle", "@cycle"),
+            ("waited in queue", "@wait_ms{0.0} ms (@waited cycles)"), ("ran", "@run_ms{0.00} ms"),
+            ("status", "@status")]))
+        tl.add_layout(Legend(items=[LegendItem(label={"field": "op"}, renderers=[bars])], orientation="horizontal",
+                             location="top_left", label_text_font_size="8pt", glyph_width=14, glyph_height=10,
+                             spacing=12, padding=4, margin=2, border_line_color=None,
+                             background_fill_alpha=0.0), "below")
+        self.timeline = tl
+
+        qd = figure(height=160, width=width, x_range=self.x_range, y_range=DataRange1d(start=0, min_interval=2),
+                    tools="xpan,xwheel_zoom,reset", toolbar_location=None, y_axis_label="queued")
+        _style(qd, "Queue depth at each cycle boundary")
+        qd.add_tools(HoverTool(tooltips=[("client", "$name"), ("queued", "@depth")], mode="vline"))
+        self.queue_fig = qd
+
+        self.loss_figs = []
+        for kind in ("linear", "log"):
+            lf = figure(height=410, width=loss_width, y_axis_type=kind, tools="pan,wheel_zoom,box_zoom,reset",
+                        toolbar_location=None, x_axis_label="step", y_axis_label="loss per token",
+                        visible=(kind == "linear"))
+            _style(lf, "Loss per token (thin: raw, thick: smoothed)" + (" — log scale" if kind == "log" else ""))
+            lf.add_layout(Legend(items=[], location="top_right", label_text_font_size="8pt",
+                                 background_fill_alpha=0.8, border_line_color="#e5e7eb", click_policy="hide",
+                                 padding=4, spacing=1), "center")
+            self.loss_figs.append(lf)
+        self.layout = row(column(tl, qd, spacing=2), column(*self.loss_figs), spacing=8)
+
+    # -- clients (lanes) ----------------------------------------------------------------------
+    def add_client(self, info: ClientInfo) -> bool:
+        if info.client_id in self.clients or len(self.clients) >= self.max_clients:
+            return False
+        labels = {v.label for v in self.clients.values()}
+        label = info.label if info.label not in labels else f"{info.label} ({info.client_id})"
+        lane = len(self.clients)
+        views = _ClientViews(info.client_id, label, lane, CLIENT_COLORS[lane % len(CLIENT_COLORS)])
+        self.clients[info.client_id] = views
+        n = len(self.clients)
+        tl = self.timeline
+        tl.y_range.start = -(n - 1) - 0.6
+        tl.yaxis.ticker = FixedTicker(ticks=[-v.lane for v in self.clients.values()])
+        tl.yaxis.major_label_overrides = {-v.lane: v.label for v in self.clients.values()}
+        self.queue_fig.step(x="t", y="depth", source=views.queue, mode="after", line_width=2,
+                            line_color=views.color, legend_label=label, name=label)
+        legend = self.queue_fig.legend[0]
+        legend.location, legend.orientation = "top_left", "horizontal"
+        legend.label_text_font_size, legend.background_fill_alpha = "8pt", 0.6
+        legend.border_line_color, legend.padding, legend.spacing = None, 2, 8
+        for lf in self.loss_figs:
+            raw = lf.line(x="step", y="loss", source=views.loss, line_color=views.color, line_alpha=0.25,
+                          line_width=1)
+            smooth = lf.line(x="step", y="smooth", source=views.loss, line_color=views.color, line_width=2.5)
+            lf.legend[0].items = [*lf.legend[0].items, LegendItem(label=label, renderers=[raw, smooth])]
+        return True
+
+    def set_log_scale(self, on: bool) -> None:
+        linear, log = self.loss_figs
+        if log.visible != on:
+            log.visible, linear.visible = on, not on
+
+    # -- streaming -----------------------------------------------------------------------------------
+    def _rel(self, t: float) -> float:
+        return round(t - self.t0, 6)
+
+    def cycle_estimate(self) -> float:
+        return statistics.median(self._cycle_s) if self._cycle_s else 0.05
+
+    def _label_every(self, index: int) -> int:
+        """Label every k-th cycle so that labels (about 6 px a digit) never overlap."""
+        px_per_cycle = self.width / self.window
+        return max(1, math.ceil((6.0 * len(str(index)) + 6) / px_per_cycle))
+
+    def _stream(self, source: ColumnDataSource, data: dict, rollover: int) -> None:
+        source.stream(data, rollover=rollover)
+        self.streams += 1
+
+    def _waited_cycles(self, record: RequestRecord) -> int | None:
+        """Cycles between the first one the request was eligible for and the one it ran in."""
+        k = bisect_right(self._boundary_t, record.queued_at)
+        if k >= len(self._boundary_t) or record.cycle is None:
+            return None
+        return max(0, record.cycle - self._boundary_i[k])
+
+    def update(self, cycles: Iterable[CycleRecord], boundaries: Iterable[QueueDepthRecord],
+               delivered: Iterable[RequestRecord]) -> bool:
+        """Stream what is new; returns whether anything changed."""
+        changed = False
+        cycles = list(cycles)[-self.band_rollover:]
+        if cycles:
+            for c in cycles:
+                if c.ended_at > c.started_at:
+                    self._cycle_s.append(c.ended_at - c.started_at)
+            data: dict[str, list] = {k: [] for k in self.bands.data}
+            for c in cycles:
+                left, right = self._rel(c.started_at), self._rel(max(c.ended_at, c.started_at))
+                idle = c.n_requests == 0
+                data["left"].append(left)
+                data["right"].append(right)
+                data["mid"].append(round((left + right) / 2, 6))
+                data["fill"].append(("#f8fafc" if idle else "#eef2f7") if c.index % 2 else
+                                    ("#f1f5f9" if idle else "#e2e8f0"))
+                data["hatch"].append("right_diagonal_line" if idle else "blank")
+                data["label"].append(str(c.index) if c.index % self._label_every(c.index) == 0 else "")
+                data["index"].append(c.index)
+                self._band_starts.append(left)
+                self._last_end = right
+            self._stream(self.bands, data, self.band_rollover)
+            changed = True
+
+        boundaries = list(boundaries)
+        if boundaries:
+            self._boundary_t.extend(b.time for b in boundaries)
+            self._boundary_i.extend(b.cycle for b in boundaries)
+            if len(self._boundary_t) > 8192:
+                del self._boundary_t[:4096], self._boundary_i[:4096]
+            per_client: dict[str, dict[str, list]] = {}
+            for b in boundaries[-self.queue_rollover:]:
+                t = self._rel(b.time)
+                for cid, depth in b.depths.items():
+                    if cid in self.clients:
+                        d = per_client.setdefault(cid, {"t": [], "depth": []})
+                        d["t"].append(t)
+                        d["depth"].append(depth)
+            for cid, d in per_client.items():
+                self._stream(self.clients[cid].queue, d, self.queue_rollover)
+                changed = True
+
+        delivered = [r for r in delivered if r.client_id in self.clients]
+        if delivered:
+            min_w = max(0.0015, 0.05 * self.cycle_estimate())
+            bars: dict[str, list] = {k: [] for k in self.bars.data}
+            losses: dict[str, dict[str, list]] = {}
+            for r in delivered:
+                views = self.clients[r.client_id]
+                if r.op in _FORWARD_OPS and r.status == "ok":
+                    weight = r.metrics.get("weight:sum", 0.0)
+                    loss_sum = r.metrics.get("loss:sum", math.nan)
+                    if weight and math.isfinite(loss_sum):
+                        views.step += 1
+                        loss = loss_sum / weight
+                        a = self.smoothing
+                        views.ema = (1 - a) * views.ema + a * loss
+                        views.ema_weight = (1 - a) * views.ema_weight + a
+                        d = losses.setdefault(r.client_id, {"step": [], "loss": [], "smooth": []})
+                        d["step"].append(views.step)
+                        d["loss"].append(round(loss, 6))
+                        d["smooth"].append(round(views.ema / views.ema_weight, 6))
+                if r.started_at is None or r.finished_at is None:
+                    continue  # cancelled, or failed before it ran
+                left = self._rel(r.started_at)
+                y = -views.lane
+                bars["left"].append(left)
+                bars["right"].append(round(max(self._rel(r.finished_at), left + min_w), 6))
+                bars["bottom"].append(y - 0.3)
+                bars["top"].append(y + 0.3)
+                bars["color"].append(op_color(r.op) if r.status == "ok" else "#991b1b")
+                bars["op"].append(r.op)
+                bars["rid"].append(r.request_id)
+                bars["client"].append(views.label)
+                bars["cycle"].append(r.cycle if r.cycle is not None else -1)
+                bars["wait_ms"].append(round((r.started_at - r.queued_at) * 1e3, 2))
+                waited = self._waited_cycles(r)
+                bars["waited"].append(waited if waited is not None else -1)
+                bars["run_ms"].append(round((r.finished_at - r.started_at) * 1e3, 3))
+                bars["status"].append(r.status)
+            if bars["left"]:
+                keep = self.bar_rollover
+                self._stream(self.bars, {k: v[-keep:] for k, v in bars.items()}, keep)
+                changed = True
+            for cid, d in losses.items():
+                self._stream(self.clients[cid].loss, d, self.loss_rollover)
+                changed = True
+
+        if self._last_end is not None and self._band_starts:
+            start, end = self._band_starts[0], self._last_end
+            if end - start < 1e-3:
+                end = start + 1e-3
+            if (self.x_range.start, self.x_range.end) != (start, end):
+                self.x_range.update(start=start, end=end)
+                changed = True
+        return changed
+
+    def loss_points(self, client_id: str) -> int:
+        return len(self.clients[client_id].loss.data["step"])
