@@ -13,6 +13,7 @@ from .errors import (
     RequestFailedError,
     UnknownModelError,
 )
+from . import data
 from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
 from .types import (

@@ -1,0 +1,75 @@
+"""Types and futures of the client API."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import trio_widgets as trio
+
+
+def test_tensor_data_round_trips():
+    for value in ([1, 2, 3], np.array([1, 2, 3]), torch.tensor([1, 2, 3])):
+        td = trio.TensorData.from_any(value)
+        assert td.dtype == "int64" and td.tolist() == [1, 2, 3] and td.shape == [3]
+    td = trio.TensorData.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert td.dtype == "float32" and td.to_numpy().shape == (2, 3)
+    assert torch.equal(td.to_torch(), torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    assert trio.TensorData.from_torch(torch.tensor([0.5])).to_numpy().dtype == np.float32
+    with pytest.raises(TypeError, match="unsupported numpy dtype"):
+        trio.TensorData.from_numpy(np.array(["a"]))
+
+
+def test_datum_accepts_lists_numpy_and_torch():
+    d = trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
+        "target_tokens": np.array([6, 7, 8]), "weights": torch.tensor([1.0, 0.5, 0.0]), "advantages": [1, 2, 3]})
+    assert all(isinstance(v, trio.TensorData) for v in d.loss_fn_inputs.values())
+    assert d.loss_fn_inputs["weights"].tolist() == [1.0, 0.5, 0.0]
+    mi = trio.ModelInput(chunks=[trio.EncodedTextChunk([1, 2]), trio.EncodedTextChunk([3])])
+    assert mi.to_ints() == [1, 2, 3] and mi.length == 3 and mi.append_int(4).to_ints() == [1, 2, 3, 4]
+
+
+def test_future_api_from_threads_and_loops(pool):
+    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    d = trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8]})
+    seen = []
+    fut = tc.forward([d])
+    fut.add_done_callback(lambda f: seen.append(f.cycle))
+    out = fut.result(timeout=60)
+    assert fut.done() and fut.exception() is None and isinstance(out, trio.ForwardBackwardOutput)
+    assert out.loss == out.metrics["loss:sum"] and len(out.loss_fn_outputs[0]["logprobs"]) == 3
+    assert seen == [fut.cycle] and isinstance(fut.cycle, int)
+
+    async def both_ways():
+        f = await tc.forward_async([d])
+        return (await f).loss, (await f.result_async(timeout=60)).loss
+
+    a, b = asyncio.run(both_ways())
+    assert a == b == out.loss  # the adapter did not change: forward has no side effects
+
+
+def test_service_client_info_and_capabilities(pool):
+    service = trio.ServiceClient(pool, api_key="ignored")
+    names = [m.model_name for m in service.get_server_capabilities().supported_models]
+    assert trio.DEFAULT_MODEL in names
+    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=3, seed=4, train_mlp=False)
+    info = tc.get_info()
+    assert (info.model_data.base_model, info.model_data.lora_rank, info.model_data.seed,
+            info.model_data.train_mlp) == (trio.DEFAULT_MODEL, 3, 4, False)
+    tok = tc.get_tokenizer()
+    assert tok.decode(tok.encode("12+3=15", add_special_tokens=False)) == "12+3=15"
+
+
+def test_headless_demo_prints_pipelined_progress():
+    out = subprocess.run([sys.executable, "-m", "trio_widgets", "demo", "--seconds", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.strip().splitlines())
+    assert lines["cycles per update"].startswith("1.00")
+    first, last = (float(x) for x in lines["loss per token"].split(" -> "))
+    assert int(lines["updates"]) > 10 and last < first
