@@ -88,12 +88,9 @@ def _target_logprobs(base: BaseModel, jobs: list[ForwardJob], batch: list[tuple[
         start += n
     with active_plan(PackPlan(segments=segments, seq_lens=lengths)):
         logits = base.model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
-    out, start = [], 0
-    for x in data:
-        targets = x.target_tokens.to(base.device)
-        out.append(-F.cross_entropy(logits[start:start + x.length].float(), targets, reduction="none"))
-        start += x.length
-    return out
+    targets = torch.cat([x.target_tokens for x in data]).to(base.device)
+    logp = -F.cross_entropy(logits.float(), targets, reduction="none")  # one op for the whole row
+    return list(logp.split(lengths))
 
 
 def _datum_loss(job: ForwardJob, d: int, logp: torch.Tensor, device: torch.device) -> torch.Tensor:
