@@ -25,7 +25,7 @@ from typing import Iterable, Literal, Sequence
 from .telemetry import ClientInfo, CycleRecord, RequestRecord, Telemetry
 
 __all__ = ["Diagnosis", "FORWARD_OPS", "cycle_duration", "diagnose", "diagnose_client", "diagnose_telemetry",
-           "format_cycles", "period"]
+           "format_cycles", "period", "recent_records"]
 
 Cause = Literal["pipelined", "naive", "together", "stall", "warming-up", "slow"]
 

@@ -283,8 +283,14 @@ class TrainingRun:
             self.state = "stopped"
             log.info("training run %s ended: %s", self.name, exc)
         except Exception as exc:
-            self.state = "error"
             self.error = exc
+            # what was already submitted still completes: record it, so metrics match the weights
+            while inflight:
+                try:
+                    await self._complete(inflight.popleft())
+                except Exception:
+                    break
+            self.state = "error"
             log.warning("training run %s failed: %s", self.name, exc)
         finally:
             if self._file is not None:
@@ -342,7 +348,8 @@ class TrainingRun:
         self.step = update.step
         self.metrics.append(row)
         if self._file is not None:
-            self._file.write(json.dumps({"run": self.name, **row}) + "\n")
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            self._file.write(json.dumps({"run": self.name, **clean}) + "\n")
             self._file.flush()
         if self.on_step is not None:
             try:

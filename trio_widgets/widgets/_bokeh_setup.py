@@ -125,12 +125,24 @@ def bokeh_widget(obj: LayoutDOM) -> ipywidgets.DOMWidget:
 
 
 def batched_bokeh_widget(obj: LayoutDOM) -> "ipywidgets.DOMWidget":
-    """Like :func:`bokeh_widget`, but the widget has a ``batch()`` context: every change
-    made to the bokeh document inside it goes out as *one* PATCH-DOC message at the end.
+    """Like :func:`bokeh_widget`, for a figure that is only ever updated from Python.
 
-    jupyter_bokeh sends each document event as its own PATCH-DOC, i.e. three comm
-    messages (header, metadata, content) per ``stream``/property change; a tick that
-    streams five sources and moves a range would cost 18 messages instead of 3.
+    The widget (a ``BokehModel`` subclass) adds, for jupyter_bokeh 4.1:
+
+    * ``batch()``: every change made to the document inside it goes out as *one*
+      PATCH-DOC at the end. jupyter_bokeh sends each event as its own PATCH-DOC, i.e.
+      three comm messages (header, metadata, content) per ``stream`` or property change.
+    * No boomerang: the browser view re-sends every event it applied from a patch back to
+      the kernel as a "jsevent", and jupyter_bokeh would apply it again (a streamed row
+      would be appended twice to the Python source). Events from the browser are ignored
+      here, except BokehJS's ``document_ready``, which says a view has rendered.
+    * ``live``: patches are only sent while True. A view that renders after patches went
+      out has missed them (it starts from ``render_bundle``); worse, one created between
+      the three messages of a patch would read them out of step for good. So the owner
+      sets ``live = False`` when the widget is displayed, and when ``document_ready``
+      arrives calls ``resync()`` (send the whole current document) if anything changed
+      since the bundle was made, then sets ``live`` again. While not live the Python
+      document still changes; nothing is sent.
     """
     ensure_bokehjs()
     return _batched_class()(obj)
@@ -151,11 +163,24 @@ def _batched_class() -> type:
 
     class BatchedBokehModel(BokehModel):
         _held: list | None = None
-        #: PATCH-DOC messages sent (each is 3 comm messages plus 2 per binary buffer).
+        live: bool = True
+        #: the document changed since render_bundle was made (a view built from it is behind)
+        stale: bool = False
+        #: PATCH-DOC messages sent (each is 3 comm messages plus 2 per binary buffer)
         patches_sent: int = 0
+        #: events made while not live (not sent)
+        events_dropped: int = 0
+        #: jsevents from views that were ignored (mostly echoes of our own patches)
+        echoes_ignored: int = 0
+        #: document_ready messages received (a view rendered); written on the comm thread
+        views_ready: int = 0
 
         def _document_patched(self, event: Any) -> None:
             if event.setter is self:
+                return
+            self.stale = True
+            if not self.live:
+                self.events_dropped += 1
                 return
             if self._held is not None:
                 self._held.append(event)
@@ -185,6 +210,21 @@ def _batched_class() -> type:
                 self.send({"msg": "patch"}, [buffer.to_bytes()])
             self.patches_sent += 1
 
+        def _sync_model(self, _model: Any, content: dict[str, Any], _buffers: list[Any]) -> None:
+            # Runs on whichever thread handles comm messages: count only, change nothing.
+            if content.get("event") != "jsevent":
+                return
+            data = content.get("msg_data")
+            if content.get("kind") == "MessageSent" and isinstance(data, dict) and data.get("name") == "document_ready":
+                self.views_ready += 1
+            else:
+                self.echoes_ignored += 1
+
+        def resync(self) -> None:
+            """Send the whole current document: every view re-renders from it."""
+            self.update_from_model(self._model)
+            self.stale = False
+
         def close(self) -> None:
             # jupyter_bokeh's close is not idempotent (ipywidgets calls close() again from __del__)
             if getattr(self, "_trio_closed", False):
@@ -194,12 +234,6 @@ def _batched_class() -> type:
                 super().close()
             except KeyError:  # pragma: no cover - already unregistered from the document
                 pass
-
-        def resync(self) -> None:
-            """Send the whole current document again: every view re-renders from it (a view
-            created after patches were sent has missed them; jupyter_bokeh views only apply
-            patches that arrive while they exist)."""
-            self.update_from_model(self._model)
 
     _BATCHED_CLASS = BatchedBokehModel
     return BatchedBokehModel

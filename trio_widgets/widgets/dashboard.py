@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
-import math
 import os
 import threading
 import time
@@ -34,8 +33,9 @@ from collections import deque
 from typing import Any
 
 import ipywidgets as W
+from bokeh.core.property.validation import validate
 
-from ..advisor import Diagnosis, cycle_duration, diagnose_telemetry, format_cycles, period
+from ..advisor import Diagnosis, diagnose_telemetry, format_cycles, period
 from ..client import ServiceClient, default_pool
 from ..data import addition_batches
 from ..engine import DEFAULT_MODEL, LocalPool
@@ -103,6 +103,30 @@ def _si(value: float) -> str:
         if value >= scale:
             return f"{value / scale:.1f}{unit}"
     return f"{value:.0f}"
+
+
+async def _in_thread(fn, *args):
+    """Run `fn` on a short-lived thread (loading a base model takes seconds) and await it.
+    Not an executor: its worker threads would outlive the dashboard."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def work() -> None:
+        try:
+            value, ok = fn(*args), True
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            value, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    threading.Thread(target=work, name="trio-dashboard-start", daemon=True).start()
+    return await done
 
 
 class Dashboard(W.VBox):
@@ -204,7 +228,9 @@ class Dashboard(W.VBox):
         self._diagnoses: dict[str, Diagnosis] = {}
         self._status_text = ""
         self._advisor_text = ""
-        self._resync_at: float | None = None
+        self._expect_views = 0
+        self._ready_seen = 0
+        self._displayed_at: float | None = None
         self.ticks = 0
         self.tick_thread: threading.Thread | None = None
         self._task: asyncio.Task | None = None
@@ -373,8 +399,7 @@ class Dashboard(W.VBox):
         n = int(s["runs"])
         multipliers = lr_multipliers(n)
         try:
-            clients = await asyncio.get_running_loop().run_in_executor(
-                None, self._make_clients, n, float(s["lr"]), multipliers)
+            clients = await _in_thread(self._make_clients, n, float(s["lr"]), multipliers)
             if self._closed or self._pool_closed:
                 return
             runs = []
@@ -418,7 +443,8 @@ class Dashboard(W.VBox):
         self.tick_thread = threading.current_thread()
         self.ticks += 1
         clients, cycles, boundaries, delivered = self._feed.drain()
-        with self._bokeh.batch():
+        self._sync_views()
+        with self._bokeh.batch(), validate(False):  # rows we build are well-formed: skip bokeh's checks
             for info in clients:
                 self._figs.add_client(info)
             self._figs.set_log_scale(bool(self._settings["log"]))
@@ -432,9 +458,21 @@ class Dashboard(W.VBox):
             self._update_advisor()
         self._update_status()
         self._update_buttons()
-        if self._resync_at is not None and now >= self._resync_at:
-            self._resync_at = None
-            self._bokeh.resync()
+
+    def _sync_views(self) -> None:
+        """After a display, send nothing until the new view has rendered, then resend the
+        whole document once (see `batched_bokeh_widget`)."""
+        bk = self._bokeh
+        ready = bk.views_ready
+        if ready != self._ready_seen:
+            new, self._ready_seen = ready - self._ready_seen, ready
+            if self._expect_views > 0:  # a view we displayed has rendered (others: re-renders)
+                self._expect_views = max(0, self._expect_views - new)
+                if bk.stale:
+                    bk.resync()
+                bk.live = True
+        if not bk.live and self._displayed_at is not None and time.perf_counter() - self._displayed_at > 3.0:
+            bk.live = True  # no view said it rendered (no browser, e.g. nbclient): send anyway
 
     def _tokens_per_s(self) -> float:
         if len(self._rates) < 2:
@@ -457,7 +495,8 @@ class Dashboard(W.VBox):
             if p is None:
                 continue
             per_client.append(f"<span class='trio-cpu'><span class='trio-dot' style='background:{views.color}'>"
-                              f"</span>{html.escape(views.label)}: <b>{format_cycles(p)}</b> cycles/update</span>")
+                              f"</span>{html.escape(views.label)}: <b>{format_cycles(p)}</b> "
+                              f"{'cycle' if format_cycles(p) == '1' else 'cycles'}/update</span>")
         if per_client:
             parts.append("<br>" + "".join(per_client))
         if self._error:
@@ -498,9 +537,11 @@ class Dashboard(W.VBox):
             if b.disabled != disabled:
                 b.disabled = disabled
 
-    # -- display: a view created later missed the patches; resend the document then ------------------
+    # -- display: hold patches until the new view has rendered ----------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any):
-        self._resync_at = time.perf_counter() + 1.0
+        self._expect_views += 1
+        self._displayed_at = time.perf_counter()
+        self._bokeh.live = False
         return super()._repr_mimebundle_(**kwargs)
 
     # -- exports -------------------------------------------------------------------------------------
@@ -526,7 +567,8 @@ class Dashboard(W.VBox):
         page = file_html(self._figs.layout, INLINE, title="trio dashboard snapshot")
         head = (f"<div class='trio-dashboard' style='margin:8px'>{self._header.value}"
                 f"<div class='trio-status'>{self._status.value}</div>{self._advisor_w.value}</div>")
-        page = page.replace("<body>", "<body>\n" + head, 1)
+        before, tag, after = page.rpartition("<body>")  # the last one: BokehJS's source has "<body>" too
+        page = before + tag + "\n" + head + after
         path = self._path(path, "trio-dashboard.html")
         with open(path, "w", encoding="utf-8") as f:
             f.write(page)

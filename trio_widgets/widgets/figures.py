@@ -16,8 +16,8 @@ from typing import Iterable
 
 from bokeh.layouts import column, row
 from bokeh.models import (
+    BasicTicker,
     ColumnDataSource,
-    DataRange1d,
     FixedTicker,
     HoverTool,
     LabelSet,
@@ -46,6 +46,8 @@ OP_COLORS = {
 _FALLBACK = ("#db2777", "#9333ea", "#0891b2", "#65a30d", "#b45309", "#334155")
 CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569")
 _FORWARD_OPS = ("forward_backward", "forward_backward_custom")
+# cycle bands, alternating: slate for cycles that ran work, pale amber for idle ones
+_BAND_FILL = {False: ("#e2e8f0", "#edf1f6"), True: ("#fbf0d9", "#fdf7ea")}
 _FONT = "Inter, 'Segoe UI', Helvetica, Arial, sans-serif"
 
 
@@ -77,11 +79,10 @@ def _style(fig, title: str) -> None:
 
 
 class _ClientViews:
-    __slots__ = ("client_id", "label", "lane", "color", "queue", "loss", "step", "ema", "ema_weight")
+    __slots__ = ("client_id", "label", "lane", "color", "loss", "step", "ema", "ema_weight")
 
     def __init__(self, client_id: str, label: str, lane: int, color: str):
         self.client_id, self.label, self.lane, self.color = client_id, label, lane, color
-        self.queue = ColumnDataSource(data={"t": [], "depth": []})
         self.loss = ColumnDataSource(data={"step": [], "loss": [], "smooth": []})
         self.step = 0
         self.ema = 0.0
@@ -106,6 +107,9 @@ class DashboardFigures:
         self._band_starts: deque[float] = deque(maxlen=self.window)
         self._last_end: float | None = None
         self._cycle_s: deque[float] = deque(maxlen=32)
+        self._durations: deque[float] = deque(maxlen=self.window)
+        self._last_label_mid: float | None = None
+        self._depth_max: deque[int] = deque(maxlen=self.window)
         self._boundary_t: list[float] = []
         self._boundary_i: list[int] = []
         self.streams = 0  # stream() calls made (for tests: one per source per update at most)
@@ -113,15 +117,14 @@ class DashboardFigures:
         self.x_range = Range1d(0.0, 1.0)
         tl = figure(height=250, width=width, x_range=self.x_range, y_range=Range1d(-0.6, 0.95),
                     tools="xpan,xwheel_zoom,reset", toolbar_location=None, x_axis_label="time (s)")
-        _style(tl, "Cycle timeline — one lane per client, bands are cycles (hatched: idle)")
+        _style(tl, "Cycle timeline — a lane per client; bands are cycles (amber: idle)")
         tl.yaxis.ticker = FixedTicker(ticks=[])
         tl.yaxis.major_label_overrides = {}
         tl.ygrid.grid_line_color = None
-        self.bands = ColumnDataSource(data={"left": [], "right": [], "fill": [], "hatch": [], "mid": [],
+        self.bands = ColumnDataSource(data={"left": [], "right": [], "fill": [], "mid": [],
                                             "label": [], "index": []})
-        tl.quad(left="left", right="right", bottom=-1000, top=1000, source=self.bands, fill_color="fill",
-                line_color="#ffffff", line_width=0.5, hatch_pattern="hatch", hatch_color="#cbd5e1",
-                hatch_alpha=0.9, hatch_scale=8, level="underlay")
+        tl.quad(left="left", right="right", bottom=-(max_clients + 0.5), top=1.5, source=self.bands,
+                fill_color="fill", line_color="#ffffff", line_width=0.5, level="underlay")
         tl.add_layout(LabelSet(x="mid", y=0.62, text="label", source=self.bands, text_font_size="7.5pt",
                                text_align="center", text_color="#64748b"))
         self.bars = ColumnDataSource(data={
@@ -139,10 +142,17 @@ class DashboardFigures:
                              background_fill_alpha=0.0), "below")
         self.timeline = tl
 
-        qd = figure(height=160, width=width, x_range=self.x_range, y_range=DataRange1d(start=0, min_interval=2),
+        qd = figure(height=160, width=width, x_range=self.x_range, y_range=Range1d(0, 4),
                     tools="xpan,xwheel_zoom,reset", toolbar_location=None, y_axis_label="queued")
         _style(qd, "Queue depth at each cycle boundary")
-        qd.add_tools(HoverTool(tooltips=[("client", "$name"), ("queued", "@depth")], mode="vline"))
+        qd.yaxis.ticker = BasicTicker(desired_num_ticks=4, min_interval=1)
+        # one source for every lane (a column per lane): one stream per tick, not one per client
+        self.queue = ColumnDataSource(data={"t": [], **{f"d{i}": [] for i in range(max_clients)}})
+        # Legends exist from the start (items are appended per client): a legend added later
+        # and configured in the same patch makes BokehJS fail with "cannot find a view".
+        qd.add_layout(Legend(items=[], location="top_left", orientation="horizontal", label_text_font_size="8pt",
+                             background_fill_alpha=0.6, border_line_color=None, padding=2, spacing=8,
+                             glyph_width=14, glyph_height=8), "center")
         self.queue_fig = qd
 
         self.loss_figs = []
@@ -171,12 +181,13 @@ class DashboardFigures:
         tl.y_range.start = -(n - 1) - 0.6
         tl.yaxis.ticker = FixedTicker(ticks=[-v.lane for v in self.clients.values()])
         tl.yaxis.major_label_overrides = {-v.lane: v.label for v in self.clients.values()}
-        self.queue_fig.step(x="t", y="depth", source=views.queue, mode="after", line_width=2,
-                            line_color=views.color, legend_label=label, name=label)
+        # equal depths overlap exactly: earlier lanes are drawn wider, so every line stays visible
+        step = self.queue_fig.step(x="t", y=f"d{lane}", source=self.queue, mode="after", line_color=views.color,
+                                   line_width=max(1.5, 6.0 - 1.5 * lane), line_alpha=0.9, name=f"d{lane}")
+        self.queue_fig.add_tools(HoverTool(renderers=[step], tooltips=[("client", label), ("queued", f"@d{lane}")],
+                                           mode="vline"))
         legend = self.queue_fig.legend[0]
-        legend.location, legend.orientation = "top_left", "horizontal"
-        legend.label_text_font_size, legend.background_fill_alpha = "8pt", 0.6
-        legend.border_line_color, legend.padding, legend.spacing = None, 2, 8
+        legend.items = [*legend.items, LegendItem(label=label, renderers=[step])]
         for lf in self.loss_figs:
             raw = lf.line(x="step", y="loss", source=views.loss, line_color=views.color, line_alpha=0.25,
                           line_width=1)
@@ -196,10 +207,16 @@ class DashboardFigures:
     def cycle_estimate(self) -> float:
         return statistics.median(self._cycle_s) if self._cycle_s else 0.05
 
-    def _label_every(self, index: int) -> int:
-        """Label every k-th cycle so that labels (about 6 px a digit) never overlap."""
-        px_per_cycle = self.width / self.window
-        return max(1, math.ceil((6.0 * len(str(index)) + 6) / px_per_cycle))
+    def _label(self, index: int, left: float, right: float) -> str:
+        """The band's label, or "" where it would overlap the previous one (about 6 px a digit)."""
+        span = sum(self._durations) or 1e-9
+        px_per_s = self.width / span
+        mid = (left + right) / 2
+        need = 6.0 * len(str(index)) + 8
+        if self._last_label_mid is not None and (mid - self._last_label_mid) * px_per_s < need:
+            return ""
+        self._last_label_mid = mid
+        return str(index)
 
     def _stream(self, source: ColumnDataSource, data: dict, rollover: int) -> None:
         source.stream(data, rollover=rollover)
@@ -221,6 +238,7 @@ class DashboardFigures:
             for c in cycles:
                 if c.ended_at > c.started_at:
                     self._cycle_s.append(c.ended_at - c.started_at)
+                self._durations.append(max(0.0, c.ended_at - c.started_at))
             data: dict[str, list] = {k: [] for k in self.bands.data}
             for c in cycles:
                 left, right = self._rel(c.started_at), self._rel(max(c.ended_at, c.started_at))
@@ -228,10 +246,8 @@ class DashboardFigures:
                 data["left"].append(left)
                 data["right"].append(right)
                 data["mid"].append(round((left + right) / 2, 6))
-                data["fill"].append(("#f8fafc" if idle else "#eef2f7") if c.index % 2 else
-                                    ("#f1f5f9" if idle else "#e2e8f0"))
-                data["hatch"].append("right_diagonal_line" if idle else "blank")
-                data["label"].append(str(c.index) if c.index % self._label_every(c.index) == 0 else "")
+                data["fill"].append(_BAND_FILL[idle][c.index % 2])
+                data["label"].append(self._label(c.index, left, right))
                 data["index"].append(c.index)
                 self._band_starts.append(left)
                 self._last_end = right
@@ -244,17 +260,25 @@ class DashboardFigures:
             self._boundary_i.extend(b.cycle for b in boundaries)
             if len(self._boundary_t) > 8192:
                 del self._boundary_t[:4096], self._boundary_i[:4096]
-            per_client: dict[str, dict[str, list]] = {}
+            rows: dict[str, list] = {k: [] for k in self.queue.data}
+            lanes = [(f"d{v.lane}", cid) for cid, v in self.clients.items()]
+            absent = [k for k in rows if k != "t" and k not in {name for name, _ in lanes}]
             for b in boundaries[-self.queue_rollover:]:
-                t = self._rel(b.time)
-                for cid, depth in b.depths.items():
-                    if cid in self.clients:
-                        d = per_client.setdefault(cid, {"t": [], "depth": []})
-                        d["t"].append(t)
-                        d["depth"].append(depth)
-            for cid, d in per_client.items():
-                self._stream(self.clients[cid].queue, d, self.queue_rollover)
+                rows["t"].append(self._rel(b.time))
+                depth_max = 0
+                for name, cid in lanes:
+                    depth = b.depths.get(cid, 0)
+                    rows[name].append(depth)
+                    depth_max = max(depth_max, depth)
+                for name in absent:
+                    rows[name].append(0)
+                self._depth_max.append(depth_max)
+            if self.clients:
+                self._stream(self.queue, rows, self.queue_rollover)
                 changed = True
+            top = max(4, max(self._depth_max, default=0) + 1)
+            if self.queue_fig.y_range.end != top:
+                self.queue_fig.y_range.end = top
 
         delivered = [r for r in delivered if r.client_id in self.clients]
         if delivered:

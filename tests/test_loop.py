@@ -1,0 +1,159 @@
+"""The training loop (trio_widgets.loop): modes pinned in cycles, controls from another thread."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import threading
+import time
+
+import pytest
+
+import trio_widgets as trio
+from conftest import make_datum, random_batch
+
+CYCLE_S = 0.1  # long enough that a client always reacts within one cycle
+
+
+def steady_cycles(run: trio.TrainingRun, skip: int = 2) -> list[int]:
+    """'cycles' (period) of each step after the first `skip` (not steady state yet)."""
+    return [m["cycles"] for m in list(run.metrics)[skip:]]
+
+
+def test_modes_give_4_2_1_cycles_per_update(tmp_path):
+    batch = random_batch(0, n=1, length=16)
+    path = tmp_path / "metrics.jsonl"
+
+    async def main():
+        with trio.LocalPool(min_cycle_s=CYCLE_S, name="modes") as pool:
+            sc = trio.ServiceClient(pool)
+            plan = {"naive": (dict(mode="naive"), 6), "together": (dict(mode="together"), 8),
+                    "pipelined": (dict(mode="pipelined"), 12), "lookahead2": (dict(mode="pipelined", lookahead=2), 12)}
+            runs = {}
+            for i, (name, (kw, steps)) in enumerate(plan.items()):
+                tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=i, user_metadata={"name": name})
+                runs[name] = trio.train(tc, itertools.repeat(batch), steps=steps, learning_rate=1e-3,
+                                        metrics_path=path if name == "naive" else None, **kw)
+            assert all(r.task is not None for r in runs.values())  # started at once on the running loop
+            await asyncio.gather(*(r.wait() for r in runs.values()))
+            depth = {name: max(d.depths.get(r.client.client_id, 0) for d in pool.telemetry.queue_depths)
+                     for name, r in runs.items()}
+            return runs, depth
+
+    runs, depth = asyncio.run(main())
+    assert {name: r.state for name, r in runs.items()} == dict.fromkeys(runs, "finished")
+    assert [r.step for r in runs.values()] == [6, 8, 12, 12]
+    assert set(steady_cycles(runs["naive"])) == {4}
+    assert set(steady_cycles(runs["together"])) == {2}
+    assert set(steady_cycles(runs["pipelined"])) == {1}
+    assert set(steady_cycles(runs["lookahead2"])) == {1}
+    # span: optim_step two cycles after forward_backward when awaited in between, else the same cycle
+    assert {m["optim_cycle"] - m["cycle"] for m in runs["naive"].metrics} == {2}
+    assert {m["optim_cycle"] - m["cycle"] for m in runs["together"].metrics} == {0}
+    # queueing further ahead means deeper queues at the boundaries
+    assert depth["lookahead2"] > depth["pipelined"] > depth["together"]
+
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for row in rows:
+        for key in ("time/get_batch", "time/submit", "time/wait", "time/total", "loss", "tokens", "cycles"):
+            assert key in row
+        assert row["tokens"] == 16 and math.isfinite(row["loss"]) and row["loss"] > 0
+        assert row["time/wait"] >= 0 and row["time/total"] >= 0
+    assert rows[0]["cycles"] is None and rows[-1]["cycles"] == 4
+
+
+def test_pause_resume_stop_and_mode_change_from_another_thread():
+    batch = random_batch(1, n=1, length=12)
+    events: dict = {}
+
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.05, name="controls") as pool:
+            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+            run = trio.train(tc, itertools.repeat(batch), mode="pipelined", learning_rate=1e-3)
+
+            def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+                deadline = time.monotonic() + timeout
+                while not cond():
+                    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                    time.sleep(0.005)
+
+            def controller() -> None:  # a plain thread, like a widget callback on a subshell
+                wait_for(lambda: run.step >= 4, "4 steps")
+                run.pause()
+                wait_for(lambda: run.state == "paused", "paused")
+                events["paused_step"], events["paused_at"] = run.step, time.perf_counter()
+                records = pool.telemetry.requests_of(tc.client_id)
+                events["drained"] = all(r.status == "ok" for r in records)
+                events["fb_at_pause"] = sum(r.op == "forward_backward" for r in records)
+                cycle = pool.cycle_index
+                wait_for(lambda: pool.cycle_index >= cycle + 10, "10 idle cycles")
+                events["step_after_idle"] = run.step
+                events["resumed_at"] = time.perf_counter()
+                run.resume()
+                wait_for(lambda: run.step >= events["paused_step"] + 3, "3 more steps")
+                run.mode = "naive"  # applies at the next update
+                wait_for(lambda: sum(m["mode"] == "naive" for m in list(run.metrics)) >= 4, "4 naive steps")
+                run.stop()
+
+            await asyncio.gather(run.wait(), asyncio.get_running_loop().run_in_executor(None, controller))
+            records = pool.telemetry.requests_of(tc.client_id)
+            return run, records, pool.queue_depths()[tc.client_id]
+
+    run, records, left = asyncio.run(main())
+    assert run.state == "stopped" and run.task.done() and left == 0
+    assert events["drained"] and events["fb_at_pause"] == events["paused_step"]  # in-flight work finished first
+    assert events["step_after_idle"] == events["paused_step"]  # nothing trained while paused
+    queued_while_paused = [r for r in records if events["paused_at"] <= r.queued_at < events["resumed_at"]]
+    assert queued_while_paused == []
+    naive = [m for m in run.metrics if m["mode"] == "naive"]
+    assert len(naive) >= 4 and all(m["optim_cycle"] - m["cycle"] == 2 for m in naive)
+    assert all(m["cycles"] >= 4 for m in naive[1:])  # naive can never beat 4 cycles per update
+    assert sum(r.op == "forward_backward" for r in records) == run.step  # stop drained, lost nothing
+
+
+def test_run_sync_without_a_running_loop_and_finite_batches():
+    batches = [random_batch(2, n=2, length=10), random_batch(3, n=2, length=10)]
+    with trio.LocalPool(min_cycle_s=0.0, name="sync") as pool:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        run = trio.train(tc, batches, mode="together", learning_rate=1e-3)
+        assert run.task is None  # no loop here: it starts when awaited
+        assert trio.run_sync(run) is run
+        assert run.state == "finished" and run.step == 2
+        assert [m["tokens"] for m in run.metrics] == [20, 20]
+        assert trio.run_sync(asyncio.sleep(0, result=7)) == 7
+    assert not hasattr(asyncio, "_nest_patched")  # nest_asyncio only inside a running loop
+
+
+def test_a_failing_request_ends_the_run_with_its_error():
+    bad = [make_datum([5, 6, 7, 9999])]  # token id outside the vocabulary
+
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.0, name="errors") as pool:
+            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+            run = trio.train(tc, [random_batch(4, n=1, length=8), bad])
+            with pytest.raises(trio.InvalidInputError, match="vocabulary"):
+                await run
+            return run
+
+    run = asyncio.run(main())
+    assert run.state == "error" and run.step == 1
+    with pytest.raises(ValueError, match="mode"):
+        trio.train(None, [], mode="fast")
+    with pytest.raises(ValueError, match="lookahead"):
+        trio.TrainingRun(None, [], lookahead=-1)
+
+
+def test_controls_are_thread_safe_before_start():
+    run = trio.TrainingRun(None, [], mode="together")
+    threads = [threading.Thread(target=f) for f in (run.pause, run.resume, run.stop)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    run.learning_rate = 0.5
+    assert run.adam_params.learning_rate == 0.5 and run._stop_requested
+    with pytest.raises(ValueError):
+        run.learning_rate = float("nan")

@@ -1,0 +1,303 @@
+"""The tutorial notebooks, run top to bottom on a fresh kernel with nbclient.
+
+For each notebook in notebooks/:
+
+* it runs without an error on a fresh ``python3`` kernel, with the working directory,
+  HOME and the cache directories (checkpoints) in a temp dir;
+* it finishes within MAX_SECONDS, and the peak memory of its kernel (with children) plus
+  a JupyterLab server (started for this module, as Binder runs one) stays under
+  MAX_PEAK_BYTES; both are printed (`pytest -s`): ``notebook NAME: T s, peak RSS M MB``;
+* its key printed outputs are asserted (CHECKS below, e.g. notebook 02's measured
+  span 3 / 1 / 1 and cycles per update 4 / 2 / 1);
+* when its last cell ends, no trio clock thread, no other new thread and no asyncio task
+  it started is left in the kernel (an extra cell, run after the last one, checks).
+
+And the committed notebooks carry no outputs (nor widget state, nor execution counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import nbformat
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
+EXPECTED = ["01_quickstart.ipynb", "02_clock_cycles.ipynb", "03_shared_pool_sweep.ipynb",
+            "04_debugging_slow_loops.ipynb", "05_sampling_and_rl.ipynb"]
+MAX_SECONDS = 180              # per notebook, on 2 CPU cores
+MAX_PEAK_BYTES = 1.5 * 2**30  # kernel + server; Binder gives 2 GB
+SAMPLE_EVERY_S = 0.1
+
+# Run before the notebook's first cell: what the fresh kernel already has.
+BASELINE_CELL = """\
+import asyncio as _trio_a, threading as _trio_t
+await _trio_a.sleep(0)
+def _trio_q(task):
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", type(coro).__name__)
+_trio_base_threads = {t.ident for t in _trio_t.enumerate()}
+_trio_base_tasks = {_trio_q(t) for t in _trio_a.all_tasks()}
+"""
+
+# Run after the notebook's last cell: what it left behind.
+LEFTOVER_CELL = """\
+await _trio_a.sleep(0.05)  # one turn of the loop: a task cancelled by close() ends here
+import json as _trio_j
+_trio_tasks = [repr(t) for t in _trio_a.all_tasks()
+               if t is not _trio_a.current_task() and _trio_q(t) not in _trio_base_tasks]
+# (pyzmq's garbage-collector thread starts with the first large zero-copy message: the kernel's)
+_trio_threads = [t.name for t in _trio_t.enumerate()
+                 if t.is_alive() and (t.ident not in _trio_base_threads or t.name.startswith("trio-"))
+                 and not type(t).__module__.startswith("zmq.")]
+print("TRIO-LEFTOVERS " + _trio_j.dumps({"tasks": _trio_tasks, "threads": _trio_threads}))
+"""
+
+
+def _floats(pattern: str, text: str) -> tuple[float, ...]:
+    m = re.search(pattern, text)
+    assert m, f"no match for {pattern!r} in the notebook's output:\n{text}"
+    return tuple(float(g) for g in m.groups())
+
+
+def check_01(text: str) -> None:
+    first, last = _floats(r"loss per answer token: ([\d.]+) \(first 10 updates\) -> ([\d.]+)", text)
+    updates, cycles, seconds = _floats(r"(\d+) updates in (\d+) cycles and (\d+) s", text)
+    assert updates == 300
+    assert last < 0.6 * first, f"the loss did not fall visibly: {first} -> {last}"
+    assert seconds <= 60, f"training took {seconds} s: the loss must fall within the first minute"
+    assert cycles <= updates + 10, f"pipelined training took {cycles} cycles for {updates} updates"
+
+
+def check_02(text: str) -> None:
+    for loop, span, period in (("naive", 3, 4), ("together", 1, 2), ("pipelined", 1, 1)):
+        s, p, n = _floats(rf"\n{loop}\s+(\d+)\s+(\d+)\s+(\d+)", text)
+        assert (s, p) == (span, period), f"{loop}: span {s}, cycles per update {p}; want {span}, {period}"
+        assert n >= 8, f"{loop}: only {n} updates"
+    assert "optim_step was submitted after awaiting forward_backward" in text
+    assert "queue the next batch before awaiting the current one" in text
+    assert "pipelined, nothing wasted" in text
+
+
+def check_03(text: str) -> None:
+    rows = re.findall(r"\n(lr=\S+ r=\d+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)", text)
+    assert len(rows) >= 3, f"no sweep table in:\n{text}"
+    for name, first, last, period in rows:
+        assert float(last) < float(first), f"{name}: loss {first} -> {last}"
+        assert int(period) == 1, f"{name}: {period} cycles per update in the shared pool"
+    packed, busy = _floats(r"(\d+) of (\d+) busy cycles ran every run's forward_backward in one packed pass", text)
+    assert packed >= 0.5 * busy
+    (diff,) = _floats(r"largest difference in loss over \d+ updates: ([\d.e+-]+)", text)
+    assert diff < 1e-4, f"shared-pool run differs from the solo run by {diff}"
+
+
+def check_04(text: str) -> None:
+    assert re.search(r"advisor on slow: stall", text), text
+    assert re.search(r"advisor on cached: together", text), text
+    assert re.search(r"advisor on pipelined: pipelined", text), text
+    slow, cached, pipelined = (_floats(rf"\n{name}\s+([\d.]+) cycles/update", text)[0]
+                               for name in ("slow", "cached", "pipelined"))
+    assert slow > 2 and cached == 2 and pipelined == 1, f"cycles per update: {slow}, {cached}, {pipelined}"
+    assert "time/get_batch" in text and "time/wait" in text
+    events, idle = _floats(r"trace: (\d+) events, (\d+) idle cycles", text)
+    assert events > 0 and idle > 0
+    assert "read back: 20 rows from slow_metrics.jsonl" in text
+
+
+def check_05(text: str) -> None:
+    assert re.search(r"sample \d: '\d+\+\d+=' -> '.*' reward [01]\.0", text), text
+    first, last = _floats(r"mean reward: ([\d.]+) \(first 3 updates\) -> ([\d.]+) \(last 3 updates\)", text)
+    assert last > first + 0.1, f"the reward did not rise: {first} -> {last}"
+    (acc,) = _floats(r"accuracy before RL: ([\d.]+)", text)
+    assert acc > 0, "SFT left no reward to reinforce"
+
+
+CHECKS: dict[str, Callable[[str], None]] = {
+    "01_quickstart.ipynb": check_01,
+    "02_clock_cycles.ipynb": check_02,
+    "03_shared_pool_sweep.ipynb": check_03,
+    "04_debugging_slow_loops.ipynb": check_04,
+    "05_sampling_and_rl.ipynb": check_05,
+}
+
+
+# -- committed notebooks -----------------------------------------------------------
+
+def test_the_five_notebooks_exist() -> None:
+    assert NAMES == EXPECTED
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_notebook_has_no_outputs(name: str) -> None:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert "widgets" not in nb.metadata, "saved widget state: clear it before committing"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"cell {i} has outputs: clear them before committing"
+            assert cell.execution_count is None, f"cell {i} has an execution count"
+        assert "execution" not in cell.get("metadata", {}), f"cell {i} has execution timing metadata"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_section_has_a_try_it_cell(name: str) -> None:
+    """Workshop exercises: each '## ' section (but clean-up / where-next) has a '### Try it'."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    sections: list[tuple[str, bool]] = []
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        for line in cell.source.splitlines():
+            if line.startswith("## "):
+                sections.append((line[3:].strip(), False))
+            elif line.startswith("### Try it") and sections:
+                sections[-1] = (sections[-1][0], True)
+    assert sections, "no '## ' sections"
+    missing = [title for title, has in sections
+               if not has and not re.search(r"clean up|where next|next steps", title, re.I)]
+    assert not missing, f"sections without a '### Try it' cell: {missing}"
+
+
+def test_quickstart_has_at_most_five_code_cells() -> None:
+    nb = nbformat.read(NOTEBOOKS / "01_quickstart.ipynb", as_version=4)
+    assert sum(c.cell_type == "code" for c in nb.cells) <= 5
+
+
+def test_every_notebook_closes_what_it_opens() -> None:
+    for name in NAMES:
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        last_code = [c.source for c in nb.cells if c.cell_type == "code"][-1]
+        assert "pool.close()" in last_code, f"{name}: the last code cell does not close the pool"
+        assert "dashboard.close()" in last_code, f"{name}: the last code cell does not close the dashboard"
+
+
+# -- executing them ----------------------------------------------------------------------
+
+def _tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class PeakMemory:
+    """Samples, in a thread, the RSS of new child processes of this one (the kernel and what
+    it starts) plus the server's process tree; keeps the peaks."""
+
+    def __init__(self, server_pid: int | None):
+        self.me = psutil.Process()
+        self.before = {p.pid for p in self.me.children()}
+        self.server = psutil.Process(server_pid) if server_pid else None
+        self.peak_total = self.peak_kernel = self.peak_server = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            kernels = [p for p in self.me.children() if p.pid not in self.before]
+            kernel = sum(_tree_rss(p) for p in kernels)
+            server = _tree_rss(self.server) if self.server is not None else 0
+            self.peak_kernel = max(self.peak_kernel, kernel)
+            self.peak_server = max(self.peak_server, server)
+            self.peak_total = max(self.peak_total, kernel + server)
+            self._stop.wait(SAMPLE_EVERY_S)
+
+    def __enter__(self) -> "PeakMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture(scope="module")
+def lab_server():
+    """A JupyterLab server, idle, as on Binder: its memory counts with each kernel's."""
+    sys.path.insert(0, str(REPO / "tests" / "browser"))
+    try:
+        from lab import jupyter_lab
+    finally:
+        sys.path.pop(0)
+    with jupyter_lab() as server:
+        yield server
+
+
+def _kernel_env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JPY_", "JUPYTER_"))}
+    for key, sub in (("HOME", "home"), ("XDG_CACHE_HOME", "cache"), ("XDG_DATA_HOME", "data"),
+                     ("XDG_CONFIG_HOME", "config"), ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "mpl")):
+        path = tmp / sub
+        path.mkdir(parents=True, exist_ok=True)
+        env[key] = str(path)
+    env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def _text(cell: nbformat.NotebookNode, stream: str = "stdout") -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream" and out.name == stream:
+            parts.append(out.text)
+        elif stream == "stdout" and out.output_type in ("execute_result", "display_data"):
+            parts.append(out.get("data", {}).get("text/plain", "") + "\n")
+    return "".join(parts)
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs_top_to_bottom(name: str, tmp_path: Path, lab_server) -> None:
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(BASELINE_CELL))
+    nb.cells.append(nbformat.v4.new_code_cell(LEFTOVER_CELL))
+    work = tmp_path / "work"
+    work.mkdir()
+    client = NotebookClient(nb, timeout=MAX_SECONDS, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(work)}})
+    with PeakMemory(lab_server.proc.pid) as memory:
+        t0 = time.perf_counter()
+        try:
+            client.execute(env=_kernel_env(tmp_path))
+        finally:
+            seconds = time.perf_counter() - t0
+    mb = 2**20
+    print(f"\nnotebook {name}: {seconds:.1f} s, peak RSS {memory.peak_total / mb:.0f} MB "
+          f"(kernel {memory.peak_kernel / mb:.0f} MB + JupyterLab server {memory.peak_server / mb:.0f} MB)")
+
+    stdout = "".join(_text(c) for c in nb.cells[1:-1] if c.cell_type == "code")
+    stderr = "".join(_text(c, "stderr") for c in nb.cells if c.cell_type == "code")
+    print(stdout)
+    if stderr.strip():
+        print("stderr:\n" + stderr)
+    assert "Traceback" not in stderr and " failed" not in stderr, stderr
+
+    m = re.search(r"TRIO-LEFTOVERS (.*)", _text(nb.cells[-1]))
+    assert m, f"the leftover check did not run: {nb.cells[-1].outputs}"
+    leftovers = json.loads(m.group(1))
+    assert leftovers == {"tasks": [], "threads": []}, f"left running after the last cell: {leftovers}"
+
+    CHECKS[name](stdout)
+    assert seconds <= MAX_SECONDS, f"{name} took {seconds:.0f} s (limit {MAX_SECONDS} s)"
+    assert memory.peak_total < MAX_PEAK_BYTES, (
+        f"{name}: kernel + server peaked at {memory.peak_total / mb:.0f} MB (limit {MAX_PEAK_BYTES / mb:.0f} MB)")
