@@ -29,7 +29,7 @@ browser-deps:
 	  else echo "chromium missing: run 'sudo apt-get install -y chromium' (browser tests need it)"; exit 1; fi; }
 
 lab: setup
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_quickstart.ipynb
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_quickstart.ipynb
 
 demo: setup
 	$(PY) -m trio_widgets demo
