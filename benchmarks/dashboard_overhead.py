@@ -8,7 +8,7 @@
 2. Memory: with a live dashboard attached, RSS of this process (the kernel stand-in)
    after 1,000 and after 10,000 cycles of training (target: within 50 MB).
 
-    python benchmarks/dashboard_overhead.py            # about 3 minutes on 2 CPU cores
+    python benchmarks/dashboard_overhead.py            # 4-7 minutes on 2 shared CPU cores
     python benchmarks/dashboard_overhead.py --quick    # shorter phases, 3,000 cycles
 """
 
