@@ -67,10 +67,12 @@ def side_by_side(fns: dict[str, callable], reps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", default="auto", help="torch CPU threads (the pool's torch_threads)")
     args = parser.parse_args()
 
     # Idle pool: only here to apply the pool's CPU thread setting to the direct runs.
-    pool = trio.LocalPool(min_cycle_s=1.0)
+    threads = args.threads if args.threads == "auto" else int(args.threads)
+    pool = trio.LocalPool(min_cycle_s=1.0, torch_threads=threads)
     base = load_base_model(DEFAULT_MODEL, pool.device)
     targets = base.targets_for(True, True, True)
     adapters = [LoRAAdapter(targets, RANK, seed=i, device=base.device) for i in range(TENANTS)]
@@ -111,7 +113,7 @@ def main() -> None:
 
     pool.close()
     # (c) the clock: empty cycles are pure overhead; busy cycles pay overhead beyond busy_s.
-    pool = trio.LocalPool(min_cycle_s=0.0)
+    pool = trio.LocalPool(min_cycle_s=0.0, torch_threads=threads)
     cycles: list = []
     pool.telemetry.subscribe(lambda e: cycles.append(e.record) if e.kind == "cycle" else None)
     time.sleep(0.2)
