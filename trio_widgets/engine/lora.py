@@ -23,10 +23,10 @@ class AdamState:
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """One fused reduction instead of a check per tensor (NaN and inf survive the norms' sum)."""
+    """One reduction instead of a check per tensor (NaN and inf survive the sum of |x|)."""
     if not tensors:
         return True
-    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors)).sum()))
+    return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors]).abs().sum()))
 
 
 class LoRAAdapter:
@@ -102,12 +102,6 @@ class LoRAAdapter:
 
 
     # -- optimizer ---------------------------------------------------------------
-    def grad_norm(self) -> float:
-        if self.grad is None:
-            return 0.0
-        norms = torch._foreach_norm([g for pair in self.grad.values() for g in pair])
-        return float(torch.stack(norms).double().pow(2).sum().sqrt())
-
     def adamw_step(self, params: AdamParams) -> dict[str, float]:
         """torch.optim.AdamW's update (decoupled weight decay), with this call's hyperparameters.
 
@@ -116,10 +110,6 @@ class LoRAAdapter:
         """
         grads = self.grad if self.grad is not None else {
             n: (torch.zeros_like(a), torch.zeros_like(b)) for n, (a, b) in self.weights.items()}
-        norm = self.grad_norm()
-        clip = 1.0
-        if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-            clip = params.grad_clip_norm / (norm + 1e-6)
         step = self.adam.step + 1
         b1, b2, lr, eps, wd = params.beta1, params.beta2, params.learning_rate, params.eps, params.weight_decay
         names = list(self.weights)
@@ -135,8 +125,9 @@ class LoRAAdapter:
         # only once every new value is known to be finite.
         with torch.no_grad():
             g = flat([t for n in names for t in grads[n]])
-            if clip != 1.0:
-                g = g * clip
+            norm = float(g.norm(dtype=torch.float64))
+            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+                g = g * (params.grad_clip_norm / (norm + 1e-6))
             if self.adam.flat is not None:
                 m, v = self.adam.flat[0].clone(), self.adam.flat[1].clone()
             elif self.adam.exp_avg:

@@ -149,13 +149,14 @@ class MultiLoRALinear(nn.Module):
         for (length, _rank), members in groups.items():
             segs = [plan.segments[i] for i in members]
             lora_a = torch.stack([s.adapter.weights[self.name][0] for s in segs])  # [S, r, in]
-            # alpha/rank folded into the small B, not the [tokens, out] delta
-            lora_b = torch.stack([s.adapter.weights[self.name][1] for s in segs]) * segs[0].adapter.scale
+            lora_b = torch.stack([s.adapter.weights[self.name][1] for s in segs])
             if len(segs) == len(plan.segments):  # one group covering the row in order: a view
                 xs = flat.view(len(segs), length, flat.shape[-1])
             else:
                 xs = torch.stack([flat[s.start:s.end] for s in segs])
-            delta = torch.bmm(torch.bmm(xs.to(lora_a.dtype), lora_a.transpose(1, 2)), lora_b.transpose(1, 2))
+            # alpha/rank applied to the rank-sized activations, the smallest tensor here
+            hidden = torch.bmm(xs.to(lora_a.dtype), lora_a.transpose(1, 2)) * segs[0].adapter.scale
+            delta = torch.bmm(hidden, lora_b.transpose(1, 2))
             if len(segs) == len(plan.segments):
                 return out + delta.reshape(out.shape).to(out.dtype)
             for i, d in zip(members, delta.unbind(0)):
