@@ -396,3 +396,13 @@ def open_notebook(
                 for sess in lab.api("GET", "api/sessions"):
                     if sess.get("path") == notebook:
                         lab.api("DELETE", f"api/sessions/{sess['id']}", timeout=15)
+
+
+def write_notebook(path: Path, cells: Sequence[str]) -> None:
+    """A python3 notebook with these code cells, for a test to open."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nbformat.write(nb, path)

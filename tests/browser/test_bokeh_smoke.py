@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
 
+from lab import write_notebook as lab_write_notebook
 from lab import (
     REPO,
     SUBSHELLS_OFF,
     SUBSHELLS_ON,
     LabServer,
-    chromium,
-    jupyter_lab,
     open_notebook,
 )
 
@@ -102,22 +100,7 @@ W.VBox([start, status, clicks, plot])
 
 
 def write_notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(IMPORT_CELL), nbformat.v4.new_code_cell(DASHBOARD_CELL)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nbformat.write(nb, path)
-
-
-@pytest.fixture(scope="module")
-def lab() -> Iterator[LabServer]:
-    with jupyter_lab() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with chromium() as b:
-        yield b
+    lab_write_notebook(path, [IMPORT_CELL, DASHBOARD_CELL])
 
 
 def cycle(page: Any) -> int:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
 
-from lab import ARTIFACTS, SUBSHELLS_OFF, SUBSHELLS_ON, LabServer, chromium, jupyter_lab, open_notebook
+from lab import write_notebook as lab_write_notebook
+from lab import ARTIFACTS, SUBSHELLS_OFF, SUBSHELLS_ON, LabServer, open_notebook
 
 BAD_CONSOLE = (
     r"Could not create a view",
@@ -40,22 +39,7 @@ STATUS_JS = "() => (document.querySelector('.trio-dashboard .trio-status') || {i
 
 
 def write_notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(SETUP)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nbformat.write(nb, path)
-
-
-@pytest.fixture(scope="module")
-def lab() -> Iterator[LabServer]:
-    with jupyter_lab() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with chromium() as b:
-        yield b
+    lab_write_notebook(path, [SETUP])
 
 
 def _number(text: str, word: str) -> int:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 
-from ..errors import InvalidInputError, PoolClosedError, RequestFailedError, UnknownModelError
+from ..errors import InvalidInputError, PoolClosedError, RequestFailedError
 from ..futures import APIFuture
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from .compute import ForwardJob, run_forward_jobs

@@ -87,7 +87,7 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
         value = value.repeat_interleave(n_rep, dim=1)
-    heads, total, dim = query.shape[1], query.shape[2], query.shape[3]
+    heads, total = query.shape[1], query.shape[2]
     groups = plan.length_groups(query.device)
     out = query.new_empty(heads, total, value.shape[-1]) if len(groups) > 1 else None
     for length, index in groups:
