@@ -406,3 +406,14 @@ def write_notebook(path: Path, cells: Sequence[str]) -> None:
     nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
     nbformat.write(nb, path)
+
+
+# Console messages that mean BokehJS or a bokeh view failed in the page.
+BOKEH_ERRORS = (
+    r"Could not create a view",
+    r"Could not create child view",
+    r"BokehJS (does not appear to have successfully loaded|failed to load)",
+    r"Bokeh is not defined",
+    r"reading 'require'",
+    r"Failed to load resource.*bokeh",
+)

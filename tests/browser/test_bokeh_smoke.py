@@ -14,6 +14,7 @@ from typing import Any
 import nbformat
 import pytest
 
+from lab import BOKEH_ERRORS
 from lab import write_notebook as lab_write_notebook
 from lab import (
     REPO,
@@ -23,14 +24,7 @@ from lab import (
     open_notebook,
 )
 
-BAD_CONSOLE = (
-    r"Could not create a view",
-    r"Could not create child view",
-    r"BokehJS (does not appear to have successfully loaded|failed to load)",
-    r"Bokeh is not defined",
-    r"reading 'require'",
-    r"Failed to load resource.*bokeh",
-)
+BAD_CONSOLE = BOKEH_ERRORS
 
 IMPORT_CELL = f"""\
 import importlib.util, sys

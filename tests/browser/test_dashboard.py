@@ -15,16 +15,12 @@ from typing import Any
 
 import pytest
 
+from lab import BOKEH_ERRORS
 from lab import write_notebook as lab_write_notebook
 from lab import ARTIFACTS, SUBSHELLS_OFF, SUBSHELLS_ON, LabServer, open_notebook
 
 BAD_CONSOLE = (
-    r"Could not create a view",
-    r"Could not create child view",
-    r"BokehJS (does not appear to have successfully loaded|failed to load)",
-    r"Bokeh is not defined",
-    r"reading 'require'",
-    r"Failed to load resource.*bokeh",
+    *BOKEH_ERRORS,
     r"Error: .*(bokeh|patch)",
 )
 

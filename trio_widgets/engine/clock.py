@@ -259,9 +259,6 @@ class LocalPool:
         self.telemetry.add_client(ClientInfo(tenant.client_id, kind, tenant.base.name,
                                              label or tenant.client_id, tenant.rank or None))
 
-    def tenant(self, client_id: str) -> Tenant:
-        return self._tenants[client_id]
-
     def retire_tenant(self, client_id: str) -> None:
         """Forget a client (and its adapter) once nothing of it is queued; its client object is gone."""
         with self._clock.cond:
