@@ -116,6 +116,24 @@ def test_grad_clip_clips_only_that_tenant():
         assert not torch.allclose(c, f)
 
 
+def test_overflowing_step_changes_nothing():
+    """A step whose new weights overflow raises, and leaves weights, moments and the pending
+    gradient bitwise as they were; the next sane step then runs from that state."""
+    adapter = LoRAAdapter({"layer": (4, 4)}, rank=2, seed=0, device=torch.device("cpu"))
+    adapter.accumulate({"layer": (torch.full((2, 4), 0.5), torch.full((4, 2), -0.5))})
+    adapter.adamw_step(trio.AdamParams(learning_rate=0.1))
+    with torch.no_grad():
+        adapter.weights["layer"][1].fill_(3.0e38)  # one more step of +lr overflows float32
+    adapter.accumulate({"layer": (torch.full((2, 4), 1.0), torch.full((4, 2), -1.0))})
+    before = [t.clone() for t in (adapter.flat, adapter._grad, *adapter.adam.flat)]
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        adapter.adamw_step(trio.AdamParams(learning_rate=1e38))
+    after = [adapter.flat, adapter._grad, *adapter.adam.flat]
+    assert all(torch.equal(b, a) for b, a in zip(before, after)) and adapter.adam.step == 1
+    adapter.adamw_step(trio.AdamParams(learning_rate=0.1))
+    assert adapter.adam.step == 2 and bool(torch.isfinite(adapter.flat).all())
+
+
 def test_learning_rate_change_between_steps_is_honoured(pool):
     tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=3)
     batch = random_batch(8, n=1, length=10)

@@ -11,7 +11,7 @@ import torch
 
 import trio_widgets as trio
 from conftest import random_batch
-from trio_widgets.engine.models import byte_tokenizer
+from trio_widgets.engine.models import byte_tokenizer, usable_cpus
 
 
 def _save_tiny_qwen2(path) -> None:
@@ -104,3 +104,21 @@ def test_builtin_model_is_deterministic_and_on_cpu_fp32(pool):
 def test_default_model_learns_within_a_few_updates(pool):
     losses = _train(pool, trio.DEFAULT_MODEL, steps=10)
     assert losses[-1] < 0.8 * losses[0]
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "100000 100000\n"}, 1),              # cgroup v2, one CPU (Binder)
+    ({"cpu.max": "150000 100000\n"}, 1),              # 1.5 CPUs: two threads would be throttled
+    ({"cpu.max": "50000 100000\n"}, 1),               # half a CPU still gets one thread
+    ({"cpu.max": "max 100000\n"}, None),              # unlimited: the affinity mask decides
+    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),                                       # no cgroup files at all
+])
+def test_usable_cpus_honours_a_cgroup_quota(tmp_path, files, expected):
+    """os.cpu_count() in a container is the host's; the pool sizes its threads from the quota."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == (min(affinity, expected) if expected is not None else affinity)

@@ -16,7 +16,6 @@ import atexit
 import contextlib
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -31,7 +30,7 @@ from ..futures import APIFuture
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from .compute import ForwardJob, run_forward_jobs
 from .lora import LoRAAdapter
-from .models import BUILTIN_MODELS, BaseModel, load_base_model, resolve_device
+from .models import BUILTIN_MODELS, BaseModel, load_base_model, resolve_device, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,7 @@ class LocalPool:
         if self.device.type == "cpu" and torch_threads is not None:
             # Small per-cycle ops on a shared machine (kernel, server, browser) run far
             # steadier on half the cores: OpenMP spin-waits collapse under contention.
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2) if torch_threads == "auto" else int(torch_threads))
+            torch.set_num_threads(max(1, usable_cpus() // 2) if torch_threads == "auto" else int(torch_threads))
         self.max_tokens_per_pass = int(max_tokens_per_pass)
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)

@@ -132,37 +132,39 @@ class _PassResult:
     loss_sum: float
     logprobs: list[torch.Tensor]
     elementwise: list[torch.Tensor]
-    grads: dict[str, tuple[torch.Tensor, torch.Tensor]] | None
+    grads: torch.Tensor | None  # the adapter's flat gradient from this pass
 
 
 def _run_pass(base: BaseModel, jobs: list[ForwardJob], token_budget: int, backward: bool) -> list[_PassResult]:
     results = [_PassResult(0.0, [None] * len(j.data), [None] * len(j.data), None) for j in jobs]
     if backward:
         for job in jobs:
-            job.adapter.zero_param_grads()
-    for batch in _micro_batches(jobs, token_budget):
-        with torch.set_grad_enabled(backward):
-            logps = _target_logprobs(base, jobs, batch)
-            total = None
-            for (j, d), logp in zip(batch, logps):
-                elementwise = _datum_loss(jobs[j], d, logp, base.device)
-                datum_loss = elementwise.sum()
-                results[j].loss_sum += float(datum_loss.detach())
-                results[j].logprobs[d] = logp.detach().float().cpu()
-                results[j].elementwise[d] = elementwise.detach().float().cpu()
-                total = datum_loss if total is None else total + datum_loss
-            if backward and total is not None and total.requires_grad:
-                total.backward()
-    if backward:
-        for job, result in zip(jobs, results):
-            result.grads = job.adapter.take_param_grads()
+            job.adapter.begin_pass()
+    try:
+        for batch in _micro_batches(jobs, token_budget):
+            with torch.set_grad_enabled(backward):
+                logps = _target_logprobs(base, jobs, batch)
+                total = None
+                for (j, d), logp in zip(batch, logps):
+                    elementwise = _datum_loss(jobs[j], d, logp, base.device)
+                    datum_loss = elementwise.sum()
+                    results[j].loss_sum += float(datum_loss.detach())
+                    results[j].logprobs[d] = logp.detach().float().cpu()
+                    results[j].elementwise[d] = elementwise.detach().float().cpu()
+                    total = datum_loss if total is None else total + datum_loss
+                if backward and total is not None and total.requires_grad:
+                    total.backward()
+    finally:  # the adapters let go of the pass's buffers even when the pass breaks
+        if backward:
+            for job, result in zip(jobs, results):
+                result.grads = job.adapter.end_pass()
     return results
 
 
 def _finite(result: _PassResult) -> bool:
     if not math.isfinite(result.loss_sum):
         return False
-    return result.grads is None or all_finite([g for pair in result.grads.values() for g in pair])
+    return result.grads is None or all_finite(result.grads)
 
 
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -22,33 +23,63 @@ class AdamState:
     flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """One reduction instead of a check per tensor (NaN and inf survive the sum of |x|)."""
-    if not tensors:
+def all_finite(tensor: torch.Tensor) -> bool:
+    """One reduction and no temporary (NaN propagates through min/max; a sum could overflow)."""
+    if tensor.numel() == 0:
         return True
-    return bool(torch.isfinite(torch.cat([t.reshape(-1) for t in tensors]).abs().sum()))
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+_scratch = threading.local()
+
+
+def _scratch_vectors(like: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """`count` reusable vectors like `like`, one set per thread (a pool's clock thread):
+    allocating fresh ones of this size costs a page fault per 4 KiB, more than the step."""
+    cache = _scratch.__dict__.setdefault("cache", {})
+    key = (like.numel(), like.dtype, like.device, count)
+    if key not in cache:
+        if len(cache) >= 4:  # a handful of adapter sizes at once; bounded either way
+            cache.pop(next(iter(cache)))
+        cache[key] = [torch.empty_like(like) for _ in range(count)]
+    return cache[key]
 
 
 class LoRAAdapter:
-    """A, B per wrapped linear: A [rank, in] from `seed` (PEFT's kaiming-uniform), B [out, rank] zero."""
+    """A, B per wrapped linear: A [rank, in] from `seed` (PEFT's kaiming-uniform), B [out, rank] zero.
+
+    Every A and B is a view into one flat vector, and so is the gradient: the optimizer
+    step, the finiteness checks and the hand-over of a pass's gradient are then a few
+    whole-vector operations instead of one per tensor (what dominated small adapters).
+    """
 
     def __init__(self, targets: dict[str, tuple[int, int]], rank: int, seed: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, alpha: float = LORA_ALPHA):
-        self.rank = rank
-        self.alpha = alpha
-        self.scale = alpha / rank
-        self.seed = seed
         generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        weights = {}
         for name in sorted(targets):
             fan_in, fan_out = targets[name]
             # kaiming_uniform_(a=sqrt(5)) on [rank, fan_in] draws from U(-1/sqrt(fan_in), 1/sqrt(fan_in))
             bound = 1.0 / math.sqrt(fan_in)
             lora_a = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-            lora_b = torch.zeros(fan_out, rank, dtype=torch.float64)
-            self.weights[name] = (lora_a.to(dtype).to(device).requires_grad_(True),
-                                  lora_b.to(dtype).to(device).requires_grad_(True))
-        self.grad: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # accumulated, until optim_step
+            weights[name] = (lora_a, torch.zeros(fan_out, rank, dtype=torch.float64))
+        self._init(weights, rank, alpha, seed, device, dtype)
+
+    def _init(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: float, seed: int,
+              device: torch.device | str, dtype: torch.dtype) -> None:
+        self.rank = int(rank)
+        self.alpha = float(alpha)
+        self.scale = self.alpha / self.rank
+        self.seed = int(seed)
+        self._shapes = [(name, tuple(a.shape), tuple(b.shape)) for name, (a, b) in sorted(weights.items())]
+        self.flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, pair in sorted(weights.items()) for t in pair])
+        self.flat = self.flat.to(device)
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = self.views(self.flat)
+        self._grad: torch.Tensor | None = None  # accumulated, until optim_step
+        self.pass_grad: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # the running pass's sinks
+        self._pass_flat: torch.Tensor | None = None
+        self._spare_grad: torch.Tensor | None = None
         self.adam = AdamState()
 
     @classmethod
@@ -56,102 +87,96 @@ class LoRAAdapter:
                      seed: int = 0, device: torch.device | str = "cpu") -> "LoRAAdapter":
         """A frozen adapter holding copies of `weights` (A [rank, in], B [out, rank], float32)."""
         adapter = cls.__new__(cls)
-        adapter.rank = int(rank)
-        adapter.alpha = float(alpha)
-        adapter.scale = adapter.alpha / adapter.rank
-        adapter.seed = int(seed)
-        adapter.weights = {
-            name: (a.detach().to(device=device, dtype=torch.float32).clone(),
-                   b.detach().to(device=device, dtype=torch.float32).clone())
-            for name, (a, b) in sorted(weights.items())}
-        adapter.grad = None
-        adapter.adam = AdamState()
+        adapter._init(weights, rank, alpha, seed, device, torch.float32)
         return adapter
 
     def snapshot(self) -> "LoRAAdapter":
         """An immutable copy of the current weights (no gradient, no optimizer state): what a
         sampling client samples from, untouched by later training."""
-        return LoRAAdapter.from_weights(self.weights, self.rank, self.alpha, self.seed, self.parameters()[0].device)
+        return LoRAAdapter.from_weights(self.weights, self.rank, self.alpha, self.seed, self.flat.device)
 
-    # -- parameters ------------------------------------------------------------
+    def views(self, vector: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`vector` (laid out like `flat`) as name -> (A-shaped view, B-shaped view)."""
+        sizes = [math.prod(shape) for _, sa, sb in self._shapes for shape in (sa, sb)]
+        parts = vector.split(sizes)
+        return {name: (parts[2 * i].view(sa), parts[2 * i + 1].view(sb))
+                for i, (name, sa, sb) in enumerate(self._shapes)}
+
+    def flatten(self, tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for name, _, _ in self._shapes for t in tensors[name]])
+
+    # -- gradients ---------------------------------------------------------------
     def parameters(self) -> list[torch.Tensor]:
         return [t for pair in self.weights.values() for t in pair]
 
-    def zero_param_grads(self) -> None:
-        for p in self.parameters():
-            p.grad = None
+    @property
+    def grad(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """The gradient accumulated since the last optim_step (views), or None."""
+        return None if self._grad is None else self.views(self._grad)
 
-    def take_param_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """The gradient the last backward left on the parameters (zeros where none flowed).
+    def begin_pass(self) -> None:
+        """Give the next backward a zeroed flat buffer to add this adapter's gradient into."""
+        buffer, self._spare_grad = self._spare_grad, None
+        self._pass_flat = buffer.zero_() if buffer is not None else torch.zeros_like(self.flat)
+        self.pass_grad = self.views(self._pass_flat)
 
-        The buffers autograd made are handed over, not copied: the parameters let go of them.
-        """
-        out = {}
-        for name, (a, b) in self.weights.items():
-            ga = a.grad if a.grad is not None else torch.zeros_like(a)
-            gb = b.grad if b.grad is not None else torch.zeros_like(b)
-            out[name] = (ga, gb)
-        self.zero_param_grads()
-        return out
+    def end_pass(self) -> torch.Tensor:
+        """The gradient the pass's backward left (flat); the adapter lets go of the buffer."""
+        assert self._pass_flat is not None, "end_pass() without begin_pass()"
+        grad, self._pass_flat, self.pass_grad = self._pass_flat, None, None
+        return grad
 
-    def accumulate(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self.grad is None:
-            self.grad = grads
-            return
-        self.grad = {n: (ga + grads[n][0], gb + grads[n][1]) for n, (ga, gb) in self.grad.items()}
-
+    def accumulate(self, grads: torch.Tensor | dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        flat = grads if isinstance(grads, torch.Tensor) else self.flatten(grads)
+        if self._grad is None:
+            self._grad = flat
+        else:
+            self._grad.add_(flat)
+            self._spare_grad = flat  # reused by the next pass (buffers this size are slow to allocate)
 
     # -- optimizer ---------------------------------------------------------------
     def adamw_step(self, params: AdamParams) -> dict[str, float]:
         """torch.optim.AdamW's update (decoupled weight decay), with this call's hyperparameters.
 
-        All new tensors are computed first and swapped in only at the end, so an
-        exception leaves weights and moments as they were.
+        The update runs on scratch copies and is copied back only when every new weight is
+        finite, so a failed step leaves weights, moments and the pending gradient as they were.
         """
-        grads = self.grad if self.grad is not None else {
-            n: (torch.zeros_like(a), torch.zeros_like(b)) for n, (a, b) in self.weights.items()}
         step = self.adam.step + 1
-        b1, b2, lr, eps, wd = params.beta1, params.beta2, params.learning_rate, params.eps, params.weight_decay
-        names = list(self.weights)
-        ps = [t for n in names for t in self.weights[n]]
-        sizes = [p.numel() for p in ps]
-
-        def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([t.reshape(-1) for t in tensors])
-
-        # One flat vector per quantity and torch's fused AdamW kernel: a few passes over
-        # memory per step instead of a dozen ops per tensor (what dominated small adapters).
-        # It updates in place, so it runs on fresh vectors; the weights are copied back
-        # only once every new value is known to be finite.
         with torch.no_grad():
-            g = flat([t for n in names for t in grads[n]])
-            norm = float(g.norm(dtype=torch.float64))
-            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-                g = g * (params.grad_clip_norm / (norm + 1e-6))
-            if self.adam.flat is not None:
-                m, v = self.adam.flat[0].clone(), self.adam.flat[1].clone()
-            elif self.adam.exp_avg:
-                m = flat([t for n in names for t in self.adam.exp_avg[n]])
-                v = flat([t for n in names for t in self.adam.exp_avg_sq[n]])
+            w, m, v, g = _scratch_vectors(self.flat, 4)
+            if self._grad is None:
+                g.zero_()
             else:
-                m, v = torch.zeros_like(g), torch.zeros_like(g)
-            w = flat(ps)
+                g.copy_(self._grad)
+            norm = float(torch.linalg.vector_norm(g))
+            if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
+                g.mul_(params.grad_clip_norm / (norm + 1e-6))
+            if self.adam.flat is not None:
+                m.copy_(self.adam.flat[0])
+                v.copy_(self.adam.flat[1])
+            elif self.adam.exp_avg:
+                m.copy_(self.flatten(self.adam.exp_avg))
+                v.copy_(self.flatten(self.adam.exp_avg_sq))
+            else:
+                m.zero_()
+                v.zero_()
+            w.copy_(self.flat)
+            # torch's fused AdamW kernel: one pass over memory for the whole adapter
             torch._fused_adamw_([w], [g], [m], [v], [], [torch.tensor(float(step), device=w.device)],
-                                lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
-            # nothing is overwritten until every new value is known to be finite
-            if not bool(torch.isfinite(w.sum())):
+                                lr=params.learning_rate, beta1=params.beta1, beta2=params.beta2,
+                                weight_decay=params.weight_decay, eps=params.eps, amsgrad=False, maximize=False)
+            if not all_finite(w):
                 raise FloatingPointError("optim_step produced non-finite weights")
-            torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(w.split(sizes), ps)])
-
-        def pairs(vector: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-            parts = [x.view_as(p) for x, p in zip(vector.split(sizes), ps)]
-            return {n: (parts[2 * i], parts[2 * i + 1]) for i, n in enumerate(names)}
-
-        new_m, new_v = pairs(m), pairs(v)
-        self.adam.exp_avg, self.adam.exp_avg_sq, self.adam.step = new_m, new_v, step
-        self.adam.flat = (m, v)
-        self.grad = None
-        return {"grad_norm:mean": norm, "learning_rate:mean": lr, "step:max": float(step)}
+            self.flat.copy_(w)
+            if self.adam.flat is None:
+                self.adam.flat = (m.clone(), v.clone())
+                self.adam.exp_avg, self.adam.exp_avg_sq = self.views(self.adam.flat[0]), self.views(self.adam.flat[1])
+            else:  # in place: exp_avg / exp_avg_sq stay views of them
+                self.adam.flat[0].copy_(m)
+                self.adam.flat[1].copy_(v)
+        self.adam.step = step
+        self._spare_grad, self._grad = self._grad, None
+        return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate, "step:max": float(step)}
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -174,7 +199,7 @@ class LoRAAdapter:
             for name, (a, b) in self.weights.items():
                 a.copy_(state["weights"][name][0])
                 b.copy_(state["weights"][name][1])
-        device = self.parameters()[0].device
+        device = self.flat.device
         if with_optimizer:
             self.adam = AdamState(
                 step=int(state["adam_step"]),
@@ -183,4 +208,4 @@ class LoRAAdapter:
             )
         else:
             self.adam = AdamState()
-        self.grad = None
+        self._grad = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,6 +77,35 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may really use: its affinity mask, capped by a cgroup CPU quota.
+
+    Binder and docker limits leave `os.cpu_count()` at the host's count (often 16-64),
+    and that many OpenMP threads on a 1-CPU quota is many times slower than one.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cpus, int(quota))) if quota is not None else max(1, cpus)
+
+
+def _cgroup_cpu_quota(root: Path) -> float | None:
+    """CPUs' worth of quota from cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`); None if unlimited."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _classify(name: str) -> LoRAKind | None:

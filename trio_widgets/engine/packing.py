@@ -110,6 +110,53 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
 
 
+class _GroupedLoRA(torch.autograd.Function):
+    """base + scale * x A^T B^T for a stack of segments, each with its own (A, B).
+
+    The backward adds dA and dB straight into each adapter's pass-gradient buffer, so the
+    weights are never autograd leaves: a cycle of many small tenants then pays no
+    per-tenant stack, unbind and AccumulateGrad nodes in every layer.
+    """
+
+    @staticmethod
+    def forward(ctx, base, xs, lora_a, lora_b, anchor, scale, sinks):
+        hidden = torch.bmm(xs, lora_a.transpose(1, 2)).mul_(scale)
+        ctx.save_for_backward(xs, lora_a, lora_b, hidden)
+        ctx.scale, ctx.sinks = scale, sinks
+        return _add_up(base, hidden, lora_b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xs, lora_a, lora_b, hidden = ctx.saved_tensors
+        grad_hidden = torch.bmm(grad_out, lora_b).mul_(ctx.scale)  # d/d(x A^T)
+        sinks_a, sinks_b = ctx.sinks
+        torch._foreach_add_(sinks_b, list(torch.bmm(grad_out.transpose(1, 2), hidden).unbind(0)))
+        torch._foreach_add_(sinks_a, list(torch.bmm(grad_hidden.transpose(1, 2), xs).unbind(0)))
+        grad_xs = torch.bmm(grad_hidden, lora_a) if ctx.needs_input_grad[1] else None
+        grad_base = grad_out if ctx.needs_input_grad[0] else None
+        return grad_base, grad_xs, None, None, None, None, None
+
+
+def _add_up(base: torch.Tensor | None, hidden: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    # baddbmm adds into the base output inside the matmul: no delta-sized temporary
+    up = lora_b.transpose(1, 2)
+    return torch.bmm(hidden, up) if base is None else torch.baddbmm(base, hidden, up)
+
+
+def lora_delta(base: torch.Tensor | None, xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+               sinks: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> torch.Tensor:
+    """base + LoRA delta (just the delta when `base` is None), per segment: xs [S, L, in],
+    lora_a [S, r, in], lora_b [S, out, r], base [S, L, out]. With `sinks` (per segment,
+    views of its adapter's pass gradient for A and B) a backward fills them."""
+    if sinks is None or not torch.is_grad_enabled():
+        # alpha/rank applied to the rank-sized activations, the smallest tensor here
+        return _add_up(base, torch.bmm(xs, lora_a.transpose(1, 2)) * scale, lora_b)
+    # The weights are plain tensors; this leaf makes the output need a backward even where
+    # the input does not (the first layer's input comes from the frozen embedding).
+    anchor = torch.zeros((), device=xs.device, requires_grad=True)
+    return _GroupedLoRA.apply(base, xs, lora_a, lora_b, anchor, scale, sinks)
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen linear layer plus, per segment, that segment's tenant's LoRA delta."""
 
@@ -148,16 +195,25 @@ class MultiLoRALinear(nn.Module):
         pieces: list[torch.Tensor | None] = [None] * len(plan.segments)
         for (length, _rank), members in groups.items():
             segs = [plan.segments[i] for i in members]
-            lora_a = torch.stack([s.adapter.weights[self.name][0] for s in segs])  # [S, r, in]
-            lora_b = torch.stack([s.adapter.weights[self.name][1] for s in segs])
-            if len(segs) == len(plan.segments):  # one group covering the row in order: a view
-                xs = flat.view(len(segs), length, flat.shape[-1])
+            pairs = [s.adapter.weights[self.name] for s in segs]
+            if len(segs) == 1:
+                lora_a, lora_b = pairs[0][0][None], pairs[0][1][None]
             else:
-                xs = torch.stack([flat[s.start:s.end] for s in segs])
-            # alpha/rank applied to the rank-sized activations, the smallest tensor here
-            hidden = torch.bmm(xs.to(lora_a.dtype), lora_a.transpose(1, 2)) * segs[0].adapter.scale
-            delta = torch.bmm(hidden, lora_b.transpose(1, 2))
-            if len(segs) == len(plan.segments):
+                lora_a = torch.stack([a for a, _ in pairs])  # [S, r, in]
+                lora_b = torch.stack([b for _, b in pairs])  # [S, out, r]
+            sinks = None
+            if all(s.adapter.pass_grad is not None for s in segs):
+                grads = [s.adapter.pass_grad[self.name] for s in segs]
+                sinks = ([ga for ga, _ in grads], [gb for _, gb in grads])
+            whole_row = len(segs) == len(plan.segments)  # one group covering the row in order: a view
+            xs = flat.view(len(segs), length, flat.shape[-1]) if whole_row else torch.stack(
+                [flat[s.start:s.end] for s in segs])
+            if whole_row and out.dtype == lora_a.dtype:
+                fused = lora_delta(out.view(len(segs), length, out.shape[-1]), xs, lora_a, lora_b,
+                                   segs[0].adapter.scale, sinks)
+                return fused.view(out.shape)
+            delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale, sinks)
+            if whole_row:
                 return out + delta.reshape(out.shape).to(out.dtype)
             for i, d in zip(members, delta.unbind(0)):
                 pieces[i] = d.to(out.dtype)

@@ -228,6 +228,7 @@ class Dashboard(W.VBox):
         self._diagnoses: dict[str, Diagnosis] = {}
         self._status_text = ""
         self._advisor_text = ""
+        self._advised_at = float("-inf")
         self._expect_views = 0
         self._ready_seen = 0
         self._displayed_at: float | None = None
@@ -454,7 +455,8 @@ class Dashboard(W.VBox):
                 self._fb_cycles.setdefault(r.client_id, deque(maxlen=17)).append(r.cycle)
         now = time.perf_counter()
         self._rates.append((now, self.pool.telemetry.total_tokens))
-        if self.ticks % max(1, int(self.refresh_hz)) == 1 or self.refresh_hz < 1:
+        if now - self._advised_at >= 1.0:  # the advisor reads whole buffers: once a second
+            self._advised_at = now
             self._update_advisor()
         self._update_status()
         self._update_buttons()
