@@ -64,7 +64,7 @@ def test_packed_logits_equal_plain_model_with_gqa(tmp_path):
     job = ForwardJob(adapter=None, data=prepare_data(batch, base, "cross_entropy"), loss_fn="cross_entropy",
                      config={}, backward=False)
     with torch.no_grad():
-        packed = _target_logprobs(base, [job], [(0, i) for i in range(len(batch))])
+        packed, _plan = _target_logprobs(base, [job], [(0, i) for i in range(len(batch))])
         for datum, logp in zip(batch, packed):
             logits = plain(input_ids=torch.tensor([datum.model_input.to_ints()])).logits[0]
             targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)

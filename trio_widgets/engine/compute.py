@@ -72,8 +72,10 @@ def _micro_batches(jobs: list[ForwardJob], token_budget: int) -> list[list[tuple
     return batches
 
 
-def _target_logprobs(base: BaseModel, jobs: list[ForwardJob], batch: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """One packed forward; returns the log-probability of each datum's targets."""
+def _target_logprobs(base: BaseModel, jobs: list[ForwardJob],
+                     batch: list[tuple[int, int]]) -> tuple[list[torch.Tensor], PackPlan]:
+    """One packed forward; returns the log-probability of each datum's targets, and the plan
+    (whose `flush_grads` hands the adapters their gradients after a backward)."""
     data = [jobs[j].data[d] for j, d in batch]
     lengths = [x.length for x in data]
     ids = torch.cat([x.input_ids for x in data]).to(base.device)
@@ -86,11 +88,12 @@ def _target_logprobs(base: BaseModel, jobs: list[ForwardJob], batch: list[tuple[
         else:
             segments.append(Segment(start, start + n, jobs[j].adapter))
         start += n
-    with active_plan(PackPlan(segments=segments, seq_lens=lengths)):
+    plan = PackPlan(segments=segments, seq_lens=lengths)
+    with active_plan(plan):
         logits = base.model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
     targets = torch.cat([x.target_tokens for x in data]).to(base.device)
     logp = -F.cross_entropy(logits.float(), targets, reduction="none")  # one op for the whole row
-    return list(logp.split(lengths))
+    return list(logp.split(lengths)), plan
 
 
 def _datum_loss(job: ForwardJob, d: int, logp: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -107,7 +110,7 @@ def _run_custom_loss(base: BaseModel, job: ForwardJob, token_budget: int) -> Non
     with torch.no_grad():
         logps: list[torch.Tensor] = []
         for batch in _micro_batches([job], token_budget):
-            logps.extend(_target_logprobs(base, [job], batch))
+            logps.extend(_target_logprobs(base, [job], batch)[0])
     leaves = [lp.detach().cpu().float().requires_grad_(True) for lp in logps]
     try:
         loss, metrics = job.custom_fn(job.raw_data, leaves)
@@ -143,7 +146,7 @@ def _run_pass(base: BaseModel, jobs: list[ForwardJob], token_budget: int, backwa
     try:
         for batch in _micro_batches(jobs, token_budget):
             with torch.set_grad_enabled(backward):
-                logps = _target_logprobs(base, jobs, batch)
+                logps, plan = _target_logprobs(base, jobs, batch)
                 total = None
                 for (j, d), logp in zip(batch, logps):
                     elementwise = _datum_loss(jobs[j], d, logp, base.device)
@@ -154,6 +157,7 @@ def _run_pass(base: BaseModel, jobs: list[ForwardJob], token_budget: int, backwa
                     total = datum_loss if total is None else total + datum_loss
                 if backward and total is not None and total.requires_grad:
                     total.backward()
+                    plan.flush_grads()
     finally:  # the adapters let go of the pass's buffers even when the pass breaks
         if backward:
             for job, result in zip(jobs, results):

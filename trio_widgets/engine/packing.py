@@ -45,6 +45,19 @@ class PackPlan:
     # [batch, length] tensor whose attention needs no special handling (sampling).
     seq_lens: list[int] | None = None
     _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
+    # (stacked A and B leaves of one layer's group, the adapters' gradient views they feed)
+    grad_leaves: list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(
+        default_factory=list, repr=False)
+
+    def flush_grads(self) -> None:
+        """Add what the backward left on this pass's stacked LoRA weights into each adapter's
+        pass buffer. Done after the backward, not inside it, so that the backward runs
+        entirely in C++ and never waits for the GIL (a notebook's kernel thread holds it)."""
+        for leaves, sinks in self.grad_leaves:
+            for leaf, sink in zip(leaves, sinks):
+                if leaf.grad is not None:
+                    torch._foreach_add_(sink, list(leaf.grad.unbind(0)))
+        self.grad_leaves.clear()
 
     def length_groups(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
         """Sequences grouped by length, as (length, token index or None if contiguous)."""
@@ -110,51 +123,15 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention)
 
 
-class _GroupedLoRA(torch.autograd.Function):
-    """base + scale * x A^T B^T for a stack of segments, each with its own (A, B).
-
-    The backward adds dA and dB straight into each adapter's pass-gradient buffer, so the
-    weights are never autograd leaves: a cycle of many small tenants then pays no
-    per-tenant stack, unbind and AccumulateGrad nodes in every layer.
-    """
-
-    @staticmethod
-    def forward(ctx, base, xs, lora_a, lora_b, anchor, scale, sinks):
-        hidden = torch.bmm(xs, lora_a.transpose(1, 2)).mul_(scale)
-        ctx.save_for_backward(xs, lora_a, lora_b, hidden)
-        ctx.scale, ctx.sinks = scale, sinks
-        return _add_up(base, hidden, lora_b)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        xs, lora_a, lora_b, hidden = ctx.saved_tensors
-        grad_hidden = torch.bmm(grad_out, lora_b).mul_(ctx.scale)  # d/d(x A^T)
-        sinks_a, sinks_b = ctx.sinks
-        torch._foreach_add_(sinks_b, list(torch.bmm(grad_out.transpose(1, 2), hidden).unbind(0)))
-        torch._foreach_add_(sinks_a, list(torch.bmm(grad_hidden.transpose(1, 2), xs).unbind(0)))
-        grad_xs = torch.bmm(grad_hidden, lora_a) if ctx.needs_input_grad[1] else None
-        grad_base = grad_out if ctx.needs_input_grad[0] else None
-        return grad_base, grad_xs, None, None, None, None, None
-
-
-def _add_up(base: torch.Tensor | None, hidden: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
-    # baddbmm adds into the base output inside the matmul: no delta-sized temporary
-    up = lora_b.transpose(1, 2)
-    return torch.bmm(hidden, up) if base is None else torch.baddbmm(base, hidden, up)
-
-
-def lora_delta(base: torch.Tensor | None, xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
-               sinks: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> torch.Tensor:
+def lora_delta(base: torch.Tensor | None, xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               scale: float) -> torch.Tensor:
     """base + LoRA delta (just the delta when `base` is None), per segment: xs [S, L, in],
-    lora_a [S, r, in], lora_b [S, out, r], base [S, L, out]. With `sinks` (per segment,
-    views of its adapter's pass gradient for A and B) a backward fills them."""
-    if sinks is None or not torch.is_grad_enabled():
-        # alpha/rank applied to the rank-sized activations, the smallest tensor here
-        return _add_up(base, torch.bmm(xs, lora_a.transpose(1, 2)) * scale, lora_b)
-    # The weights are plain tensors; this leaf makes the output need a backward even where
-    # the input does not (the first layer's input comes from the frozen embedding).
-    anchor = torch.zeros((), device=xs.device, requires_grad=True)
-    return _GroupedLoRA.apply(base, xs, lora_a, lora_b, anchor, scale, sinks)
+    lora_a [S, r, in], lora_b [S, out, r], base [S, L, out]."""
+    # alpha/rank applied to the rank-sized activations, the smallest tensor here
+    hidden = torch.bmm(xs, lora_a.transpose(1, 2)) * scale
+    up = lora_b.transpose(1, 2)
+    # baddbmm adds into the base output inside the matmul: no delta-sized temporary
+    return torch.bmm(hidden, up) if base is None else torch.baddbmm(base, hidden, up)
 
 
 class MultiLoRALinear(nn.Module):
@@ -201,18 +178,20 @@ class MultiLoRALinear(nn.Module):
             else:
                 lora_a = torch.stack([a for a, _ in pairs])  # [S, r, in]
                 lora_b = torch.stack([b for _, b in pairs])  # [S, out, r]
-            sinks = None
-            if all(s.adapter.pass_grad is not None for s in segs):
+            if torch.is_grad_enabled() and all(s.adapter.pass_grad is not None for s in segs):
+                # This pass's stacked weights are autograd leaves; their gradients go to the
+                # adapters in `flush_grads`, so no per-tenant node is in the graph.
+                lora_a, lora_b = lora_a.detach().requires_grad_(), lora_b.detach().requires_grad_()
                 grads = [s.adapter.pass_grad[self.name] for s in segs]
-                sinks = ([ga for ga, _ in grads], [gb for _, gb in grads])
+                plan.grad_leaves.append(((lora_a, lora_b), ([ga for ga, _ in grads], [gb for _, gb in grads])))
             whole_row = len(segs) == len(plan.segments)  # one group covering the row in order: a view
             xs = flat.view(len(segs), length, flat.shape[-1]) if whole_row else torch.stack(
                 [flat[s.start:s.end] for s in segs])
             if whole_row and out.dtype == lora_a.dtype:
                 fused = lora_delta(out.view(len(segs), length, out.shape[-1]), xs, lora_a, lora_b,
-                                   segs[0].adapter.scale, sinks)
+                                   segs[0].adapter.scale)
                 return fused.view(out.shape)
-            delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale, sinks)
+            delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale)
             if whole_row:
                 return out + delta.reshape(out.shape).to(out.dtype)
             for i, d in zip(members, delta.unbind(0)):
