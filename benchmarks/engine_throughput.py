@@ -28,7 +28,8 @@ import trio_widgets as trio
 from trio_widgets.client import prepare_data
 from trio_widgets.engine.compute import ForwardJob, run_forward_jobs
 from trio_widgets.engine.lora import LoRAAdapter
-from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model, resolve_device, usable_cpus
+from trio_widgets.engine.models import (DEFAULT_MODEL, _build_builtin, auto_torch_threads, load_base_model,
+                                        resolve_device, usable_cpus)
 
 TENANTS, SEQS, LENGTH, RANK = 8, 2, 64, 32
 ADAM = trio.AdamParams(learning_rate=1e-4)
@@ -67,8 +68,8 @@ def side_by_side(fns: dict[str, callable], reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def arms(threads: int | str, reps: int) -> tuple[int, dict[str, float]]:
-    """(torch threads used, median seconds per arm) for (a) and (b)."""
+def arms(threads: int, reps: int) -> dict[str, float]:
+    """Median seconds per arm for (a) and (b), at `threads` torch threads."""
     # Idle pool: only here to apply the pool's CPU thread setting to the direct runs.
     pool = trio.LocalPool(min_cycle_s=1.0, torch_threads=threads)
     base = load_base_model(DEFAULT_MODEL, pool.device)
@@ -108,9 +109,8 @@ def arms(threads: int | str, reps: int) -> tuple[int, dict[str, float]]:
 
     t = side_by_side({"joint": joint, "sequential": sequential, "fused": fused,
                       "plain_joint": plain_joint, "plain_sequential": plain_sequential}, reps)
-    used = torch.get_num_threads()
     pool.close()
-    return used, t
+    return t
 
 
 def clock_overhead(threads: int | str) -> tuple[float, float, float]:
@@ -146,22 +146,19 @@ def main() -> None:
                         help="comma-separated torch CPU thread counts: numbers, 'auto' (the pool's default) "
                              "or 'all' (every usable CPU)")
     args = parser.parse_args()
-    settings: list[int | str] = []
+    named = {"auto": auto_torch_threads(), "all": usable_cpus()}
+    settings: list[int] = []  # resolved first: "auto" and "all" coincide on a 1-2 CPU machine
     for item in args.threads.split(","):
-        value: int | str = item if item == "auto" else usable_cpus() if item == "all" else int(item)
+        value = named[item] if item in named else int(item)
         if value not in settings:
             settings.append(value)
 
     device = resolve_device("auto")
     print(f"torch {torch.__version__}, device {device}, {usable_cpus()} usable CPU(s); {TENANTS} tenants x "
           f"{SEQS}x{LENGTH} tokens, rank {RANK}; medians of {args.reps} interleaved reps")
-    done: set[int] = set()
     for threads in settings:
-        used, t = arms(threads, args.reps)
-        if used in done:  # "auto" and "all" coincide on a 1-2 CPU machine's count
-            continue
-        done.add(used)
-        label = f"{used} torch thread(s){' (pool default)' if threads == 'auto' else ''}"
+        t = arms(threads, args.reps)
+        label = f"{threads} torch thread(s){' (pool default)' if threads == named['auto'] else ''}"
         speedup, ceiling = t["sequential"] / t["joint"], t["plain_sequential"] / t["plain_joint"]
         print(f"[{label}]")
         print(f"(a) joint cycle {t['joint'] * 1e3:7.1f} ms | sequential {t['sequential'] * 1e3:7.1f} ms | "

@@ -30,7 +30,7 @@ from ..futures import APIFuture
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from .compute import ForwardJob, run_forward_jobs
 from .lora import LoRAAdapter
-from .models import BUILTIN_MODELS, BaseModel, load_base_model, resolve_device, usable_cpus
+from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +162,7 @@ class LocalPool:
         self.min_cycle_s = float(min_cycle_s)
         self.device = resolve_device(device)
         if self.device.type == "cpu" and torch_threads is not None:
-            # Small per-cycle ops on a shared machine (kernel, server, browser) run far
-            # steadier on half the cores: OpenMP spin-waits collapse under contention.
-            torch.set_num_threads(max(1, usable_cpus() // 2) if torch_threads == "auto" else int(torch_threads))
+            torch.set_num_threads(auto_torch_threads() if torch_threads == "auto" else int(torch_threads))
         self.max_tokens_per_pass = int(max_tokens_per_pass)
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)

@@ -73,8 +73,9 @@ class LoRAAdapter:
         self.scale = self.alpha / self.rank
         self.seed = int(seed)
         self._shapes = [(name, tuple(a.shape), tuple(b.shape)) for name, (a, b) in sorted(weights.items())]
-        self.flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, pair in sorted(weights.items()) for t in pair])
-        self.flat = self.flat.to(device)
+        self._sizes = [math.prod(shape) for _, sa, sb in self._shapes for shape in (sa, sb)]
+        self.flat = torch.cat([t.detach().reshape(-1).to(dtype) for _, pair in sorted(weights.items())
+                               for t in pair]).to(device)
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = self.views(self.flat)
         self._grad: torch.Tensor | None = None  # accumulated, until optim_step
         self.pass_grad: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # the running pass's sinks
@@ -97,8 +98,7 @@ class LoRAAdapter:
 
     def views(self, vector: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """`vector` (laid out like `flat`) as name -> (A-shaped view, B-shaped view)."""
-        sizes = [math.prod(shape) for _, sa, sb in self._shapes for shape in (sa, sb)]
-        parts = vector.split(sizes)
+        parts = vector.split(self._sizes)
         return {name: (parts[2 * i].view(sa), parts[2 * i + 1].view(sb))
                 for i, (name, sa, sb) in enumerate(self._shapes)}
 
@@ -106,9 +106,6 @@ class LoRAAdapter:
         return torch.cat([t.reshape(-1) for name, _, _ in self._shapes for t in tensors[name]])
 
     # -- gradients ---------------------------------------------------------------
-    def parameters(self) -> list[torch.Tensor]:
-        return [t for pair in self.weights.values() for t in pair]
-
     @property
     def grad(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
         """The gradient accumulated since the last optim_step (views), or None."""

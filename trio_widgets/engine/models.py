@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -91,6 +91,13 @@ def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
         cpus = os.cpu_count() or 1
     quota = _cgroup_cpu_quota(cgroup_root)
     return max(1, min(cpus, int(quota))) if quota is not None else max(1, cpus)
+
+
+def auto_torch_threads() -> int:
+    """`LocalPool(torch_threads="auto")` on CPU: half the usable CPUs. Small per-cycle ops on
+    a shared machine (kernel, server, browser) run far steadier so: OpenMP spin-waits
+    collapse under contention."""
+    return max(1, usable_cpus() // 2)
 
 
 def _cgroup_cpu_quota(root: Path) -> float | None:

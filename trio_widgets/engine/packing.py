@@ -45,18 +45,16 @@ class PackPlan:
     # [batch, length] tensor whose attention needs no special handling (sampling).
     seq_lens: list[int] | None = None
     _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
-    # (stacked A and B leaves of one layer's group, the adapters' gradient views they feed)
-    grad_leaves: list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[list[torch.Tensor], list[torch.Tensor]]]] = field(
-        default_factory=list, repr=False)
+    # (a stacked A or B leaf of one layer's segment group, the adapters' gradient views it feeds)
+    grad_leaves: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
 
     def flush_grads(self) -> None:
         """Add what the backward left on this pass's stacked LoRA weights into each adapter's
         pass buffer. Done after the backward, not inside it, so that the backward runs
         entirely in C++ and never waits for the GIL (a notebook's kernel thread holds it)."""
-        for leaves, sinks in self.grad_leaves:
-            for leaf, sink in zip(leaves, sinks):
-                if leaf.grad is not None:
-                    torch._foreach_add_(sink, list(leaf.grad.unbind(0)))
+        for leaf, sinks in self.grad_leaves:
+            if leaf.grad is not None:
+                torch._foreach_add_(sinks, list(leaf.grad.unbind(0)))
         self.grad_leaves.clear()
 
     def length_groups(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
@@ -183,17 +181,15 @@ class MultiLoRALinear(nn.Module):
                 # adapters in `flush_grads`, so no per-tenant node is in the graph.
                 lora_a, lora_b = lora_a.detach().requires_grad_(), lora_b.detach().requires_grad_()
                 grads = [s.adapter.pass_grad[self.name] for s in segs]
-                plan.grad_leaves.append(((lora_a, lora_b), ([ga for ga, _ in grads], [gb for _, gb in grads])))
+                plan.grad_leaves += [(lora_a, [ga for ga, _ in grads]), (lora_b, [gb for _, gb in grads])]
             whole_row = len(segs) == len(plan.segments)  # one group covering the row in order: a view
             xs = flat.view(len(segs), length, flat.shape[-1]) if whole_row else torch.stack(
                 [flat[s.start:s.end] for s in segs])
-            if whole_row and out.dtype == lora_a.dtype:
-                fused = lora_delta(out.view(len(segs), length, out.shape[-1]), xs, lora_a, lora_b,
-                                   segs[0].adapter.scale)
-                return fused.view(out.shape)
+            if whole_row:  # (the .to()s are no-ops in fp32; a bf16 base adds in fp32, rounds once)
+                fused = lora_delta(out.view(len(segs), length, out.shape[-1]).to(lora_a.dtype),
+                                   xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale)
+                return fused.view(out.shape).to(out.dtype)
             delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale)
-            if whole_row:
-                return out + delta.reshape(out.shape).to(out.dtype)
             for i, d in zip(members, delta.unbind(0)):
                 pieces[i] = d.to(out.dtype)
         for i, seg in enumerate(plan.segments):
