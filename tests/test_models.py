@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trio_widgets as trio
+from numerics import assert_fp32_close, model_terms
 from conftest import random_batch
 from trio_widgets.engine.models import byte_tokenizer, usable_cpus
 
@@ -69,7 +70,8 @@ def test_packed_logits_equal_plain_model_with_gqa(tmp_path):
             logits = plain(input_ids=torch.tensor([datum.model_input.to_ints()])).logits[0]
             targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)
             expected = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
-            torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+            assert_fp32_close(logp, expected, model_terms(plain.config, datum.model_input.length),
+                              "packed logprobs vs the plain model's")
 
 
 def test_model_from_the_local_hf_cache(tmp_path):

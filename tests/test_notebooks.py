@@ -30,6 +30,8 @@ import nbformat
 import psutil
 import pytest
 
+from numerics import fp32_tolerance, model_terms, tiny_config
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
@@ -97,8 +99,14 @@ def check_03(text: str) -> None:
         assert int(period) == 1, f"{name}: {period} cycles per update in the shared pool"
     packed, busy = _floats(r"(\d+) of (\d+) busy cycles ran every run's forward_backward in one packed pass", text)
     assert packed >= 0.5 * busy
-    (diff,) = _floats(r"largest difference in loss over \d+ updates: ([\d.e+-]+)", text)
-    assert diff < 1e-4, f"shared-pool run differs from the solo run by {diff}"
+    shared, alone = (float(x) for x in re.search(r"shared pool: ([\d.]+).*\n.*alone: +([\d.]+)", text).groups())
+    (first,) = _floats(r"first update, from the same weights: shared vs alone differ by ([\d.e+-]+)", text)
+    drift, seeds = _floats(r"shared vs alone ([\d.e+-]+); alone, seed 0 vs seed 1: ([\d.e+-]+)", text)
+    # Loss per answer token of one update: a sum through the model and over the batch's tokens,
+    # printed to 4 decimals (hence the 5e-5 of print rounding on top).
+    assert first <= fp32_tolerance(max(shared, alone), model_terms(tiny_config(), 16, batch_tokens=16 * 8)) + 5e-5
+    # Rounding-level drift stays far below a real difference (another LoRA seed).
+    assert drift < 0.01 * seeds, f"shared vs alone drift {drift} is not small next to seed 0 vs 1: {seeds}"
 
 
 def check_04(text: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trio_widgets as trio
+from numerics import assert_fp32_close, model_terms, tiny_config
 from trio_widgets.engine.models import _build_builtin
 
 PROMPT = [3 + b for b in b"The cat "]  # byte tokenizer: token = byte + 3
@@ -121,15 +122,16 @@ def test_sampled_logprobs_equal_compute_logprobs(trained, reference, params):
     res = sc.sample(PROMPT, 3, params, include_prompt_logprobs=True).result()
     prompt_lp = sc.compute_logprobs(PROMPT).result()
     assert prompt_lp[0] is None and res.prompt_logprobs[0] is None
-    assert torch.allclose(torch.tensor(res.prompt_logprobs[1:]), torch.tensor(prompt_lp[1:]), atol=1e-5, rtol=0)
+    terms = model_terms(tiny_config(), len(PROMPT) + params.max_tokens)
+    assert_fp32_close(res.prompt_logprobs[1:], prompt_lp[1:], terms, "prompt logprobs")
     for seq in res.sequences:
         assert len(seq.tokens) == len(seq.logprobs) == 10
         full = sc.compute_logprobs(trio.ModelInput.from_ints(PROMPT + seq.tokens)).result()
-        assert torch.allclose(torch.tensor(seq.logprobs), torch.tensor(full[len(PROMPT):]), atol=1e-5, rtol=0)
+        assert_fp32_close(seq.logprobs, full[len(PROMPT):], terms, "sampled vs computed logprobs")
         # and both equal the independent model's log-probabilities
         ref = _ref_logprobs(reference, PROMPT + seq.tokens)
         expected = ref[len(PROMPT) - 1:-1].gather(1, torch.tensor(seq.tokens)[:, None]).squeeze(1)
-        assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-5, rtol=0)
+        assert_fp32_close(seq.logprobs, expected, terms, "sampled logprobs vs the merged reference model")
 
 
 def test_top_k_and_top_p_filter_the_distribution(trained, reference):
@@ -164,8 +166,8 @@ def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained):
     assert len(calls) == 6  # one prefill + 5 decode steps for all 4 rows: one batch, not two
     for a, b in zip(solo, together):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
-        assert torch.allclose(torch.tensor([s.logprobs for s in a.sequences]),
-                              torch.tensor([s.logprobs for s in b.sequences]), atol=1e-5, rtol=0)
+        assert_fp32_close([s.logprobs for s in a.sequences], [s.logprobs for s in b.sequences],
+                          model_terms(tiny_config(), len(PROMPT) + 6), "batched vs alone")
     assert solo[0].sequences[0].tokens != solo[1].sequences[0].tokens  # different adapters really differ
     cycle = next(c for c in pool.telemetry.cycles if c.index == futures[0].cycle)
     assert cycle.ops == {"sample": 2}

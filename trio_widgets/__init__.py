@@ -8,6 +8,7 @@ from .engine import DEFAULT_MODEL, LocalPool
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ClientClosedError,
     InvalidInputError,
     PoolClosedError,
     RequestFailedError,
@@ -18,6 +19,7 @@ from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
 from .types import (
     AdamParams,
+    AdapterSnapshot,
     Datum,
     EncodedTextChunk,
     ForwardBackwardOutput,
@@ -39,8 +41,10 @@ __all__ = [
     "DEFAULT_MODEL",
     "APIFuture",
     "AdamParams",
+    "AdapterSnapshot",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "ClientClosedError",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",

@@ -194,5 +194,5 @@ def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *
     cycle_s = cycle_duration(telemetry.cycles, default=min_cycle_s)
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
-    return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, dict(telemetry.clients),
+    return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),
                     window=window)

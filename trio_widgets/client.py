@@ -28,6 +28,7 @@ from .errors import InvalidInputError
 from .futures import APIFuture
 from .types import (
     AdamParams,
+    AdapterSnapshot,
     Datum,
     ForwardBackwardOutput,
     LoadWeightsResponse,
@@ -184,13 +185,32 @@ class TrainingClient:
         self._tenant = tenant
         self._service = service
         self.client_id = tenant.client_id
+        # Dropping the object releases the run's adapter, optimizer state, queue and lane
+        # once its queued requests have run; close() does it now.
+        self._finalizer = weakref.finalize(self, _retire, weakref.ref(pool), tenant.client_id)
 
     def __repr__(self) -> str:
-        return f"<TrainingClient {self.client_id} {self._tenant.base.name} rank={self._tenant.rank}>"
+        state = " closed" if not self._finalizer.alive else ""
+        return f"<TrainingClient {self.client_id} {self._tenant.base.name} rank={self._tenant.rank}{state}>"
 
     @property
     def pool(self) -> LocalPool:
         return self._pool
+
+    def close(self) -> None:
+        """Release this run's state in the pool (adapter, optimizer, queue, dashboard lane).
+        Requests already submitted still run; new ones raise ClientClosedError."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "TrainingClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- forward ops ---------------------------------------------------------------
     def _forward_job(self, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None,
@@ -314,6 +334,14 @@ class TrainingClient:
         return self.create_sampling_client(model_path)
 
     # -- info ------------------------------------------------------------------------
+    def inspect_adapter(self) -> APIFuture[AdapterSnapshot]:
+        """A read-only copy of this run's LoRA weights, pending gradient and AdamW state, as
+        of the requests submitted before this call (it runs in the client's next cycle)."""
+        return self._pool.submit(self.client_id, "inspect_adapter", None)
+
+    async def inspect_adapter_async(self) -> APIFuture[AdapterSnapshot]:
+        return self.inspect_adapter()
+
     def get_info(self) -> TrainingInfo:
         t = self._tenant
         return TrainingInfo(model_id=self.client_id, model_data=ModelData(
@@ -350,7 +378,15 @@ class SamplingClient:
         self._tenant = tenant
         self.client_id = tenant.client_id
         self.model_path = model_path
-        weakref.finalize(self, _retire, weakref.ref(pool), tenant.client_id)
+        self._finalizer = weakref.finalize(self, _retire, weakref.ref(pool), tenant.client_id)
+
+    def close(self) -> None:
+        """Release this sampler's adapter copy in the pool; queued requests still run."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def __repr__(self) -> str:
         what = f"rank={self._tenant.rank}" if self._tenant.adapter is not None else "base only"
@@ -466,11 +502,23 @@ class ServiceClient:
         adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
         return self._new_sampling_client(base, adapter, loaded.path, label)
 
-    def create_training_client_from_state(self, path: str, user_metadata: dict[str, str] | None = None,
-                                          with_optimizer: bool = True) -> TrainingClient:
-        """A new training client that resumes a save_state checkpoint: same base model, rank and
-        LoRA targets, the saved weights and (unless with_optimizer=False) the AdamW state, so
-        training continues exactly where it stopped."""
+    def create_training_client_from_state(self, path: str, user_metadata: dict[str, str] | None = None
+                                          ) -> TrainingClient:
+        """A new training client with the weights of a checkpoint (save_state, save_weights_for_sampler,
+        or any PEFT LoRA adapter directory): same base model, rank, alpha and LoRA targets; the
+        AdamW state starts afresh, as on the hosted services. To continue a run exactly, use
+        `create_training_client_from_state_with_optimizer`."""
+        return self._client_from_state(path, user_metadata, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str,
+                                                         user_metadata: dict[str, str] | None = None
+                                                         ) -> TrainingClient:
+        """A new training client that resumes a save_state checkpoint exactly: its weights and its
+        AdamW state (moments and step count)."""
+        return self._client_from_state(path, user_metadata, with_optimizer=True)
+
+    def _client_from_state(self, path: str, user_metadata: dict[str, str] | None,
+                           with_optimizer: bool) -> TrainingClient:
         loaded = _ckpt.read_checkpoint(path, self.pool, require_optimizer=with_optimizer)
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
         if loaded.base_model is None:
@@ -491,19 +539,14 @@ class ServiceClient:
         self.pool.add_tenant(tenant, "training", (user_metadata or {}).get("name"))
         return TrainingClient(self.pool, tenant, self)
 
-    def create_training_client_from_state_with_optimizer(self, path: str,
-                                                         user_metadata: dict[str, str] | None = None
-                                                         ) -> TrainingClient:
-        return self.create_training_client_from_state(path, user_metadata, with_optimizer=True)
-
     async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
                                            user_metadata: dict[str, str] | None = None) -> SamplingClient:
         return self.create_sampling_client(model_path, base_model, user_metadata)
 
-    async def create_training_client_from_state_async(self, path: str, user_metadata: dict[str, str] | None = None,
-                                                      with_optimizer: bool = True) -> TrainingClient:
-        return self.create_training_client_from_state(path, user_metadata, with_optimizer)
+    async def create_training_client_from_state_async(self, path: str, user_metadata: dict[str, str] | None = None
+                                                      ) -> TrainingClient:
+        return self.create_training_client_from_state(path, user_metadata)
 
     async def create_training_client_from_state_with_optimizer_async(
             self, path: str, user_metadata: dict[str, str] | None = None) -> TrainingClient:
-        return self.create_training_client_from_state(path, user_metadata, with_optimizer=True)
+        return self.create_training_client_from_state_with_optimizer(path, user_metadata)

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "ClientClosedError",
     "InvalidInputError",
     "PoolClosedError",
     "RequestFailedError",
@@ -63,3 +64,7 @@ class RequestFailedError(RuntimeError):
 
 class PoolClosedError(RuntimeError):
     """The pool was closed before this request could finish."""
+
+
+class ClientClosedError(RuntimeError):
+    """The client was closed (or garbage-collected): it accepts no more requests."""

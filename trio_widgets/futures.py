@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import weakref
 from typing import Any, Callable, Generator, Generic, TypeVar
 
 T = TypeVar("T")
@@ -20,7 +21,12 @@ class APIFuture(Generic[T]):
         self.request_id = request_id
         self.op = op
         self._future: concurrent.futures.Future = concurrent.futures.Future()
-        self._canceller = canceller
+        # Weak: a future the user keeps must not keep its pool (and the pool's clock
+        # thread) alive after the pool itself was dropped.
+        self._canceller: Callable[[], Callable[["APIFuture"], bool] | None] | None = None
+        if canceller is not None:
+            self._canceller = (weakref.WeakMethod(canceller) if hasattr(canceller, "__self__")
+                               else (lambda: canceller))
         # Set by the pool when the request is taken into a cycle.
         self.cycle: int | None = None
 
@@ -46,9 +52,10 @@ class APIFuture(Generic[T]):
 
     def cancel(self) -> bool:
         """Cancel a request that is still queued; one already in a cycle cannot be."""
-        if self._future.done() or self._canceller is None:
+        canceller = self._canceller() if self._canceller is not None else None
+        if self._future.done() or canceller is None:
             return False
-        if not self._canceller(self):
+        if not canceller(self):
             return False
         return self._future.cancel()
 

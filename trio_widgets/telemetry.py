@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -17,7 +17,7 @@ __all__ = ["ClientInfo", "CycleRecord", "QueueDepthRecord", "RequestRecord", "Te
 
 log = logging.getLogger(__name__)
 
-EventKind = Literal["client", "queued", "boundary", "cycle", "delivered"]
+EventKind = Literal["client", "retired", "queued", "boundary", "cycle", "delivered"]
 
 
 @dataclass(slots=True)
@@ -78,12 +78,16 @@ class Telemetry:
         self.cycles: deque[CycleRecord] = deque(maxlen=capacity)
         self.requests: deque[RequestRecord] = deque(maxlen=capacity * 4)
         self.queue_depths: deque[QueueDepthRecord] = deque(maxlen=capacity)
-        self.clients: dict[str, ClientInfo] = {}
+        self.clients: dict[str, ClientInfo] = {}  # live clients
+        # Retired clients, newest last, so records still in the buffers keep their labels;
+        # bounded like everything here (clients may come and go all day).
+        self.retired: OrderedDict[str, ClientInfo] = OrderedDict()
         self.total_cycles = 0
         self.total_updates = 0
         self.total_tokens = 0
         self._subscribers: list[Callable[[TelemetryEvent], None]] = []
         self._lock = threading.Lock()
+        self._clients_lock = threading.Lock()  # clients come and go on several threads
 
     def subscribe(self, callback: Callable[[TelemetryEvent], None]) -> Callable[[], None]:
         """Call `callback(event)` for every new record; returns a function that unsubscribes.
@@ -110,8 +114,20 @@ class Telemetry:
 
     # -- writers (pool side) ---------------------------------------------------
     def add_client(self, info: ClientInfo) -> None:
-        self.clients[info.client_id] = info
+        with self._clients_lock:
+            self.clients[info.client_id] = info
         self.emit("client", info)
+
+    def retire_client(self, client_id: str) -> None:
+        """The pool dropped this client: its lane is free (event "retired")."""
+        with self._clients_lock:
+            info = self.clients.pop(client_id, None)
+            if info is None:
+                return
+            self.retired[client_id] = info
+            while len(self.retired) > self.capacity:
+                self.retired.popitem(last=False)
+        self.emit("retired", info)
 
     def add_request(self, record: RequestRecord) -> None:
         self.requests.append(record)
@@ -133,5 +149,20 @@ class Telemetry:
         self.emit("delivered", record)
 
     # -- readers -----------------------------------------------------------------
+    def client_info(self, client_id: str) -> ClientInfo | None:
+        """A live or recently retired client's info (None once forgotten)."""
+        with self._clients_lock:
+            return self.clients.get(client_id) or self.retired.get(client_id)
+
+    def live_clients(self) -> dict[str, ClientInfo]:
+        """The pool's current clients, by id (a copy)."""
+        with self._clients_lock:
+            return dict(self.clients)
+
+    def all_clients(self) -> dict[str, ClientInfo]:
+        """Recently retired and live clients, by id (a copy)."""
+        with self._clients_lock:
+            return {**self.retired, **self.clients}
+
     def requests_of(self, client_id: str) -> list[RequestRecord]:
         return [r for r in list(self.requests) if r.client_id == client_id]

@@ -35,7 +35,7 @@ def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1)
     cycles = list(telemetry.cycles)
     requests = [r for r in list(telemetry.requests) if r.started_at is not None and r.finished_at is not None]
     depths = list(telemetry.queue_depths)
-    clients = dict(telemetry.clients)
+    clients = telemetry.all_clients()
     starts = [c.started_at for c in cycles] + [r.queued_at for r in requests] + [d.time for d in depths]
     t0 = min(starts) if starts else 0.0
 
@@ -97,7 +97,7 @@ def write_chrome_trace(telemetry: Telemetry, path: str | os.PathLike, **kwargs: 
 
 def metrics_rows(telemetry: Telemetry) -> list[dict[str, Any]]:
     """One row per delivered forward_backward, per client, from the telemetry alone."""
-    clients = dict(telemetry.clients)
+    clients = telemetry.all_clients()
     steps: dict[str, int] = {}
     last_cycle: dict[str, int] = {}
     rows = []

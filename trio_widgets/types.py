@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "AdamParams",
+    "AdapterSnapshot",
     "Datum",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
@@ -218,3 +219,50 @@ class SaveWeightsForSamplerResponse:
 @dataclass
 class LoadWeightsResponse:
     path: str
+
+
+LoRAPair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AdapterSnapshot:
+    """A read-only copy of one training client's LoRA state, as of the requests submitted
+    before `TrainingClient.inspect_adapter()` (it runs through the clock in order).
+
+    `weights[name]` is (A [rank, in], B [out, rank]); `grad` is the gradient accumulated
+    since the last optim_step (None if there is none); `exp_avg` / `exp_avg_sq` are the
+    AdamW moments (empty before the first step). All tensors are float32 CPU copies.
+    """
+
+    client_id: str
+    base_model: str
+    rank: int
+    alpha: float
+    seed: int
+    step: int
+    weights: dict[str, LoRAPair]
+    grad: dict[str, LoRAPair] | None
+    exp_avg: dict[str, LoRAPair]
+    exp_avg_sq: dict[str, LoRAPair]
+
+    @property
+    def scale(self) -> float:
+        """The factor on the LoRA delta: alpha / rank (as in PEFT)."""
+        return self.alpha / self.rank
+
+    @property
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        return {name: (tuple(a.shape), tuple(b.shape)) for name, (a, b) in self.weights.items()}
+
+    def norms(self) -> dict[str, float]:
+        """Frobenius norm of each module's delta-producing pair, `name.lora_A` / `name.lora_B`."""
+        return {f"{name}.lora_{ab}": float(t.norm()) for name, pair in self.weights.items()
+                for ab, t in zip("AB", pair)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights as flat `name.lora_A` / `name.lora_B` keys (PEFT's naming, without prefixes)."""
+        return {f"{name}.lora_{ab}": t for name, pair in self.weights.items() for ab, t in zip("AB", pair)}
+
+    def grad_dict(self) -> dict[str, torch.Tensor]:
+        """The pending gradient with the same keys as `state_dict()` (empty if there is none)."""
+        return {f"{name}.lora_{ab}": t for name, pair in (self.grad or {}).items() for ab, t in zip("AB", pair)}

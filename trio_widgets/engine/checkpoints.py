@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
-from ..types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
+from ..types import AdapterSnapshot, LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
 from .clock import Tenant, register_op
 from .lora import AdamState, LoRAAdapter
 from .models import BaseModel
@@ -488,6 +488,11 @@ def _load_state(pool: Any, tenant: Tenant, request: Any) -> LoadWeightsResponse:
     return LoadWeightsResponse(path=job.loaded.path)
 
 
+def _inspect_adapter(pool: Any, tenant: Tenant, request: Any) -> AdapterSnapshot:
+    return tenant.adapter.snapshot_state(tenant.client_id, tenant.base.name)
+
+
+register_op("inspect_adapter", "state", _inspect_adapter)
 register_op("save_state", "state", _save_state)
 register_op("save_weights_for_sampler", "state", _save_weights_for_sampler)
 register_op("load_state", "state", _load_state)

@@ -19,13 +19,13 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
 import torch
 
-from ..errors import InvalidInputError, PoolClosedError, RequestFailedError
+from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, RequestFailedError
 from ..futures import APIFuture
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from .compute import ForwardJob, run_forward_jobs
@@ -135,13 +135,30 @@ def _current_cell_id() -> str | None:
 
 
 class _Clock:
-    """The clock's state, owned by its thread. Kept apart from LocalPool so that the
-    thread does not keep an unreachable pool alive (a finalizer closes it)."""
+    """The clock's state, shared by the pool and its thread. Kept apart from LocalPool so
+    that the thread does not keep an unreachable pool alive: when the pool is dropped, a
+    finalizer stops the thread, and what was still queued fails instead of hanging."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, telemetry: Telemetry) -> None:
+        self.name = name
         self.cond = threading.Condition()
         self.closing = False
         self.thread: threading.Thread | None = None
+        self.queues: dict[str, deque[Request]] = {}
+        self.telemetry = telemetry
+
+    def fail_queued(self, why: str) -> None:
+        """Fail every request still queued with PoolClosedError (the clock has stopped)."""
+        with self.cond:
+            leftovers = [r for q in self.queues.values() for r in q]
+            for q in self.queues.values():
+                q.clear()
+        for request in leftovers:
+            request.record.status = "error"
+            request.record.error = "pool closed"
+            request.future._set_exception(PoolClosedError(
+                f"{request.op} (request #{request.request_id}) never ran: the pool {self.name!r} {why}"))
+            _release(request)
 
 
 class LocalPool:
@@ -171,9 +188,9 @@ class LocalPool:
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
 
-        self._clock = _Clock()
+        self._clock = _Clock(self.name, self.telemetry)
         self._boundary_gate = threading.Lock()  # held by hold(): no boundary is taken meanwhile
-        self._queues: dict[str, deque[Request]] = {}
+        self._queues = self._clock.queues
         self._tenants: dict[str, Tenant] = {}
         self._retired: set[str] = set()  # clients whose objects are gone: dropped once their queue is empty
         self._models: dict[str, BaseModel] = {}
@@ -191,7 +208,7 @@ class LocalPool:
 
         self._clock.thread = threading.Thread(target=_run_clock, args=(weakref.ref(self), self._clock),
                                               name=f"trio-clock-{self.name}", daemon=True)
-        self._finalizer = weakref.finalize(self, _stop_clock, self._clock)
+        self._finalizer = weakref.finalize(self, _shutdown_dropped, self._clock)
         self._clock.thread.start()
 
     # -- lifecycle -------------------------------------------------------------
@@ -204,16 +221,9 @@ class LocalPool:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         _stop_clock(self._clock, timeout)
-        with self._clock.cond:
-            leftovers = [r for q in self._queues.values() for r in q]
-            for q in self._queues.values():
-                q.clear()
-        for request in leftovers:
-            request.record.status = "error"
-            request.record.error = "pool closed"
-            request.future._set_exception(PoolClosedError(
-                f"{request.op} (request #{request.request_id}) never ran: the pool {self.name!r} was closed"))
+        self._clock.fail_queued("was closed")
         _LIVE_POOLS.discard(self)
 
     @contextlib.contextmanager
@@ -257,10 +267,18 @@ class LocalPool:
                                              label or tenant.client_id, tenant.rank or None))
 
     def retire_tenant(self, client_id: str) -> None:
-        """Forget a client (and its adapter) once nothing of it is queued; its client object is gone."""
+        """Forget a client once nothing of it is queued: its adapter, optimizer state, queue
+        and telemetry lane are released. It accepts no new requests from now on."""
         with self._clock.cond:
             if client_id in self._tenants:
                 self._retired.add(client_id)
+            self._clock.cond.notify_all()  # an idle clock takes the next boundary, which drops it
+
+    @property
+    def tenant_count(self) -> int:
+        """Clients whose state the pool holds (retired ones leave at the next boundary)."""
+        with self._clock.cond:
+            return len(self._tenants)
 
     # -- requests ------------------------------------------------------------------
     def submit(self, client_id: str, op: str, payload: Any, tokens: int = 0) -> APIFuture:
@@ -274,7 +292,10 @@ class LocalPool:
         future._request = request
         with self._clock.cond:
             self._check_open()
-            self._queues[client_id].append(request)
+            queue = self._queues.get(client_id)
+            if queue is None or client_id in self._retired:
+                raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
+            queue.append(request)
             self._clock.cond.notify_all()
         self.telemetry.add_request(record)
         return future
@@ -287,6 +308,7 @@ class LocalPool:
                 return False
             queue.remove(request)
         request.record.status = "cancelled"
+        _release(request)
         self.telemetry.request_delivered(request.record)
         return True
 
@@ -311,9 +333,12 @@ class LocalPool:
                     queue.popleft()
                 if requests:
                     taken[cid] = requests
-            for cid in [c for c in self._retired if not self._queues[c] and c not in taken]:
+            dropped = [c for c in self._retired if not self._queues[c] and c not in taken]
+            for cid in dropped:
                 del self._tenants[cid], self._queues[cid]
                 self._retired.discard(cid)
+        for cid in dropped:
+            self.telemetry.retire_client(cid)
         for requests in taken.values():
             for request in requests:
                 request.future.cycle = index
@@ -411,24 +436,42 @@ class LocalPool:
         return outcomes
 
     def _deliver(self, outcomes: list[tuple[Request, Any]], cycle: int) -> None:
-        now = time.perf_counter()
-        for request, value in outcomes:
-            record = request.record
-            record.delivered_at = now
-            if isinstance(value, BaseException):
-                if isinstance(value, RequestFailedError) and value.cycle is None:
-                    value.cycle = cycle
-                record.status = "error"
-                record.error = str(value)
-                request.future._set_exception(value)
-            else:
-                record.status = "ok"
-                request.future._set_result(value)
-            self.telemetry.request_delivered(record)
+        _deliver(self.telemetry, outcomes, cycle)
+
+
+def _release(request: Request) -> None:
+    """A finished request lets go of its payload (a batch, an adapter): the user's future
+    may live long, and telemetry records outlive both."""
+    request.payload = None
+    request.future._request = None
+
+
+def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: int) -> None:
+    now = time.perf_counter()
+    for request, value in outcomes:
+        record = request.record
+        record.delivered_at = now
+        if isinstance(value, BaseException):
+            if isinstance(value, RequestFailedError) and value.cycle is None:
+                value.cycle = cycle
+            record.status = "error"
+            record.error = str(value)
+            request.future._set_exception(value)
+        else:
+            record.status = "ok"
+            request.future._set_result(value)
+        _release(request)
+        telemetry.request_delivered(record)
 
 
 _POOL_IDS = itertools.count(1)
 _IDLE_TICK_S = 0.001
+
+
+def _shutdown_dropped(clock: _Clock) -> None:
+    """The pool was garbage-collected: stop its clock; fail what it can no longer run."""
+    _stop_clock(clock, 5.0)
+    clock.fail_queued("was dropped (garbage-collected) before it ran")
 
 
 def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
@@ -446,7 +489,8 @@ def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
     last: CycleRecord | None = None
     while True:
         pool = pool_ref()
-        if pool is None:
+        if pool is None:  # dropped: what already ran is reported, not lost
+            _deliver(clock.telemetry, pending, pending_cycle)
             return
         boundary = time.perf_counter()
         if clock.closing:
@@ -471,16 +515,17 @@ def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
                        for r in requests]
         pending_cycle = index
         busy = time.perf_counter() - boundary
-        ops: dict[str, int] = {}
-        for request in requests:
-            ops[request.op] = ops.get(request.op, 0) + 1
+        ops = dict(Counter(r.op for r in requests))
         last = CycleRecord(index=index, started_at=boundary, ended_at=boundary, busy_s=busy,
                            n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops)
         min_cycle_s = pool.min_cycle_s
-        del pool  # don't hold the pool while sleeping
+        idle = not requests
+        # Hold nothing that leads back to the pool while sleeping, so that a dropped pool
+        # is collected (its finalizer then stops this thread).
+        del pool, taken, requests
         with clock.cond:
             deadline = boundary + min_cycle_s
-            if not requests and min_cycle_s < _IDLE_TICK_S:
+            if idle and min_cycle_s < _IDLE_TICK_S:
                 # An idle clock with no minimum would spin and starve the client threads of
                 # the GIL; it waits a moment, or until the next submit wakes it.
                 clock.cond.wait(_IDLE_TICK_S)

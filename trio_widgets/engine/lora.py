@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..types import AdamParams
+from ..types import AdamParams, AdapterSnapshot
 
 LORA_ALPHA = 32.0  # scale = alpha / rank, as in PEFT with lora_alpha=32
 
@@ -176,6 +176,16 @@ class LoRAAdapter:
         return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate, "step:max": float(step)}
 
     # -- state -----------------------------------------------------------------
+    def snapshot_state(self, client_id: str, base_model: str) -> AdapterSnapshot:
+        """Copies of everything a user may inspect (see `AdapterSnapshot`)."""
+        def copy(table: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+            return {n: (a.detach().to("cpu", torch.float32, copy=True), b.detach().to("cpu", torch.float32, copy=True))
+                    for n, (a, b) in table.items()}
+        return AdapterSnapshot(client_id=client_id, base_model=base_model, rank=self.rank, alpha=self.alpha,
+                               seed=self.seed, step=self.adam.step, weights=copy(self.weights),
+                               grad=copy(self.grad) if self._grad is not None else None,
+                               exp_avg=copy(self.adam.exp_avg), exp_avg_sq=copy(self.adam.exp_avg_sq))
+
     def state_dict(self) -> dict:
         return {
             "rank": self.rank, "alpha": self.alpha, "seed": self.seed,

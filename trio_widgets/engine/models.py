@@ -93,10 +93,22 @@ def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, min(cpus, int(quota))) if quota is not None else max(1, cpus)
 
 
+TORCH_THREADS_ENV = "TRIO_TORCH_THREADS"
+
+
 def auto_torch_threads() -> int:
-    """`LocalPool(torch_threads="auto")` on CPU: half the usable CPUs. Small per-cycle ops on
-    a shared machine (kernel, server, browser) run far steadier so: OpenMP spin-waits
-    collapse under contention."""
+    """`LocalPool(torch_threads="auto")` on CPU: $TRIO_TORCH_THREADS if set, else half the
+    usable CPUs. Small per-cycle ops on a shared machine (kernel, server, browser) run far
+    steadier so: OpenMP spin-waits collapse under contention."""
+    configured = os.environ.get(TORCH_THREADS_ENV, "").strip()
+    if configured:
+        try:
+            value = int(configured)
+        except ValueError:
+            raise ValueError(f"{TORCH_THREADS_ENV} must be a whole number of threads, got {configured!r}") from None
+        if value < 1:
+            raise ValueError(f"{TORCH_THREADS_ENV} must be at least 1, got {value}")
+        return value
     return max(1, usable_cpus() // 2)
 
 

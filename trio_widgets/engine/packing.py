@@ -115,6 +115,15 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
+def segment_scales(segments: list[Segment], dtype: torch.dtype, device: torch.device) -> float | torch.Tensor:
+    """Each segment's own LoRA scale (alpha / rank of its adapter): one number when they
+    agree, else a [S, 1, 1] column, so a group never borrows a neighbour's scale."""
+    scales = [seg.adapter.scale for seg in segments]
+    if all(s == scales[0] for s in scales):
+        return scales[0]
+    return torch.tensor(scales, dtype=dtype, device=device).view(-1, 1, 1)
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
 
@@ -122,9 +131,10 @@ def register_attention() -> None:
 
 
 def lora_delta(base: torch.Tensor | None, xs: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float | torch.Tensor) -> torch.Tensor:
     """base + LoRA delta (just the delta when `base` is None), per segment: xs [S, L, in],
-    lora_a [S, r, in], lora_b [S, out, r], base [S, L, out]."""
+    lora_a [S, r, in], lora_b [S, out, r], base [S, L, out]; `scale` is one number or one
+    per segment ([S, 1, 1])."""
     # alpha/rank applied to the rank-sized activations, the smallest tensor here
     hidden = torch.bmm(xs, lora_a.transpose(1, 2)) * scale
     up = lora_b.transpose(1, 2)
@@ -185,11 +195,12 @@ class MultiLoRALinear(nn.Module):
             whole_row = len(segs) == len(plan.segments)  # one group covering the row in order: a view
             xs = flat.view(len(segs), length, flat.shape[-1]) if whole_row else torch.stack(
                 [flat[s.start:s.end] for s in segs])
+            scale = segment_scales(segs, lora_a.dtype, lora_a.device)
             if whole_row:  # (the .to()s are no-ops in fp32; a bf16 base adds in fp32, rounds once)
                 fused = lora_delta(out.view(len(segs), length, out.shape[-1]).to(lora_a.dtype),
-                                   xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale)
+                                   xs.to(lora_a.dtype), lora_a, lora_b, scale)
                 return fused.view(out.shape).to(out.dtype)
-            delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, segs[0].adapter.scale)
+            delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, scale)
             for i, d in zip(members, delta.unbind(0)):
                 pieces[i] = d.to(out.dtype)
         for i, seg in enumerate(plan.segments):

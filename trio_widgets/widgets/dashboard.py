@@ -399,13 +399,15 @@ class Dashboard(W.VBox):
         s = dict(self._settings)
         n = int(s["runs"])
         multipliers = lr_multipliers(n)
+        for run in self.runs:  # they have ended: their clients' adapters and lanes are freed
+            run.client.close()
         try:
             clients = await _in_thread(self._make_clients, n, float(s["lr"]), multipliers)
             if self._closed or self._pool_closed:
                 return
             runs = []
             for i, (tc, mult) in enumerate(zip(clients, multipliers)):
-                label = self.pool.telemetry.clients[tc.client_id].label
+                label = self.pool.telemetry.live_clients()[tc.client_id].label
                 batches = self._batches(tc.get_tokenizer(), seed=100 * self._starts + i)
                 run = TrainingRun(tc, batches, mode=s["mode"], lookahead=int(s["lookahead"]),
                                   learning_rate=float(s["lr"]) * mult, name=label)
@@ -453,6 +455,8 @@ class Dashboard(W.VBox):
         for r in delivered:
             if r.op in _FORWARD_OPS and r.cycle is not None and r.status == "ok":
                 self._fb_cycles.setdefault(r.client_id, deque(maxlen=17)).append(r.cycle)
+        for info in self._feed.drain_retired():
+            self._fb_cycles.pop(info.client_id, None)
         now = time.perf_counter()
         self._rates.append((now, self.pool.telemetry.total_tokens))
         if now - self._advised_at >= 1.0:  # the advisor reads whole buffers: once a second
@@ -588,6 +592,8 @@ class Dashboard(W.VBox):
         self._feed.close()
         for run in self.runs:
             run.stop()
+            if run.done():
+                run.client.close()
         task, loop = self._task, self._loop
         if task is not None and not task.done() and loop is not None and not loop.is_closed():
             try:

@@ -26,6 +26,7 @@ class TelemetryFeed:
     def __init__(self, telemetry: Telemetry, *, maxlen: int = 4096, backfill: bool = True):
         self.telemetry = telemetry
         self.clients: deque[ClientInfo] = deque(maxlen=1024)
+        self.retired: deque[ClientInfo] = deque(maxlen=1024)
         self.cycles: deque[CycleRecord] = deque(maxlen=maxlen)
         self.boundaries: deque[QueueDepthRecord] = deque(maxlen=maxlen)
         self.delivered: deque[RequestRecord] = deque(maxlen=maxlen)
@@ -49,13 +50,15 @@ class TelemetryFeed:
             self.boundaries.append(event.record)
         elif kind == "client":
             self.clients.append(event.record)
+        elif kind == "retired":
+            self.retired.append(event.record)
         self.events += 1
 
     # -- consumer (one thread) ---------------------------------------------------------
     def _take_backfill(self) -> None:
         t = self.telemetry
         n = self.delivered.maxlen
-        clients = list(t.clients.values())
+        clients = list(t.live_clients().values())
         cycles = list(t.cycles)[-n:]
         boundaries = list(t.queue_depths)[-n:]
         requests = [r for r in list(t.requests) if r.delivered_at is not None]
@@ -100,6 +103,10 @@ class TelemetryFeed:
             boundaries = [*old_boundaries, *boundaries]
             delivered = [*old_requests, *delivered]
         return clients, cycles, boundaries, delivered
+
+    def drain_retired(self) -> list[ClientInfo]:
+        """Clients the pool let go of since the last call."""
+        return self._pop_all(self.retired)
 
     def close(self) -> None:
         if self._unsubscribe is not None:
