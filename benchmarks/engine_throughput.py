@@ -25,8 +25,7 @@ import time
 import torch
 
 import trio_widgets as trio
-from trio_widgets.client import prepare_data
-from trio_widgets.engine.compute import ForwardJob, run_forward_jobs
+from trio_widgets.engine.compute import ForwardJob, make_forward_job, run_forward_jobs
 from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import (DEFAULT_MODEL, _build_builtin, auto_torch_threads, load_base_model,
                                         resolve_device, usable_cpus)
@@ -75,11 +74,12 @@ def arms(threads: int, reps: int) -> dict[str, float]:
     base = load_base_model(DEFAULT_MODEL, pool.device)
     targets = base.targets_for(True, True, True)
     adapters = [LoRAAdapter(targets, RANK, seed=i, device=base.device) for i in range(TENANTS)]
-    data = [prepare_data(batch(i, SEQS), base, "cross_entropy") for i in range(TENANTS)]
+    data = [make_forward_job(base, batch(i, SEQS), "cross_entropy", {}, backward=True)[0].data
+            for i in range(TENANTS)]
     fused_data = [d for tenant in data for d in tenant]
 
     def job(adapter, tenant_data):
-        return ForwardJob(adapter=adapter, data=tenant_data, loss_fn="cross_entropy", config={}, backward=True)
+        return adapter, ForwardJob(data=tenant_data, loss_fn="cross_entropy", config={}, backward=True), "bench"
 
     def joint():
         run_forward_jobs(base, [job(a, d) for a, d in zip(adapters, data)], pool.max_tokens_per_pass)

@@ -10,7 +10,8 @@ import threading
 import time
 
 import trio_widgets as trio
-from trio_widgets.advisor import diagnose_client, diagnose_telemetry, period
+from trio_widgets.advisor import diagnose_client, diagnose_telemetry
+from trio_widgets.metrics import cycles_per_update as period
 from trio_widgets.telemetry import RequestRecord
 from conftest import random_batch
 

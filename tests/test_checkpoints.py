@@ -19,6 +19,7 @@ import torch
 
 import trio_widgets as trio
 from trio_widgets.engine import sampling
+from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import _build_builtin
 from numerics import assert_fp32_close, model_terms, tiny_config
 
@@ -150,7 +151,9 @@ def test_peft_loads_the_exported_adapter_with_the_same_logits(svc, pool, saved):
             bare_logits = model(input_ids=ids).logits[0]
     sc = svc.create_sampling_client(model_path=sampler_path)
     base = pool.get_base_model(trio.DEFAULT_MODEL)
-    pool_logits = sampling.forward_logits(base, sc._tenant.adapter, [PROMPT])[0]
+    snap = sc.inspect_adapter().result()
+    adapter = LoRAAdapter.from_weights(snap.weights, snap.rank, snap.alpha)
+    pool_logits = sampling.forward_logits(base, adapter, [PROMPT])[0]
     terms = model_terms(tiny_config(), len(PROMPT))
     assert (peft_logits - bare_logits).abs().max() > 1e-3  # the adapter is not a no-op
     assert_fp32_close(pool_logits, peft_logits, terms, "logits vs PEFT's")
@@ -174,7 +177,8 @@ def test_an_adapter_written_by_peft_loads_in_the_pool(svc, pool, tmp_path):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([PROMPT])).logits[0]
     sc = svc.create_sampling_client(model_path=str(tmp_path / "from-peft"), base_model=trio.DEFAULT_MODEL)
-    assert sc._tenant.adapter.scale == 16 / 4 and len(sc._tenant.adapter.weights) == 3 * 4
+    snap = sc.inspect_adapter().result()
+    assert snap.scale == 16 / 4 and len(snap.weights) == 3 * 4
     ref = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(PROMPT[1:])[:, None]).squeeze(1)
     assert_fp32_close(sc.compute_logprobs(PROMPT).result()[1:], ref, model_terms(tiny_config(), len(PROMPT)),
                       "a PEFT adapter's logprobs in the pool vs in PEFT")

@@ -179,9 +179,9 @@ def test_cancel_queued_request(pool):
 
 
 def test_rerunning_a_cell_closes_the_pool_it_built(monkeypatch):
-    import trio_widgets.engine.clock as clock
+    import trio_widgets._notebook as notebook
 
-    monkeypatch.setattr(clock, "_current_cell_id", lambda: "cell-abc")
+    monkeypatch.setattr(notebook, "current_cell_id", lambda: "cell-abc")
     first = trio.LocalPool(min_cycle_s=0.0, name="cell-1")
     second = trio.LocalPool(min_cycle_s=0.0, name="cell-2")  # the same cell, run again
     try:

@@ -175,13 +175,13 @@ def _trained_culprit(pool: trio.LocalPool) -> trio.TrainingClient:
 
 
 def _state(tc: trio.TrainingClient) -> dict[str, torch.Tensor]:
-    adapter = tc._tenant.adapter
-    state = dict(adapter_weights(tc))
-    for name, (ga, gb) in (adapter.grad or {}).items():
-        state[f"grad.{name}.A"], state[f"grad.{name}.B"] = ga.clone(), gb.clone()
-    for name, (ma, mb) in adapter.adam.exp_avg.items():
-        state[f"m.{name}.A"], state[f"m.{name}.B"] = ma.clone(), mb.clone()
-    state["step"] = torch.tensor(adapter.adam.step)
+    snap = tc.inspect_adapter().result(timeout=60)
+    state = dict(snap.state_dict())
+    for name, (ga, gb) in (snap.grad or {}).items():
+        state[f"grad.{name}.A"], state[f"grad.{name}.B"] = ga, gb
+    for name, (ma, mb) in snap.exp_avg.items():
+        state[f"m.{name}.A"], state[f"m.{name}.B"] = ma, mb
+    state["step"] = torch.tensor(snap.step)
     return state
 
 

@@ -10,8 +10,7 @@ import torch
 import trio_widgets as trio
 from conftest import adapter_weights, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from trio_widgets.client import prepare_data
-from trio_widgets.engine.compute import ForwardJob, run_forward_jobs
+from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
 from trio_widgets.engine.lora import LORA_ALPHA, LoRAAdapter
 from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model
 
@@ -60,8 +59,8 @@ def test_packed_multi_adapter_gradients_match_peft():
                 lora_b.copy_(torch.randn(lora_b.shape, generator=g) * 0.05)
         adapters.append(adapter)
         batches.append(random_batch(500 + t, n=3, length=20, vary=True))
-    jobs = [ForwardJob(adapter=a, data=prepare_data(b, base, "cross_entropy"), loss_fn="cross_entropy",
-                       config={}, backward=True) for a, b in zip(adapters, batches)]
+    jobs = [(a, make_forward_job(base, b, "cross_entropy", {}, backward=True)[0], f"t{i}")
+            for i, (a, b) in enumerate(zip(adapters, batches))]
     outcomes = run_forward_jobs(base, jobs, token_budget=4096)
     assert not any(isinstance(o, BaseException) for o in outcomes)
     for adapter, batch in zip(adapters, batches):

@@ -11,8 +11,7 @@ import torch
 import trio_widgets as trio
 from numerics import assert_fp32_close, model_terms, tiny_config
 from test_gradients import _peft_model
-from trio_widgets.client import prepare_data
-from trio_widgets.engine.compute import ForwardJob, run_forward_jobs
+from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
 from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model
 
@@ -89,9 +88,8 @@ def test_loss_value_and_gradient(models, loss_fn, config):
     batch = rl_batch(hash((loss_fn, str(config))) % 1000)
     from trio_widgets.engine.losses import resolved_config
 
-    job = ForwardJob(adapter=adapter, data=prepare_data(batch, base, loss_fn), loss_fn=loss_fn,
-                     config=resolved_config(loss_fn, config), backward=True)
-    (out,) = run_forward_jobs(base, [job], token_budget=4096)
+    job, _ = make_forward_job(base, batch, loss_fn, resolved_config(loss_fn, config), backward=True)
+    (out,) = run_forward_jobs(base, [(adapter, job, "t")], token_budget=4096)
     assert isinstance(out, trio.ForwardBackwardOutput), out
 
     model = _peft_model(plain, adapter)

@@ -54,18 +54,16 @@ def test_packed_logits_equal_plain_model_with_gqa(tmp_path):
     """The packed varlen pass over several sequences equals running each sequence alone."""
     from transformers import AutoModelForCausalLM
 
-    from trio_widgets.engine.compute import _target_logprobs, ForwardJob
+    from trio_widgets.engine.compute import _target_logprobs, _Work, make_forward_job
     from trio_widgets.engine.models import load_base_model
-    from trio_widgets.client import prepare_data
 
     _save_tiny_qwen2(tmp_path / "m")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
     base = load_base_model(str(tmp_path / "m"), torch.device("cpu"))
     batch = random_batch(9, n=4, length=20, vary=True)
-    job = ForwardJob(adapter=None, data=prepare_data(batch, base, "cross_entropy"), loss_fn="cross_entropy",
-                     config={}, backward=False)
+    job, _ = make_forward_job(base, batch, "cross_entropy", {}, backward=False)
     with torch.no_grad():
-        packed, _plan = _target_logprobs(base, [job], [(0, i) for i in range(len(batch))])
+        packed, _plan = _target_logprobs(base, [_Work(None, job, "t")], [(0, i) for i in range(len(batch))])
         for datum, logp in zip(batch, packed):
             logits = plain(input_ids=torch.tensor([datum.model_input.to_ints()])).logits[0]
             targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].data)

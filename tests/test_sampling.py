@@ -48,7 +48,7 @@ def reference(trained):
     _, sc = trained
     model, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
     model.eval()
-    adapter = sc._tenant.adapter
+    adapter = sc.inspect_adapter().result()
     with torch.no_grad():
         for name, (a, b) in adapter.weights.items():
             model.get_submodule(name).weight += adapter.scale * (b @ a)
@@ -153,7 +153,7 @@ def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained):
     base_sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
     params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=99)
     solo = [c.sample(PROMPT, 2, params).result() for c in (sc, base_sc)]
-    model = tc._tenant.base.model
+    model = pool.get_base_model(trio.DEFAULT_MODEL).model
     calls = []
     hook = model.register_forward_hook(lambda *_: calls.append(1))
     try:
@@ -196,9 +196,9 @@ def test_dropped_sampling_client_is_forgotten_by_the_pool(pool):
     gc.collect()
     assert fut.result()[0] is None  # a request in flight still finishes
     deadline = time.monotonic() + 5
-    while cid in pool._tenants and time.monotonic() < deadline:
+    while cid in pool.telemetry.live_clients() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert cid not in pool._tenants
+    assert cid not in pool.telemetry.live_clients()
 
 
 @pytest.mark.parametrize("prompt, num_samples, params, field", [

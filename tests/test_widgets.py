@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 import trio_widgets as trio
-from trio_widgets.widgets.figures import OP_COLORS
+from trio_widgets.ops import op_color
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,7 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
     assert ops["forward_backward"] == 14 and ops["optim_step"] == 14, ops
     assert "sample" in bars["op"]  # the sampler's lane, coloured by op
     colors = {op: bars["color"][bars["op"].index(op)] for op in ("forward_backward", "optim_step", "sample")}
-    assert colors == {op: OP_COLORS[op] for op in colors} and len(set(colors.values())) == 3
+    assert colors == {op: op_color(op) for op in colors} and len(set(colors.values())) == 3
     assert all(isinstance(c, int) and c >= 0 for c in bars["cycle"])
     assert all(w >= 0 for w in bars["wait_ms"])
     assert state["lanes"]["my loop"] == 0 and len(state["lanes"]) == 2

@@ -8,6 +8,7 @@ import time
 
 from . import AdamParams, DEFAULT_MODEL, LocalPool, ServiceClient
 from .data import addition_batches
+from .metrics import batch_weight, loss_per_token
 
 
 async def pipelined_demo(seconds: float, min_cycle_s: float, batch_size: int, lr: float) -> dict:
@@ -27,12 +28,12 @@ async def pipelined_demo(seconds: float, min_cycle_s: float, batch_size: int, lr
                 prev_fb, prev_opt, prev_tokens = in_flight
                 result = await prev_fb
                 await prev_opt
-                losses.append(result.metrics["loss:sum"] / prev_tokens)
+                losses.append(loss_per_token(result.metrics["loss:sum"], prev_tokens))
                 fb_cycles.append(prev_fb.cycle)
-            in_flight = (fb, opt, sum(sum(d.loss_fn_inputs["weights"].data) for d in batch))
+            in_flight = (fb, opt, batch_weight(batch)[0])
         result = await in_flight[0]
         await in_flight[1]
-        losses.append(result.metrics["loss:sum"] / in_flight[2])
+        losses.append(loss_per_token(result.metrics["loss:sum"], in_flight[2]))
         fb_cycles.append(in_flight[0].cycle)
     steady = fb_cycles[len(fb_cycles) // 4:]
     period = (steady[-1] - steady[0]) / max(1, len(steady) - 1)

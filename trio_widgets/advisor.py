@@ -3,7 +3,7 @@
 Nothing here instruments the user's loop: everything is read from the pool's
 `RequestRecord`s (queued / delivered times, the cycle each request ran in).
 
-* cycles per update (the *period*, DESIGN.md): the median number of cycles between a
+* cycles per update (the *period*, trio_widgets.metrics): the median number of cycles between a
   client's successive forward_backward requests, over its recent updates;
 * naive: an optim_step was queued after its forward_backward had been delivered;
 * together: the next forward_backward was queued only after the previous update's
@@ -22,15 +22,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
+from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cycles
+from .ops import OPS, UPDATE_OPS
 from .telemetry import ClientInfo, CycleRecord, RequestRecord, Telemetry
 
-__all__ = ["Diagnosis", "FORWARD_OPS", "cycle_duration", "diagnose", "diagnose_client", "diagnose_telemetry",
-           "format_cycles", "period", "recent_records"]
+__all__ = ["Diagnosis", "cycle_seconds", "diagnose", "diagnose_client", "diagnose_telemetry", "recent_records"]
 
 Cause = Literal["pipelined", "naive", "together", "stall", "warming-up", "slow"]
 
-#: Ops that start an update (a plain ``forward`` is an evaluation and does not).
-FORWARD_OPS = frozenset({"forward_backward", "forward_backward_custom"})
 #: Cycles an update takes for each loop structure, without stalls.
 STRUCTURE_PERIOD = {"naive": 4, "together": 2, "pipelined": 1}
 MIN_UPDATES = 3
@@ -51,30 +50,19 @@ class Diagnosis:
         return self.cause in ("naive", "together", "stall", "slow")
 
 
-def format_cycles(value: float) -> str:
-    """4 -> '4', 1.5 -> '1.5'."""
-    return f"{value:.0f}" if abs(value - round(value)) < 0.05 else f"{value:.1f}"
-
-
 def _plural(value: float, word: str) -> str:
     text = format_cycles(value)
     return f"{text} {word}" if text == "1" else f"{text} {word}s"
 
 
-def period(fb_cycles: Sequence[int], window: int = 16) -> float | None:
-    """Median cycles between successive forward_backward requests (the last `window`)."""
-    cycles = [c for c in fb_cycles if c is not None][-(window + 1):]
-    if len(cycles) < 2:
-        return None
-    return float(statistics.median(b - a for a, b in zip(cycles, cycles[1:])))
+def _is_step(op: str) -> bool:
+    spec = OPS.get(op)
+    return spec is not None and spec.is_step
 
 
-def cycle_duration(cycles: Iterable[CycleRecord], default: float | None = None, window: int = 32) -> float | None:
+def cycle_seconds(cycles: Iterable[CycleRecord], default: float | None = None) -> float | None:
     """Median measured duration of the recent (finished) cycles, else `default`."""
-    recent = [c.ended_at - c.started_at for c in list(cycles)[-window:] if c.ended_at > c.started_at]
-    if not recent:
-        return default
-    return float(statistics.median(recent))
+    return cycle_duration((c.ended_at - c.started_at for c in cycles), default=default)
 
 
 def _delivered(record: RequestRecord) -> bool:
@@ -85,16 +73,16 @@ def _updates(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, Requ
     """(forward_backward, its optim_step or None) in submission order, delivered ones only."""
     updates: list[list] = []
     for record in records:
-        if record.op in FORWARD_OPS:
+        if record.op in UPDATE_OPS:
             updates.append([record, None])
-        elif record.op == "optim_step" and updates and updates[-1][1] is None:
+        elif _is_step(record.op) and updates and updates[-1][1] is None:
             updates[-1][1] = record
     return [(fb, opt) for fb, opt in updates
             if _delivered(fb) and fb.status == "ok" and (opt is None or _delivered(opt))]
 
 
 def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, client_id: str = "",
-                    label: str = "", window: int = 16) -> Diagnosis:
+                    label: str = "", window: int = PERIOD_WINDOW) -> Diagnosis:
     """The diagnosis of one client from its own records (any order; all of one client)."""
     records = sorted(records, key=lambda r: r.request_id)
     client_id = client_id or (records[0].client_id if records else "")
@@ -103,7 +91,7 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     if len(updates) < MIN_UPDATES:
         return Diagnosis(client_id, label, "warming-up", "measuring: waiting for a few updates",
                          updates=len(updates))
-    p = period([fb.cycle for fb, _ in updates], window)
+    p = cycles_per_update([fb.cycle for fb, _ in updates], window)
     assert p is not None
 
     # Loop structure of each step from one update to the next.
@@ -161,14 +149,14 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
 
 
 def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
-             clients: dict[str, ClientInfo] | None = None, *, window: int = 16) -> dict[str, Diagnosis]:
+             clients: dict[str, ClientInfo] | None = None, *, window: int = PERIOD_WINDOW) -> dict[str, Diagnosis]:
     """One diagnosis per client that sent forward_backward requests (label from `clients`)."""
     by_client: dict[str, list[RequestRecord]] = {}
     for record in records:
         by_client.setdefault(record.client_id, []).append(record)
     out = {}
     for cid, mine in by_client.items():
-        if not any(r.op in FORWARD_OPS for r in mine):
+        if not any(r.op in UPDATE_OPS for r in mine):
             continue
         info = (clients or {}).get(cid)
         out[cid] = diagnose_client(mine, cycle_s, client_id=cid, label=info.label if info else cid, window=window)
@@ -188,10 +176,10 @@ def recent_records(telemetry: Telemetry, per_client: int = 96) -> list[RequestRe
     return out
 
 
-def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *, window: int = 16
+def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *, window: int = PERIOD_WINDOW
                        ) -> dict[str, Diagnosis]:
     """`diagnose` over a pool's telemetry: recent records, measured cycle duration."""
-    cycle_s = cycle_duration(telemetry.cycles, default=min_cycle_s)
+    cycle_s = cycle_seconds(list(telemetry.cycles), default=min_cycle_s)
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
     return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),

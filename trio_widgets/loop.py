@@ -4,7 +4,7 @@
 >>> run.pause(); run.resume(); run.stop()     # from any thread; applied at the next update
 >>> await run                                  # or: run_sync(run) in a script / blocking cell
 
-Modes (DESIGN.md, "Clock-cycle semantics"; cycles per update = the period):
+Modes (docs/architecture.md, "Clock cycles"; cycles per update = the period):
 
 * ``naive``     await forward_backward, then submit optim_step and await it: 4 cycles
 * ``together``  submit both, await both, then the next batch: 2 cycles
@@ -31,6 +31,8 @@ from typing import Any, AsyncIterable, Awaitable, Callable, Iterable, Literal, T
 
 from .errors import PoolClosedError
 from .futures import APIFuture
+from .metrics import batch_weight, json_safe, loss_per_token
+from .validation import is_int
 from .types import AdamParams, Datum
 
 __all__ = ["MODES", "TrainingRun", "run_sync", "train"]
@@ -50,20 +52,9 @@ def _check_mode(mode: str) -> str:
 
 
 def _check_lookahead(lookahead: int) -> int:
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+    if not is_int(lookahead) or lookahead < 0:
         raise ValueError(f"lookahead must be an integer >= 0, got {lookahead!r}")
     return lookahead
-
-
-def batch_weight(batch: list[Datum]) -> tuple[float, int]:
-    """(loss-weighted tokens, input tokens) of a batch: the loss is a sum over the former."""
-    weight, tokens = 0.0, 0
-    for datum in batch:
-        n = datum.model_input.length
-        tokens += n
-        w = datum.loss_fn_inputs.get("weights")
-        weight += float(sum(w.data)) if w is not None else float(n)
-    return weight, tokens
 
 
 @dataclass
@@ -105,7 +96,7 @@ class TrainingRun:
         self._adam = params
         self.loss_fn = loss_fn
         self.loss_fn_config = loss_fn_config
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+        if steps is not None and (not is_int(steps) or steps < 0):
             raise ValueError(f"steps must be an integer >= 0 or None, got {steps!r}")
         self.steps = steps
         self.metrics_path = os.fspath(metrics_path) if metrics_path is not None else None
@@ -184,6 +175,11 @@ class TrainingRun:
     @property
     def paused(self) -> bool:
         return self.state == "paused"
+
+    @property
+    def pause_requested(self) -> bool:
+        """pause() was called and resume() not since (the run pauses at its next update)."""
+        return self._pause_requested
 
     def done(self) -> bool:
         return self.state in ("stopped", "finished", "error")
@@ -330,7 +326,7 @@ class TrainingRun:
         self._last_fb_cycle = cycle
         row = {
             "step": update.step,
-            "loss": loss_sum / update.weight if update.weight > 0 else math.nan,
+            "loss": loss_per_token(loss_sum, update.weight),
             "loss:sum": loss_sum,
             "tokens": update.tokens,
             "weight": update.weight,
@@ -348,8 +344,7 @@ class TrainingRun:
         self.step = update.step
         self.metrics.append(row)
         if self._file is not None:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-            self._file.write(json.dumps({"run": self.name, **clean}) + "\n")
+            self._file.write(json.dumps(json_safe({"run": self.name, **row})) + "\n")
             self._file.flush()
         if self.on_step is not None:
             try:

@@ -13,6 +13,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from .ops import OPS
+
 __all__ = ["ClientInfo", "CycleRecord", "QueueDepthRecord", "RequestRecord", "Telemetry", "TelemetryEvent"]
 
 log = logging.getLogger(__name__)
@@ -144,7 +146,8 @@ class Telemetry:
         self.emit("cycle", record)
 
     def request_delivered(self, record: RequestRecord) -> None:
-        if record.op == "optim_step" and record.status == "ok":
+        spec = OPS.get(record.op)
+        if spec is not None and spec.is_step and record.status == "ok":
             self.total_updates += 1
         self.emit("delivered", record)
 

@@ -19,11 +19,11 @@ import math
 import os
 from typing import Any, Iterable
 
+from .metrics import json_safe, record_loss
+from .ops import UPDATE_OPS
 from .telemetry import Telemetry
 
 __all__ = ["chrome_trace", "metrics_rows", "write_chrome_trace", "write_metrics_jsonl"]
-
-_FORWARD_OPS = ("forward_backward", "forward_backward_custom")
 
 
 def _us(t: float, t0: float) -> float:
@@ -102,16 +102,15 @@ def metrics_rows(telemetry: Telemetry) -> list[dict[str, Any]]:
     last_cycle: dict[str, int] = {}
     rows = []
     for r in sorted(list(telemetry.requests), key=lambda r: r.request_id):
-        if r.op not in _FORWARD_OPS or r.status != "ok" or r.cycle is None:
+        if r.op not in UPDATE_OPS or r.status != "ok" or r.cycle is None:
             continue
         steps[r.client_id] = step = steps.get(r.client_id, 0) + 1
-        weight = r.metrics.get("weight:sum", 0.0)
         loss_sum = r.metrics.get("loss:sum", math.nan)
         prev = last_cycle.get(r.client_id)
         last_cycle[r.client_id] = r.cycle
         info = clients.get(r.client_id)
         rows.append({"run": info.label if info else r.client_id, "client_id": r.client_id, "step": step,
-                     "loss": loss_sum / weight if weight else math.nan, "loss:sum": loss_sum,
+                     "loss": record_loss(r.metrics), "loss:sum": loss_sum,
                      "tokens": r.tokens, "cycle": r.cycle, "cycles": None if prev is None else r.cycle - prev,
                      "time/wait": (r.delivered_at - r.queued_at) if r.delivered_at is not None else None})
     return rows
@@ -122,6 +121,5 @@ def write_metrics_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike)
     path = os.fspath(path)
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(json_safe(row)) + "\n")
     return path

@@ -12,6 +12,8 @@ from typing import Any, Literal, Sequence, Union
 import numpy as np
 import torch
 
+from ._numbers import is_int
+
 __all__ = [
     "AdamParams",
     "AdapterSnapshot",
@@ -69,7 +71,7 @@ class TensorData:
             return cls.from_numpy(value)
         if isinstance(value, (list, tuple)):
             flat = list(value)
-            if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in flat):
+            if all(is_int(v) for v in flat):
                 return cls(data=[int(v) for v in flat], dtype="int64", shape=[len(flat)])
             return cls(data=[float(v) for v in flat], dtype="float32", shape=[len(flat)])
         raise TypeError(

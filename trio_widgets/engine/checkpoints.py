@@ -37,17 +37,19 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
-from ..types import AdapterSnapshot, LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
-from .clock import Tenant, register_op
+from ..types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
+from .clock import Tenant
 from .lora import AdamState, LoRAAdapter
 from .models import BaseModel
 
 __all__ = [
     "LoadedCheckpoint",
-    "SamplerSnapshot",
+    "check_compatible",
     "checkpoint_root",
     "default_checkpoint_dir",
     "read_checkpoint",
+    "run_dir",
+    "targets_of",
     "validate_name",
     "write_checkpoint",
 ]
@@ -435,65 +437,3 @@ def targets_of(loaded: LoadedCheckpoint, base: BaseModel, shown: str) -> dict[st
                                   f"checkpoint has {a.shape[1]}->{b.shape[0]}", path=shown)
         targets[name] = (fan_in, fan_out)
     return targets
-
-
-# -- the clock's "state" handlers -------------------------------------------------------------------
-
-@dataclass
-class SaveJob:
-    name: str | None
-    snapshot: bool = False  # also hand back an in-memory copy for a sampling client
-
-
-@dataclass
-class LoadJob:
-    loaded: LoadedCheckpoint
-    with_optimizer: bool
-    shown: str
-
-
-@dataclass
-class SamplerSnapshot:
-    """What save_weights_and_get_sampling_client gets back from the clock."""
-
-    path: str | None
-    adapter: LoRAAdapter
-
-
-def _save_state(pool: Any, tenant: Tenant, request: Any) -> SaveWeightsResponse:
-    job: SaveJob = request.payload
-    path = run_dir(pool, tenant) / "weights" / job.name
-    write_checkpoint(path, tenant, "state", job.name)
-    request.record.metrics["step"] = float(tenant.adapter.adam.step)
-    return SaveWeightsResponse(path=str(path))
-
-
-def _save_weights_for_sampler(pool: Any, tenant: Tenant, request: Any) -> Any:
-    job: SaveJob = request.payload
-    snapshot = tenant.adapter.snapshot()
-    path = None
-    if job.name is not None:
-        path = run_dir(pool, tenant) / "sampler_weights" / job.name
-        write_checkpoint(path, tenant, "sampler", job.name, adapter=snapshot)
-        path = str(path)
-    if job.snapshot:
-        return SamplerSnapshot(path=path, adapter=snapshot)
-    return SaveWeightsForSamplerResponse(path=path)
-
-
-def _load_state(pool: Any, tenant: Tenant, request: Any) -> LoadWeightsResponse:
-    job: LoadJob = request.payload
-    tenant.adapter.load_state_dict(job.loaded.state_dict(), with_optimizer=job.with_optimizer)
-    request.record.metrics["step"] = float(tenant.adapter.adam.step)
-    return LoadWeightsResponse(path=job.loaded.path)
-
-
-def _inspect_adapter(pool: Any, tenant: Tenant, request: Any) -> AdapterSnapshot:
-    return tenant.adapter.snapshot_state(tenant.client_id, tenant.base.name)
-
-
-register_op("inspect_adapter", "state", _inspect_adapter)
-register_op("save_state", "state", _save_state)
-register_op("save_weights_for_sampler", "state", _save_weights_for_sampler)
-register_op("load_state", "state", _load_state)
-register_op("load_state_with_optimizer", "state", _load_state)

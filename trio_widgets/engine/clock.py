@@ -1,18 +1,23 @@
 """LocalPool: a clock thread that runs every tenant's requests in lock-step cycles.
 
-The rules (DESIGN.md, "Clock-cycle semantics"):
+The rules (docs/architecture.md, "Clock cycles"):
 
 * A cycle lasts max(min_cycle_s, its compute time); an empty cycle still ticks.
 * A request is eligible for cycle K only if it was queued before K's boundary; the
   boundary takes a snapshot of the queues.
-* Per tenant per cycle: at most one forward-type op, then at most one optim_step, in
+* Per tenant per cycle: at most one forward-kind op, then at most one optim_step, in
   submission order (state ops ride along in order; sample requests batch freely).
 * Results of cycle K are delivered just after the boundary of cycle K+1.
+
+Requests arrive as plain data (trio_widgets.backend); each op's `prepare` (in
+engine/handlers.py, named by the op table trio_widgets/ops.py) checks it against the model
+and turns it into what its `run` needs, on the submitting thread, before it is queued.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -25,26 +30,15 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 
+from .._notebook import CellRegistry
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, RequestFailedError
 from ..futures import APIFuture
+from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
-from .compute import ForwardJob, run_forward_jobs
 from .lora import LoRAAdapter
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 
 log = logging.getLogger(__name__)
-
-OpKind = Literal["forward", "optim", "state", "sample"]
-
-
-@dataclass
-class Request:
-    request_id: int
-    client_id: str
-    op: str
-    payload: Any
-    future: APIFuture
-    record: RequestRecord
 
 
 @dataclass
@@ -57,48 +51,61 @@ class Tenant:
     train_attn: bool = True
     train_mlp: bool = True
     train_unembed: bool = True
+    kind: Literal["training", "sampling"] = "training"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# op name -> (kind, handler). Forward ops are run packed by the pool itself; "state"
-# handlers run one request at a time, "sample" handlers get all of a cycle's sample
-# requests of one base model at once and return one outcome (value or exception) each.
-SingleHandler = Callable[["LocalPool", Tenant, Request], Any]
-BatchHandler = Callable[["LocalPool", BaseModel, list[tuple[Tenant, Request]]], list[Any]]
-_OPS: dict[str, tuple[OpKind, Callable | None]] = {
-    "forward": ("forward", None),
-    "forward_backward": ("forward", None),
-    "forward_backward_custom": ("forward", None),
-}
+@dataclass
+class Prepared:
+    """What an op's `prepare` hands the clock: its payload, and what telemetry counts."""
+
+    payload: Any
+    tokens: int = 0
+    weight: float = 0.0  # loss-weighted tokens (forward ops)
 
 
-def register_op(name: str, kind: OpKind, handler: Callable) -> None:
-    """Teach the clock a new op (used by the sampling and checkpoint modules)."""
-    _OPS[name] = (kind, handler)
+@dataclass
+class Request:
+    request_id: int
+    client_id: str
+    op: str
+    payload: Any
+    result: concurrent.futures.Future
+    future: APIFuture
+    record: RequestRecord
+    ready: bool = True  # a reservation is not, until it is filled
 
 
-def _optim_step(pool: "LocalPool", tenant: Tenant, request: Request) -> Any:
-    from ..types import OptimStepResponse
-
-    try:
-        metrics = tenant.adapter.adamw_step(request.payload)
-    except FloatingPointError as exc:
-        raise RequestFailedError(f"optim_step: {exc}; weights and optimizer state are unchanged",
-                                 client_id=tenant.client_id) from exc
-    request.record.metrics["step"] = metrics["step:max"]
-    return OptimStepResponse(metrics=metrics)
+@dataclass(frozen=True)
+class _Op:
+    spec: OpSpec
+    prepare: Callable[..., Prepared]
+    run: Callable[..., Any]
 
 
-register_op("optim_step", "optim", _optim_step)
+def _resolve_ops() -> dict[str, _Op]:
+    """Every op of the table with its prepare/run pair from engine/handlers.py."""
+    from . import handlers
+
+    resolved = {}
+    for name, spec in OPS.items():
+        prepare = getattr(handlers, f"prepare_{spec.handler}", None)
+        run = getattr(handlers, f"run_{spec.handler}", None)
+        if prepare is None or run is None:
+            raise RuntimeError(f"op {name!r}: engine/handlers.py has no prepare_{spec.handler} / run_{spec.handler}")
+        resolved[name] = _Op(spec, prepare, run)
+    return resolved
 
 
-def _take(queue: deque[Request], max_samples: int) -> list[Request]:
+def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int) -> list[Request]:
     """The requests of one client's queue that this cycle runs, in order."""
     taken: list[Request] = []
     took_forward = took_optim = False
     samples = 0
     for request in queue:
-        kind = _OPS[request.op][0]
+        if not request.ready:  # a reserved place: what follows keeps its order behind it
+            break
+        kind = kinds[request.op]
         if kind == "forward":
             if took_forward or took_optim:
                 break
@@ -115,23 +122,15 @@ def _take(queue: deque[Request], max_samples: int) -> list[Request]:
     return taken
 
 
-# Pools alive in this process, so a re-run notebook cell can close the pool it built before.
+_CELL_POOLS = CellRegistry()
 _LIVE_POOLS: "weakref.WeakSet[LocalPool]" = weakref.WeakSet()
+_ATEXIT_LOCK = threading.Lock()
+_atexit_registered = False
 
 
-def _current_cell_id() -> str | None:
-    """The id of the notebook cell being executed (JupyterLab and nbclient send it)."""
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        kernel = getattr(shell, "kernel", None)
-        if kernel is None:
-            return None
-        parent = kernel.get_parent() if hasattr(kernel, "get_parent") else kernel._parent_header
-        return (parent or {}).get("metadata", {}).get("cellId")
-    except Exception:
-        return None
+def _close_live_pools() -> None:
+    for pool in list(_LIVE_POOLS):
+        pool.close(timeout=5.0)
 
 
 class _Clock:
@@ -156,9 +155,31 @@ class _Clock:
         for request in leftovers:
             request.record.status = "error"
             request.record.error = "pool closed"
-            request.future._set_exception(PoolClosedError(
+            _settle(request, PoolClosedError(
                 f"{request.op} (request #{request.request_id}) never ran: the pool {self.name!r} {why}"))
-            _release(request)
+
+
+class _Slot:
+    """A reservation (see trio_widgets.backend.Reservation) in a LocalPool's queue."""
+
+    def __init__(self, pool: "LocalPool", request: Request):
+        self._pool = weakref.ref(pool)
+        self._request = request
+        self.future = request.future
+
+    def fill(self, request: Any) -> None:
+        pool = self._pool()
+        if pool is None or self._request.result.done():
+            return  # the pool closed (and failed this place) meanwhile
+        try:
+            pool._fill(self._request, request)
+        except BaseException as exc:  # refused (InvalidInputError): the place fails, the queue moves on
+            self.fail(exc)
+
+    def fail(self, error: BaseException) -> None:
+        pool = self._pool()
+        if pool is not None:
+            pool._drop_reserved(self._request, error)
 
 
 class LocalPool:
@@ -166,12 +187,19 @@ class LocalPool:
 
     >>> with LocalPool(min_cycle_s=0.05) as pool:
     ...     tc = ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=8)
+
+    What it does to the process, all named here: it starts one daemon thread (the clock),
+    stopped by `close()`, by leaving a `with` block, when the pool is garbage-collected, or
+    at interpreter exit; on CPU, `torch_threads` sets torch's process-wide thread count
+    ("auto": $TRIO_TORCH_THREADS, else half the usable CPUs; None leaves it alone); and with
+    `owned_by_cell=True` (default), a pool built by a notebook cell closes the pool the same
+    cell built before, so re-running the cell leaves no clock behind.
     """
 
     def __init__(self, min_cycle_s: float = 0.05, device: str | torch.device = "auto", *,
                  max_tokens_per_pass: int = 4096, max_rank: int = 128, max_samples_per_cycle: int = 64,
                  telemetry_capacity: int = 4096, checkpoint_dir: str | None = None, name: str | None = None,
-                 torch_threads: int | Literal["auto"] | None = "auto"):
+                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True):
         if not (min_cycle_s >= 0):
             raise ValueError(f"min_cycle_s must be >= 0, got {min_cycle_s!r}")
         if max_tokens_per_pass < 1:
@@ -188,6 +216,8 @@ class LocalPool:
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
 
+        self._ops = _resolve_ops()
+        self._kinds: dict[str, OpKind] = {name: op.spec.kind for name, op in self._ops.items()}
         self._clock = _Clock(self.name, self.telemetry)
         self._boundary_gate = threading.Lock()  # held by hold(): no boundary is taken meanwhile
         self._queues = self._clock.queues
@@ -198,13 +228,13 @@ class LocalPool:
         self._request_ids = itertools.count(1)
         self._client_ids = itertools.count(1)
         self._closed = False
+        self._on_close: list[Callable[[], None]] = []
+        self._cycle_tenants: dict[str, Tenant] = {}  # the running cycle's (clock thread only)
 
-        self._cell_id = _current_cell_id()
-        if self._cell_id is not None:
-            for other in list(_LIVE_POOLS):
-                if other._cell_id == self._cell_id and not other._closed:
-                    other.close()  # this cell built it before: don't leave its clock running
+        if owned_by_cell:
+            _CELL_POOLS.claim(self)
         _LIVE_POOLS.add(self)
+        _register_atexit()
 
         self._clock.thread = threading.Thread(target=_run_clock, args=(weakref.ref(self), self._clock),
                                               name=f"trio-clock-{self.name}", daemon=True)
@@ -225,6 +255,19 @@ class LocalPool:
         _stop_clock(self._clock, timeout)
         self._clock.fail_queued("was closed")
         _LIVE_POOLS.discard(self)
+        hooks, self._on_close = self._on_close, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("a close hook of pool %s failed", self.name)
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call `hook()` when the pool closes (backends stop their client-side threads so)."""
+        if self._closed:
+            hook()
+        else:
+            self._on_close.append(hook)
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -258,13 +301,21 @@ class LocalPool:
     def new_client_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._client_ids)}"
 
-    def add_tenant(self, tenant: Tenant, kind: Literal["training", "sampling"], label: str | None) -> None:
+    def add_tenant(self, tenant: Tenant, label: str | None) -> None:
         self._check_open()
         with self._clock.cond:
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
-        self.telemetry.add_client(ClientInfo(tenant.client_id, kind, tenant.base.name,
+        self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
                                              label or tenant.client_id, tenant.rank or None))
+
+    def tenant(self, client_id: str) -> Tenant:
+        """The live tenant of `client_id`; ClientClosedError once it was closed."""
+        with self._clock.cond:
+            tenant = self._tenants.get(client_id)
+            if tenant is None or client_id in self._retired:
+                raise ClientClosedError(f"client {client_id} is closed: create a new client")
+            return tenant
 
     def retire_tenant(self, client_id: str) -> None:
         """Forget a client once nothing of it is queued: its adapter, optimizer state, queue
@@ -281,15 +332,38 @@ class LocalPool:
             return len(self._tenants)
 
     # -- requests ------------------------------------------------------------------
-    def submit(self, client_id: str, op: str, payload: Any, tokens: int = 0) -> APIFuture:
+    def submit(self, client_id: str, op: str, request: Any) -> APIFuture:
+        """Check `request` (plain data, see trio_widgets.backend) against the client's model and
+        queue it; InvalidInputError (nothing queued) if it is refused."""
         self._check_open()
-        if op not in _OPS:
+        resolved = self._op(op)
+        prepared = resolved.prepare(self, self.tenant(client_id), op, request)
+        return self._enqueue(client_id, op, prepared, ready=True).future
+
+    def reserve(self, client_id: str, op: str) -> _Slot:
+        """A place in the client's queue for a request given later (`fill`); later requests of
+        the client wait behind it. For the two steps of a custom loss."""
+        self._check_open()
+        self._op(op)
+        self.tenant(client_id)
+        return _Slot(self, self._enqueue(client_id, op, Prepared(None), ready=False))
+
+    def _op(self, op: str) -> _Op:
+        resolved = self._ops.get(op) if isinstance(op, str) else None
+        if resolved is None:
             raise InvalidInputError(f"unknown op {op!r}", field="op")
+        return resolved
+
+    def _enqueue(self, client_id: str, op: str, prepared: Prepared, ready: bool) -> Request:
         request_id = next(self._request_ids)
-        future: APIFuture = APIFuture(request_id, op, canceller=self._cancel)
-        record = RequestRecord(request_id, client_id, op, queued_at=time.perf_counter(), tokens=tokens)
-        request = Request(request_id, client_id, op, payload, future, record)
-        future._request = request
+        record = RequestRecord(request_id, client_id, op, queued_at=time.perf_counter(), tokens=prepared.tokens)
+        if prepared.weight:
+            record.metrics["weight:sum"] = prepared.weight
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        pool_ref = weakref.ref(self)
+        future: APIFuture = APIFuture(result, request_id=request_id, op=op, scheduled=record,
+                                      canceller=lambda: _cancel(pool_ref, request))
+        request = Request(request_id, client_id, op, prepared.payload, result, future, record, ready)
         with self._clock.cond:
             self._check_open()
             queue = self._queues.get(client_id)
@@ -298,19 +372,34 @@ class LocalPool:
             queue.append(request)
             self._clock.cond.notify_all()
         self.telemetry.add_request(record)
-        return future
+        return request
 
-    def _cancel(self, future: APIFuture) -> bool:
-        request = getattr(future, "_request", None)
+    def _fill(self, request: Request, plain: Any) -> None:
+        with self._clock.cond:  # (a closed client's reserved place still runs, like its queue)
+            tenant = self._tenants[request.client_id]
+        prepared = self._ops[request.op].prepare(self, tenant, request.op, plain)
         with self._clock.cond:
-            queue = self._queues.get(request.client_id) if request else None
+            request.payload = prepared.payload
+            request.record.tokens = prepared.tokens
+            if prepared.weight:
+                request.record.metrics["weight:sum"] = prepared.weight
+            request.ready = True
+            self._clock.cond.notify_all()
+
+    def _drop_reserved(self, request: Request, error: BaseException) -> None:
+        with self._clock.cond:
+            queue = self._queues.get(request.client_id)
             if queue is None or request not in queue:
-                return False
+                return  # already taken or failed (the pool closed)
             queue.remove(request)
-        request.record.status = "cancelled"
-        _release(request)
+            self._clock.cond.notify_all()
+        request.record.status = "error"
+        request.record.error = str(error)
+        request.record.delivered_at = time.perf_counter()
+        if isinstance(error, RequestFailedError) and error.cycle is not None:
+            request.record.cycle = error.cycle  # it failed in the exchange that began in that cycle
+        _settle(request, error)
         self.telemetry.request_delivered(request.record)
-        return True
 
     def queue_depths(self) -> dict[str, int]:
         with self._clock.cond:
@@ -328,7 +417,7 @@ class LocalPool:
             depths = {cid: len(q) for cid, q in self._queues.items()}
             taken: dict[str, list[Request]] = {}
             for cid, queue in self._queues.items():
-                requests = _take(queue, self.max_samples_per_cycle)
+                requests = _take(queue, self._kinds, self.max_samples_per_cycle)
                 for _ in requests:
                     queue.popleft()
                 if requests:
@@ -337,13 +426,14 @@ class LocalPool:
             for cid in dropped:
                 del self._tenants[cid], self._queues[cid]
                 self._retired.discard(cid)
+            tenants = {cid: self._tenants[cid] for cid in taken}
         for cid in dropped:
             self.telemetry.retire_client(cid)
         for requests in taken.values():
             for request in requests:
-                request.future.cycle = index
                 request.record.cycle = index
                 request.record.status = "running"
+        self._cycle_tenants = tenants
         self.telemetry.add_boundary(QueueDepthRecord(index, now, depths))
         return index, taken
 
@@ -357,7 +447,7 @@ class LocalPool:
         for requests in taken.values():
             seen_forward = False
             for request in requests:
-                kind = _OPS[request.op][0]
+                kind = self._kinds[request.op]
                 if kind == "forward":
                     forwards.append(request)
                     seen_forward = True
@@ -367,68 +457,38 @@ class LocalPool:
                     (after if seen_forward else before).append(request)
         for request in before:
             outcomes.append((request, self._run_single(request)))
-        outcomes.extend(self._run_forwards(forwards))
+        outcomes.extend(self._run_batched(forwards))
         for request in after:
             outcomes.append((request, self._run_single(request)))
-        outcomes.extend(self._run_samples(samples))
+        outcomes.extend(self._run_batched(samples))
         return outcomes
 
     def _run_single(self, request: Request) -> Any:
-        tenant = self._tenants[request.client_id]
+        tenant = self._cycle_tenants[request.client_id]
         request.record.started_at = time.perf_counter()
         try:
-            value = _OPS[request.op][1](self, tenant, request)
+            value = self._ops[request.op].run(self, tenant, request)
         except Exception as exc:
-            value = exc if isinstance(exc, (RequestFailedError, InvalidInputError)) else RequestFailedError(
-                f"{request.op} failed: {type(exc).__name__}: {exc}", client_id=request.client_id)
-            if value is not exc:
-                value.__cause__ = exc
+            value = _as_failure(request, exc)
         request.record.finished_at = time.perf_counter()
         return value
 
-    def _run_forwards(self, requests: list[Request]) -> list[tuple[Request, Any]]:
-        by_base: dict[str, list[Request]] = {}
+    def _run_batched(self, requests: list[Request]) -> list[tuple[Request, Any]]:
+        """Forward (or sample) requests of a cycle: one call per base model and handler, which
+        packs them into shared passes and returns one outcome per request."""
+        groups: dict[tuple[str, Callable], list[tuple[Tenant, Request]]] = {}
         for request in requests:
-            by_base.setdefault(self._tenants[request.client_id].base.name, []).append(request)
+            tenant = self._cycle_tenants[request.client_id]
+            groups.setdefault((tenant.base.name, self._ops[request.op].run), []).append((tenant, request))
         outcomes = []
-        for base_name, group in by_base.items():
-            base = self._models[base_name]
-            jobs: list[ForwardJob] = []
-            for request in group:
-                job: ForwardJob = request.payload
-                job.adapter = self._tenants[request.client_id].adapter
-                job.client_id = request.client_id
-                jobs.append(job)
-            started = time.perf_counter()
-            for request in group:
-                request.record.started_at = started
-            results = run_forward_jobs(base, jobs, self.max_tokens_per_pass)
-            finished = time.perf_counter()
-            for request, job, result in zip(group, jobs, results):
-                request.record.finished_at = finished
-                if not isinstance(result, BaseException):
-                    request.record.metrics["loss:sum"] = result.metrics.get("loss:sum", float("nan"))
-                    request.record.metrics["weight:sum"] = sum(
-                        float(d.inputs["weights"].sum()) if "weights" in d.inputs else d.length for d in job.data)
-                job.raw_data = job.surrogate = None  # don't keep the batch alive in telemetry
-                outcomes.append((request, result))
-        return outcomes
-
-    def _run_samples(self, requests: list[Request]) -> list[tuple[Request, Any]]:
-        by_handler: dict[tuple[str, Callable], list[tuple[Tenant, Request]]] = {}
-        for request in requests:
-            tenant = self._tenants[request.client_id]
-            by_handler.setdefault((tenant.base.name, _OPS[request.op][1]), []).append((tenant, request))
-        outcomes = []
-        for (base_name, handler), group in by_handler.items():
+        for (base_name, run), group in groups.items():
             started = time.perf_counter()
             for _, request in group:
                 request.record.started_at = started
             try:
-                results = handler(self, self._models[base_name], group)
-            except Exception as exc:
-                results = [RequestFailedError(f"{request.op} failed: {type(exc).__name__}: {exc}",
-                                              client_id=request.client_id) for _, request in group]
+                results = run(self, self._models[base_name], group)
+            except Exception as exc:  # the shared pass itself broke (e.g. out of memory): all of it fails
+                results = [_as_failure(request, exc) for _, request in group]
             finished = time.perf_counter()
             for (_, request), result in zip(group, results):
                 request.record.finished_at = finished
@@ -439,11 +499,43 @@ class LocalPool:
         _deliver(self.telemetry, outcomes, cycle)
 
 
-def _release(request: Request) -> None:
-    """A finished request lets go of its payload (a batch, an adapter): the user's future
-    may live long, and telemetry records outlive both."""
+def _as_failure(request: Request, exc: Exception) -> BaseException:
+    if isinstance(exc, (RequestFailedError, InvalidInputError)):
+        return exc
+    failure = RequestFailedError(f"{request.op} failed: {type(exc).__name__}: {exc}", client_id=request.client_id)
+    failure.__cause__ = exc
+    return failure
+
+
+def _cancel(pool_ref: "weakref.ref[LocalPool]", request: Request) -> bool:
+    pool = pool_ref()
+    if pool is None:
+        return False
+    with pool._clock.cond:
+        queue = pool._queues.get(request.client_id)
+        if queue is None or request not in queue:
+            return False
+        queue.remove(request)
+        pool._clock.cond.notify_all()
+    request.record.status = "cancelled"
     request.payload = None
-    request.future._request = None
+    pool.telemetry.request_delivered(request.record)
+    return True
+
+
+def _settle(request: Request, value: Any) -> None:
+    """Resolve a request's future and let go of its payload (a batch, an adapter): the
+    user's future may live long, and telemetry records outlive both."""
+    request.payload = None
+    if request.result.done():  # cancelled meanwhile
+        return
+    try:
+        if isinstance(value, BaseException):
+            request.result.set_exception(value)
+        else:
+            request.result.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: int) -> None:
@@ -456,16 +548,23 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
                 value.cycle = cycle
             record.status = "error"
             record.error = str(value)
-            request.future._set_exception(value)
         else:
             record.status = "ok"
-            request.future._set_result(value)
-        _release(request)
+        _settle(request, value)
         telemetry.request_delivered(record)
 
 
 _POOL_IDS = itertools.count(1)
 _IDLE_TICK_S = 0.001
+
+
+def _register_atexit() -> None:
+    """Pools close at interpreter exit (registered with the first pool, not at import)."""
+    global _atexit_registered
+    with _ATEXIT_LOCK:
+        if not _atexit_registered:
+            atexit.register(_close_live_pools)
+            _atexit_registered = True
 
 
 def _shutdown_dropped(clock: _Clock) -> None:
@@ -513,6 +612,7 @@ def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
             log.exception("cycle %d failed", index)
             pending = [(r, RequestFailedError(f"internal error in cycle {index}: {exc}", client_id=r.client_id))
                        for r in requests]
+        pool._cycle_tenants = {}
         pending_cycle = index
         busy = time.perf_counter() - boundary
         ops = dict(Counter(r.op for r in requests))
@@ -534,6 +634,3 @@ def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
                 if remaining <= 0:
                     break
                 clock.cond.wait(remaining)
-
-
-atexit.register(lambda: [pool.close(timeout=5.0) for pool in list(_LIVE_POOLS)])

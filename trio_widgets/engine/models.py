@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import UnknownModelError
+from ..validation import ModelLimits
 from .packing import ATTN_IMPLEMENTATION, MultiLoRALinear, register_attention
 
 DEFAULT_MODEL = "trio/tiny-llama-byte"
@@ -67,6 +68,11 @@ class BaseModel:
     # Wrapped linear name -> (kind, in_features, out_features)
     lora_targets: dict[str, tuple[LoRAKind, int, int]]
     source: str  # "builtin" or a local path
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What it accepts, as plain data for the input checks."""
+        return ModelLimits(self.name, self.vocab_size, self.context_length, self.tokenizer is not None)
 
     def targets_for(self, train_attn: bool, train_mlp: bool, train_unembed: bool) -> dict[str, tuple[int, int]]:
         allowed = {"attn": train_attn, "mlp": train_mlp, "unembed": train_unembed}

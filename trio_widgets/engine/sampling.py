@@ -18,138 +18,20 @@ the quantity importance-sampling losses need and what `compute_logprobs` returns
 from __future__ import annotations
 
 import inspect
-import math
-import secrets
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InvalidInputError, RequestFailedError
-from ..types import ModelInput, SampledSequence, SampleResponse, SamplingParams
-from .clock import register_op
+from ..errors import RequestFailedError
+from ..types import SampledSequence, SampleResponse
+from ..validation import SampleSpec
 from .lora import LoRAAdapter
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
 
-__all__ = ["SampleJob", "build_logprobs_job", "build_sample_job", "forward_logits"]
-
-
-@dataclass
-class SampleJob:
-    """One validated request: a prompt and how to continue it (or only score it)."""
-
-    prompt: list[int]
-    num_samples: int  # 0 for compute_logprobs
-    max_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    stop_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    seed: int = 0
-    prompt_logprobs: bool = False
-    logprobs_only: bool = False
-
-
-# -- validation (submit time, caller's thread) -------------------------------------------
-
-def _prompt_tokens(prompt: Any, base: BaseModel, field_name: str = "prompt") -> list[int]:
-    if isinstance(prompt, ModelInput):
-        tokens = prompt.to_ints()
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                   for t in prompt):
-        tokens = [int(t) for t in prompt]
-    else:
-        raise InvalidInputError(f"expected a ModelInput (or a list of token ids), got {type(prompt).__name__}",
-                                field=field_name)
-    if not tokens:
-        raise InvalidInputError("the prompt is empty: give at least one token", field=field_name)
-    if len(tokens) > base.context_length:
-        raise InvalidInputError(f"the prompt has {len(tokens)} tokens, more than the context of {base.name} "
-                                f"({base.context_length})", field=field_name)
-    for pos, tok in enumerate(tokens):
-        if not (0 <= tok < base.vocab_size):
-            raise InvalidInputError(f"token id {tok} at position {pos} is outside the vocabulary "
-                                    f"[0, {base.vocab_size})", field=field_name)
-    return tokens
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
-def _stops(stop: Any, base: BaseModel) -> tuple[frozenset[int], tuple[str, ...]]:
-    where = "sampling_params.stop"
-    if stop is None:
-        return frozenset(), ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)):
-        raise InvalidInputError(f"must be a string, a list of strings or a list of token ids, got "
-                                f"{type(stop).__name__}", field=where)
-    ids, strings = set(), []
-    for item in stop:
-        if isinstance(item, str):
-            if not item:
-                raise InvalidInputError("an empty stop string would stop at once", field=where)
-            strings.append(item)
-        elif _is_int(item):
-            if not (0 <= item < base.vocab_size):
-                raise InvalidInputError(f"stop token id {item} is outside the vocabulary [0, {base.vocab_size})",
-                                        field=where)
-            ids.add(int(item))
-        else:
-            raise InvalidInputError(f"stop entries must be strings or token ids, got {type(item).__name__}",
-                                    field=where)
-    if strings and base.tokenizer is None:
-        raise InvalidInputError(f"{base.name} has no tokenizer, so stop strings cannot be matched; "
-                                f"pass stop token ids instead", field=where)
-    return frozenset(ids), tuple(strings)
-
-
-def build_sample_job(base: BaseModel, prompt: Any, num_samples: Any, params: Any,
-                     include_prompt_logprobs: bool) -> SampleJob:
-    tokens = _prompt_tokens(prompt, base)
-    if not _is_int(num_samples) or num_samples < 1:
-        raise InvalidInputError(f"must be an integer >= 1, got {num_samples!r}", field="num_samples")
-    if params is None:
-        params = SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise InvalidInputError(f"expected SamplingParams, got {type(params).__name__}", field="sampling_params")
-    mt = params.max_tokens
-    if not _is_int(mt) or mt < 1:
-        raise InvalidInputError(f"must be an integer >= 1, got {mt!r}", field="sampling_params.max_tokens")
-    if len(tokens) + mt > base.context_length:
-        raise InvalidInputError(f"prompt ({len(tokens)} tokens) + max_tokens ({mt}) is more than the context of "
-                                f"{base.name} ({base.context_length})", field="sampling_params.max_tokens")
-    temp = params.temperature
-    if not _is_number(temp) or not math.isfinite(temp) or temp < 0:
-        raise InvalidInputError(f"must be a finite number >= 0 (0 is greedy), got {temp!r}",
-                                field="sampling_params.temperature")
-    top_k = params.top_k
-    if not _is_int(top_k) or top_k < -1:
-        raise InvalidInputError(f"must be -1 (off) or an integer >= 1, got {top_k!r}", field="sampling_params.top_k")
-    top_p = params.top_p
-    if not _is_number(top_p) or not (0 < top_p <= 1):
-        raise InvalidInputError(f"must be in (0, 1], got {top_p!r}", field="sampling_params.top_p")
-    seed = params.seed
-    if seed is not None and not _is_int(seed):
-        raise InvalidInputError(f"must be an integer or None, got {seed!r}", field="sampling_params.seed")
-    stop_ids, stop_strings = _stops(params.stop, base)
-    return SampleJob(prompt=tokens, num_samples=int(num_samples), max_tokens=int(mt), temperature=float(temp),
-                     top_k=max(int(top_k), 0), top_p=float(top_p), stop_ids=stop_ids, stop_strings=stop_strings,
-                     seed=int(seed) % 2**64 if seed is not None else secrets.randbits(63),
-                     prompt_logprobs=bool(include_prompt_logprobs))
-
-
-def build_logprobs_job(base: BaseModel, prompt: Any) -> SampleJob:
-    return SampleJob(prompt=_prompt_tokens(prompt, base), num_samples=0, prompt_logprobs=True, logprobs_only=True)
+__all__ = ["forward_logits", "run_sample_batch"]
 
 
 # -- the batched forward ------------------------------------------------------------------
@@ -235,7 +117,7 @@ def _row_seed(seed: int, index: int) -> int:
 class _Row:
     job: int
     adapter: LoRAAdapter | None
-    spec: SampleJob
+    spec: SampleSpec
     uniforms: torch.Tensor  # float64 [max_tokens]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -283,7 +165,7 @@ def _stopped(row: _Row, tokenizer: Any) -> bool:
 
 # -- one batch ---------------------------------------------------------------------------------
 
-def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleJob]]) -> list[Any]:
+def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]]) -> list[Any]:
     model, device = base.model, base.device
     prompts = [job.prompt for _, job in items]
     adapters = [adapter for adapter, _ in items]
@@ -357,7 +239,7 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleJob]
     return results
 
 
-def _chunks(jobs: list[SampleJob], budget: int) -> list[list[int]]:
+def _chunks(jobs: list[SampleSpec], budget: int) -> list[list[int]]:
     """Jobs in order, cut so that each prefill holds at most `budget` (padded) tokens."""
     chunks: list[list[int]] = []
     current: list[int] = []
@@ -374,31 +256,21 @@ def _chunks(jobs: list[SampleJob], budget: int) -> list[list[int]]:
     return chunks
 
 
-def run_sample_batch(pool: Any, base: BaseModel, group: list[tuple[Any, Any]]) -> list[Any]:
-    """The clock's "sample" handler: every sample / compute_logprobs request of a cycle on `base`."""
-    jobs: list[SampleJob] = [request.payload for _, request in group]
-    outcomes: list[Any] = [None] * len(group)
-    for chunk in _chunks(jobs, pool.max_tokens_per_pass):
-        items = [(group[i][0].adapter, jobs[i]) for i in chunk]
+def run_sample_batch(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]], token_budget: int
+                     ) -> list[Any]:
+    """Every sample / compute_logprobs request of a cycle on `base`, each (adapter, spec): one
+    outcome (a SampleResponse, a list of prompt logprobs, or an exception) per request."""
+    specs = [spec for _, spec in items]
+    outcomes: list[Any] = [None] * len(items)
+    for chunk in _chunks(specs, token_budget):
         try:
-            results = _run_chunk(base, items)
+            results = _run_chunk(base, [items[i] for i in chunk])
         except Exception as exc:
             results = []
-            for i in chunk:
-                err = RequestFailedError(f"{group[i][1].op} failed: {type(exc).__name__}: {exc}",
-                                         client_id=group[i][1].client_id)
+            for _ in chunk:
+                err = RequestFailedError(f"sampling failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 results.append(err)
         for i, result in zip(chunk, results):
             outcomes[i] = result
-            record = group[i][1].record
-            if isinstance(result, SampleResponse):
-                generated = sum(len(s.tokens) for s in result.sequences)
-                record.tokens = len(jobs[i].prompt) + generated
-                record.metrics["sampled_tokens:sum"] = float(generated)
-                record.metrics["num_samples"] = float(len(result.sequences))
     return outcomes
-
-
-register_op("sample", "sample", run_sample_batch)
-register_op("compute_logprobs", "sample", run_sample_batch)

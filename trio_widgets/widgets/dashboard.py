@@ -4,7 +4,7 @@
 >>> dash = trio.Dashboard(pool)
 >>> dash            # displays; press Start, or run your own loop on `pool`
 
-How it updates (DESIGN.md, "Widgets"):
+How it updates (docs/architecture.md, "Widgets"):
 
 * the pool's telemetry calls a `TelemetryFeed` on the clock thread, which appends to
   bounded deques and does nothing else;
@@ -28,14 +28,16 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any
 
 import ipywidgets as W
 from bokeh.core.property.validation import validate
 
-from ..advisor import Diagnosis, diagnose_telemetry, format_cycles, period
+from .._notebook import CellRegistry
+from ..advisor import Diagnosis, diagnose_telemetry
+from ..metrics import cycles_per_update, format_cycles, period_history
+from ..ops import UPDATE_OPS
 from ..client import ServiceClient, default_pool
 from ..data import addition_batches
 from ..engine import DEFAULT_MODEL, LocalPool
@@ -49,8 +51,7 @@ __all__ = ["Dashboard", "lr_multipliers"]
 
 log = logging.getLogger(__name__)
 
-_FORWARD_OPS = ("forward_backward", "forward_backward_custom")
-_LIVE: "weakref.WeakSet[Dashboard]" = weakref.WeakSet()
+_CELL_DASHBOARDS = CellRegistry()
 
 _CSS = """<style>
 .trio-dashboard { font-family: Inter, 'Segoe UI', Helvetica, Arial, sans-serif; background: #ffffff;
@@ -87,15 +88,6 @@ def lr_multipliers(runs: int) -> list[float]:
     """A learning-rate sweep of `runs` values around 1, a factor 2 apart: 3 -> 0.5, 1, 2."""
     low = -(runs // 2)
     return [2.0 ** k for k in range(low, low + runs)]
-
-
-def _current_cell_id() -> str | None:
-    try:
-        from ..engine.clock import _current_cell_id as cell_id
-
-        return cell_id()
-    except Exception:  # pragma: no cover
-        return None
 
 
 def _si(value: float) -> str:
@@ -245,12 +237,7 @@ class Dashboard(W.VBox):
             w.observe(lambda change, key=key: self._request("setting", (key, change["new"])), names="value")
 
         self._feed = TelemetryFeed(pool.telemetry)
-        self._cell_id = _current_cell_id()
-        if self._cell_id is not None:
-            for other in list(_LIVE):
-                if other is not self and other._cell_id == self._cell_id and not other._closed:
-                    other.close()  # the cell that built it runs again: one live dashboard per cell
-        _LIVE.add(self)
+        _CELL_DASHBOARDS.claim(self)  # the cell that built one before runs again: one live dashboard per cell
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -288,7 +275,7 @@ class Dashboard(W.VBox):
             return "idle"
         states = {r.state for r in self.runs}
         if "running" in states or "created" in states:
-            return "running" if not all(r._pause_requested for r in self.runs) else "pausing"
+            return "running" if not all(r.pause_requested for r in self.runs) else "pausing"
         if "paused" in states:
             return "paused"
         return "error" if "error" in states else "stopped"
@@ -453,8 +440,8 @@ class Dashboard(W.VBox):
             self._figs.set_log_scale(bool(self._settings["log"]))
             self._figs.update(cycles, boundaries, delivered)
         for r in delivered:
-            if r.op in _FORWARD_OPS and r.cycle is not None and r.status == "ok":
-                self._fb_cycles.setdefault(r.client_id, deque(maxlen=17)).append(r.cycle)
+            if r.op in UPDATE_OPS and r.cycle is not None and r.status == "ok":
+                self._fb_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
         for info in self._feed.drain_retired():
             self._fb_cycles.pop(info.client_id, None)
         now = time.perf_counter()
@@ -497,7 +484,7 @@ class Dashboard(W.VBox):
                  f"<b>{_si(self._tokens_per_s())}</b> tokens/s"]
         per_client = []
         for cid, views in self._figs.clients.items():
-            p = period(list(self._fb_cycles.get(cid, ())))
+            p = cycles_per_update(self._fb_cycles.get(cid, ()))
             if p is None:
                 continue
             per_client.append(f"<span class='trio-cpu'><span class='trio-dot' style='background:{views.color}'>"
@@ -603,7 +590,6 @@ class Dashboard(W.VBox):
                     loop.call_soon_threadsafe(task.cancel)
             except RuntimeError:
                 loop.call_soon_threadsafe(task.cancel)
-        _LIVE.discard(self)
 
     def close(self) -> None:
         """Stop the periodic task, unsubscribe from the pool, stop the Start runs, close the widgets."""

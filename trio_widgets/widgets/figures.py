@@ -8,7 +8,6 @@ sources (with rollover) and moves the shared time range. Call everything on one 
 from __future__ import annotations
 
 import math
-import statistics
 import zlib
 from bisect import bisect_right
 from collections import deque
@@ -27,33 +26,16 @@ from bokeh.models import (
 )
 from bokeh.plotting import figure
 
+from ..metrics import cycle_duration, record_loss
+from ..ops import UPDATE_OPS, op_color
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord
 
-__all__ = ["CLIENT_COLORS", "OP_COLORS", "DashboardFigures", "op_color"]
+__all__ = ["CLIENT_COLORS", "DashboardFigures"]
 
-OP_COLORS = {
-    "forward_backward": "#2563eb",         # blue
-    "forward_backward_custom": "#1e3a8a",  # dark blue
-    "forward": "#7c3aed",                  # violet
-    "optim_step": "#f97316",               # orange
-    "sample": "#16a34a",                   # green
-    "compute_logprobs": "#0d9488",         # teal
-    "save_state": "#64748b",
-    "save_weights_for_sampler": "#64748b",
-    "load_state": "#475569",
-    "load_state_with_optimizer": "#475569",
-}
-_FALLBACK = ("#db2777", "#9333ea", "#0891b2", "#65a30d", "#b45309", "#334155")
 CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569")
-_FORWARD_OPS = ("forward_backward", "forward_backward_custom")
 # cycle bands, alternating: slate for cycles that ran work, pale amber for idle ones
 _BAND_FILL = {False: ("#e2e8f0", "#edf1f6"), True: ("#fbf0d9", "#fdf7ea")}
 _FONT = "Inter, 'Segoe UI', Helvetica, Arial, sans-serif"
-
-
-def op_color(op: str) -> str:
-    """A colour for any op: fixed for the known ones, a stable hash for new ones."""
-    return OP_COLORS.get(op) or _FALLBACK[zlib.crc32(op.encode()) % len(_FALLBACK)]
 
 
 def _style(fig, title: str) -> None:
@@ -205,7 +187,7 @@ class DashboardFigures:
         return round(t - self.t0, 6)
 
     def cycle_estimate(self) -> float:
-        return statistics.median(self._cycle_s) if self._cycle_s else 0.05
+        return cycle_duration(self._cycle_s, default=0.05, window=len(self._cycle_s) or 1)
 
     def _label(self, index: int, left: float, right: float) -> str:
         """The band's label, or "" where it would overlap the previous one (about 6 px a digit)."""
@@ -287,12 +269,10 @@ class DashboardFigures:
             losses: dict[str, dict[str, list]] = {}
             for r in delivered:
                 views = self.clients[r.client_id]
-                if r.op in _FORWARD_OPS and r.status == "ok":
-                    weight = r.metrics.get("weight:sum", 0.0)
-                    loss_sum = r.metrics.get("loss:sum", math.nan)
-                    if weight and math.isfinite(loss_sum):
+                if r.op in UPDATE_OPS and r.status == "ok":
+                    loss = record_loss(r.metrics)
+                    if math.isfinite(loss):
                         views.step += 1
-                        loss = loss_sum / weight
                         a = self.smoothing
                         views.ema = (1 - a) * views.ema + a * loss
                         views.ema_weight = (1 - a) * views.ema_weight + a

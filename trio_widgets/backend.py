@@ -1,0 +1,161 @@
+"""The seam between the client API and where requests run (cf. httpx's transports).
+
+The client builds plain-data requests — token ids, loss inputs, optimizer and sampling
+settings: things that serialise — and hands them to a `Backend`. `LocalBackend`
+(trio_widgets.engine.backend) runs them on an in-process `LocalPool`; an HTTP backend
+sends the same requests to a served pool. Nothing here holds a tensor, an engine object
+or a callable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .futures import APIFuture
+from .types import AdamParams, Datum, ModelInput, SamplingParams
+
+__all__ = [
+    "Backend", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ForwardRequest",
+    "FromStateRequest", "InspectRequest", "LoadRequest", "ModelHandle", "OptimStepRequest", "Reservation",
+    "SampleRequest", "SamplerCreated", "SaveRequest",
+]
+
+
+# -- creating clients --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CreateModelRequest:
+    base_model: str
+    rank: int
+    seed: int | None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class FromStateRequest:
+    path: str
+    with_optimizer: bool
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class CreateSamplerRequest:
+    model_path: str | None = None  # saved weights; None: the bare base model
+    base_model: str | None = None
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """What a client knows about its model in the backend."""
+
+    client_id: str
+    base_model: str
+    rank: int  # 0: a sampler of the bare base model
+    alpha: float
+    seed: int
+    train_attn: bool = False
+    train_mlp: bool = False
+    train_unembed: bool = False
+    model_path: str | None = None
+
+
+# -- requests of a client (the op name travels beside them) ------------------------------
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """forward, forward_backward, and the second half of forward_backward_custom."""
+
+    data: list[Datum]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class OptimStepRequest:
+    adam_params: AdamParams
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """save_state / save_weights_for_sampler; `make_sampler` also creates a sampling client over
+    a copy of the weights (save_weights_and_get_sampling_client); `name` None: memory only."""
+
+    name: str | None
+    make_sampler: bool = False
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    path: str
+
+
+@dataclass(frozen=True)
+class InspectRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    prompt: ModelInput
+    num_samples: int = 1
+    sampling_params: SamplingParams | None = None
+    include_prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class ComputeLogprobsRequest:
+    prompt: ModelInput
+
+
+@dataclass(frozen=True)
+class SamplerCreated:
+    """The result of a save with `make_sampler`."""
+
+    sampler: ModelHandle
+    path: str | None
+
+
+class Reservation(Protocol):
+    """A place in a client's queue, taken now and filled later: requests submitted after it wait
+    behind it, so a custom loss's forward_backward keeps its order with a later optim_step."""
+
+    future: APIFuture
+
+    def fill(self, request: ForwardRequest) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+class Backend(Protocol):
+    """Where a ServiceClient's requests run. Every method raises InvalidInputError (naming the
+    field) for a request it refuses, before anything is queued."""
+
+    name: str
+
+    def supported_models(self) -> list[str]: ...
+
+    def create_model(self, request: CreateModelRequest) -> ModelHandle: ...
+
+    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle: ...
+
+    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle: ...
+
+    def submit(self, client_id: str, op: str, request: Any) -> APIFuture: ...
+
+    def reserve(self, client_id: str, op: str) -> Reservation: ...
+
+    def release(self, client_id: str) -> None: ...
+
+    def tokenizer(self, base_model: str) -> Any: ...
+
+    def run_in_background(self, work: Callable[[], None]) -> None:
+        """Run client-side work (a custom loss) off the caller's thread and off the clock."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,204 @@
+"""What each op does in the pool: `prepare_<handler>` and `run_<handler>` per row of the op
+table (trio_widgets/ops.py).
+
+* ``prepare_X(pool, tenant, op, request) -> Prepared`` runs on the submitting thread: it
+  checks the plain-data request against the client's model (trio_widgets.validation) and
+  turns it into the payload `run_X` needs. Raising InvalidInputError there means nothing
+  was queued.
+* ``run_X`` runs on the clock thread. For ops of kind "forward" and "sample" it gets every
+  request of the cycle on one base model at once, ``run_X(pool, base, [(tenant, request)])``,
+  and returns one outcome (a value or an exception) per request; for "optim" and "state"
+  ops, ``run_X(pool, tenant, request)`` returns the value or raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..backend import (
+    ComputeLogprobsRequest,
+    ForwardRequest,
+    InspectRequest,
+    LoadRequest,
+    ModelHandle,
+    OptimStepRequest,
+    SampleRequest,
+    SamplerCreated,
+    SaveRequest,
+)
+from ..errors import InvalidInputError, RequestFailedError
+from ..types import AdapterSnapshot, LoadWeightsResponse, OptimStepResponse, SaveWeightsForSamplerResponse, \
+    SaveWeightsResponse
+from ..validation import check_adam_params, check_logprobs_prompt, check_loss, check_sample
+from . import checkpoints as ckpt
+from .compute import make_forward_job, run_forward_jobs
+from .sampling import run_sample_batch
+
+from .clock import Prepared, Tenant
+
+if TYPE_CHECKING:
+    from .clock import LocalPool, Request
+    from .models import BaseModel
+
+
+def _expect(request: Any, kind: type, op: str) -> None:
+    if not isinstance(request, kind):
+        raise InvalidInputError(f"{op} takes a {kind.__name__}, got {type(request).__name__}", field="request")
+
+
+def _trained(tenant: "Tenant", op: str) -> Any:
+    if tenant.kind != "training":
+        raise InvalidInputError(f"{op}: client {tenant.client_id} is a sampling client; it has no weights to train",
+                                field="client")
+    return tenant.adapter
+
+
+# -- forward, forward_backward, forward_backward_custom ------------------------------------
+
+def prepare_forward(pool: "LocalPool", tenant: "Tenant", op: str, request: ForwardRequest) -> Prepared:
+    _expect(request, ForwardRequest, op)
+    if op != "forward":
+        _trained(tenant, op)
+    loss_fn, config = check_loss(request.loss_fn, request.loss_fn_config)
+    job, weight = make_forward_job(tenant.base, request.data, loss_fn, config, backward=op != "forward")
+    # a custom loss's weights are its gradient, not a count of tokens: no loss per token then
+    return Prepared(job, tokens=job.tokens, weight=0.0 if op == "forward_backward_custom" else weight)
+
+
+def run_forward(pool: "LocalPool", base: "BaseModel", group: list[tuple["Tenant", "Request"]]) -> list[Any]:
+    items = [(tenant.adapter, request.payload, tenant.client_id) for tenant, request in group]
+    outcomes = run_forward_jobs(base, items, pool.max_tokens_per_pass)
+    for (_, request), outcome in zip(group, outcomes):
+        if not isinstance(outcome, BaseException):
+            request.record.metrics["loss:sum"] = outcome.metrics.get("loss:sum", float("nan"))
+    return outcomes
+
+
+# -- optim_step ------------------------------------------------------------------------------
+
+def prepare_optim_step(pool: "LocalPool", tenant: "Tenant", op: str, request: OptimStepRequest) -> Prepared:
+    _expect(request, OptimStepRequest, op)
+    _trained(tenant, op)
+    return Prepared(check_adam_params(request.adam_params))
+
+
+def run_optim_step(pool: "LocalPool", tenant: "Tenant", request: "Request") -> OptimStepResponse:
+    try:
+        metrics = tenant.adapter.adamw_step(request.payload)
+    except FloatingPointError as exc:
+        raise RequestFailedError(f"optim_step: {exc}; weights and optimizer state are unchanged",
+                                 client_id=tenant.client_id) from exc
+    request.record.metrics["step"] = metrics["step:max"]
+    return OptimStepResponse(metrics=metrics)
+
+
+# -- save_state, save_weights_for_sampler ----------------------------------------------------
+
+def prepare_save(pool: "LocalPool", tenant: "Tenant", op: str, request: SaveRequest) -> Prepared:
+    _expect(request, SaveRequest, op)
+    _trained(tenant, op)
+    if request.name is not None or not request.make_sampler:  # only an in-memory sampler may go unnamed
+        ckpt.validate_name(request.name)
+    return Prepared(request)
+
+
+def run_save(pool: "LocalPool", tenant: "Tenant", request: "Request") -> Any:
+    save: SaveRequest = request.payload
+    if request.op == "save_state":
+        path = ckpt.run_dir(pool, tenant) / "weights" / save.name
+        ckpt.write_checkpoint(path, tenant, "state", save.name)
+        request.record.metrics["step"] = float(tenant.adapter.adam.step)
+        return SaveWeightsResponse(path=str(path))
+    snapshot = tenant.adapter.snapshot()
+    written = None
+    if save.name is not None:
+        target = ckpt.run_dir(pool, tenant) / "sampler_weights" / save.name
+        ckpt.write_checkpoint(target, tenant, "sampler", save.name, adapter=snapshot)
+        written = str(target)
+    if not save.make_sampler:
+        return SaveWeightsForSamplerResponse(path=written)
+    sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
+                     kind="sampling")
+    pool.add_tenant(sampler, save.label or f"{tenant.client_id} sampler")
+    return SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written)
+
+
+def handle_of(tenant: "Tenant", model_path: str | None = None) -> ModelHandle:
+    adapter = tenant.adapter
+    return ModelHandle(client_id=tenant.client_id, base_model=tenant.base.name, rank=tenant.rank,
+                       alpha=adapter.alpha if adapter is not None else 0.0, seed=tenant.seed,
+                       train_attn=tenant.train_attn, train_mlp=tenant.train_mlp, train_unembed=tenant.train_unembed,
+                       model_path=model_path)
+
+
+# -- load_state, load_state_with_optimizer ---------------------------------------------------
+
+@dataclass
+class LoadJob:
+    loaded: ckpt.LoadedCheckpoint
+    with_optimizer: bool
+
+
+def prepare_load(pool: "LocalPool", tenant: "Tenant", op: str, request: LoadRequest) -> Prepared:
+    _expect(request, LoadRequest, op)
+    _trained(tenant, op)
+    with_optimizer = op == "load_state_with_optimizer"
+    loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=with_optimizer)
+    shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
+    ckpt.check_compatible(loaded, tenant, shown)
+    return Prepared(LoadJob(loaded, with_optimizer))
+
+
+def run_load(pool: "LocalPool", tenant: "Tenant", request: "Request") -> LoadWeightsResponse:
+    job: LoadJob = request.payload
+    tenant.adapter.load_state_dict(job.loaded.state_dict(), with_optimizer=job.with_optimizer)
+    request.record.metrics["step"] = float(tenant.adapter.adam.step)
+    return LoadWeightsResponse(path=job.loaded.path)
+
+
+# -- inspect_adapter ---------------------------------------------------------------------------
+
+def prepare_inspect(pool: "LocalPool", tenant: "Tenant", op: str, request: InspectRequest) -> Prepared:
+    _expect(request, InspectRequest, op)
+    if tenant.adapter is None:
+        raise InvalidInputError(f"client {tenant.client_id} samples the bare base model: it has no adapter",
+                                field="client")
+    return Prepared(None)
+
+
+def run_inspect(pool: "LocalPool", tenant: "Tenant", request: "Request") -> AdapterSnapshot:
+    return tenant.adapter.snapshot_state(tenant.client_id, tenant.base.name)
+
+
+# -- sample, compute_logprobs ---------------------------------------------------------------------
+
+def prepare_sample(pool: "LocalPool", tenant: "Tenant", op: str, request: SampleRequest) -> Prepared:
+    _expect(request, SampleRequest, op)
+    spec = check_sample(request.prompt, request.num_samples, request.sampling_params,
+                        request.include_prompt_logprobs, tenant.base.limits)
+    return Prepared(spec, tokens=len(spec.prompt))
+
+
+def prepare_logprobs(pool: "LocalPool", tenant: "Tenant", op: str, request: ComputeLogprobsRequest) -> Prepared:
+    _expect(request, ComputeLogprobsRequest, op)
+    spec = check_logprobs_prompt(request.prompt, tenant.base.limits)
+    return Prepared(spec, tokens=len(spec.prompt))
+
+
+def run_sample(pool: "LocalPool", base: "BaseModel", group: list[tuple["Tenant", "Request"]]) -> list[Any]:
+    outcomes = run_sample_batch(base, [(tenant.adapter, request.payload) for tenant, request in group],
+                                pool.max_tokens_per_pass)
+    for (tenant, request), outcome in zip(group, outcomes):
+        if isinstance(outcome, RequestFailedError) and outcome.client_id is None:
+            outcome.client_id = tenant.client_id
+        if hasattr(outcome, "sequences"):
+            generated = sum(len(s.tokens) for s in outcome.sequences)
+            request.record.tokens = len(request.payload.prompt) + generated
+            request.record.metrics["sampled_tokens:sum"] = float(generated)
+            request.record.metrics["num_samples"] = float(len(outcome.sequences))
+    return outcomes
+
+
+run_logprobs = run_sample

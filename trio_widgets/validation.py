@@ -1,0 +1,257 @@
+"""Every check on user input, in one place.
+
+Checks that need no model (types, shapes, ranges) are what the client runs before it builds
+a request; checks against a model (vocabulary, context length, tokenizer) take that model's
+`ModelLimits` and run behind the backend, before anything is queued. Either way a rejected
+request raises an `InvalidInputError` (a ValueError) naming the field and, for data, the
+datum, and nothing is queued or changed.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._numbers import is_int, is_number
+from .errors import InvalidInputError
+from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
+
+__all__ = ["CheckedDatum", "ModelLimits", "SampleSpec", "check_adam_params", "check_batch", "check_loss",
+           "check_sample", "check_prompt", "is_int", "is_number"]
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a base model accepts: plain data, so a check can run wherever the model is described."""
+
+    name: str
+    vocab_size: int
+    context_length: int
+    has_tokenizer: bool = True
+
+
+# -- training data -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CheckedDatum:
+    """A datum that passed every check: token ids and loss inputs as plain lists."""
+
+    tokens: list[int]
+    target_tokens: list[int] | None
+    floats: dict[str, list[float]]  # weights, logprobs, advantages
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def weight(self) -> float:
+        """Loss-weighted tokens (every token weighs 1 without `weights`)."""
+        weights = self.floats.get("weights")
+        return float(sum(weights)) if weights is not None else float(len(self.tokens))
+
+
+def check_loss(loss_fn: Any, loss_fn_config: Any) -> tuple[str, dict[str, float]]:
+    """A known loss name and its config with defaults filled in."""
+    from .engine.losses import LOSSES, resolved_config
+
+    if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
+        raise InvalidInputError(f"unknown loss_fn {loss_fn!r}; choose one of {', '.join(LOSSES)}", field="loss_fn")
+    try:
+        return loss_fn, resolved_config(loss_fn, loss_fn_config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidInputError(str(exc).strip('"'), field="loss_fn_config") from None
+
+
+def _check_tokens(tokens: Sequence[int], vocab: int, where: str, index: int | None) -> None:
+    for pos, tok in enumerate(tokens):
+        if not (0 <= tok < vocab):
+            raise InvalidInputError(f"token id {tok} at position {pos} is outside the vocabulary [0, {vocab})",
+                                    field=where, datum_index=index)
+
+
+def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None) -> list[CheckedDatum]:
+    """A batch against the loss (and, given `limits`, the model): the checked data, in order."""
+    from .engine.losses import FLOAT_INPUTS, REQUIRED_INPUTS
+
+    if isinstance(data, Datum):
+        raise InvalidInputError("expected a list of Datum, got a single Datum (wrap it in a list)", field="data")
+    if not isinstance(data, (list, tuple)) or len(data) == 0:
+        raise InvalidInputError("the batch is empty: pass at least one Datum", field="data")
+    needed = REQUIRED_INPUTS.get(loss_fn, ("target_tokens",))
+    checked = []
+    for i, datum in enumerate(data):
+        where = f"data[{i}]"
+        if not isinstance(datum, Datum):
+            raise InvalidInputError(f"expected a Datum, got {type(datum).__name__}", field=where, datum_index=i)
+        if not isinstance(datum.model_input, ModelInput):
+            raise InvalidInputError("model_input must be a ModelInput", field=f"{where}.model_input", datum_index=i)
+        tokens = datum.model_input.to_ints()
+        length = len(tokens)
+        if length == 0:
+            raise InvalidInputError("model_input is empty", field=f"{where}.model_input", datum_index=i)
+        if limits is not None:
+            if length > limits.context_length:
+                raise InvalidInputError(f"model_input has {length} tokens, more than the context of {limits.name} "
+                                        f"({limits.context_length})", field=f"{where}.model_input", datum_index=i)
+            _check_tokens(tokens, limits.vocab_size, f"{where}.model_input", i)
+        for key in needed:
+            if key not in datum.loss_fn_inputs:
+                have = ", ".join(sorted(datum.loss_fn_inputs)) or "nothing"
+                raise InvalidInputError(f"loss {loss_fn!r} needs loss_fn_inputs[{key!r}] (got {have})",
+                                        field=f"{where}.loss_fn_inputs", datum_index=i)
+        target: list[int] | None = None
+        floats: dict[str, list[float]] = {}
+        for key, raw in datum.loss_fn_inputs.items():
+            field_name = f"{where}.loss_fn_inputs[{key!r}]"
+            try:
+                td = TensorData.from_any(raw)
+            except TypeError as exc:
+                raise InvalidInputError(str(exc), field=field_name, datum_index=i) from None
+            if len(td.data) != length:
+                raise InvalidInputError(f"has length {len(td.data)} but model_input has length {length}",
+                                        field=field_name, datum_index=i)
+            if key == "target_tokens":
+                if td.dtype != "int64":
+                    raise InvalidInputError("target tokens must be integers, got floats", field=field_name,
+                                            datum_index=i)
+                target = [int(t) for t in td.data]
+                if limits is not None:
+                    _check_tokens(target, limits.vocab_size, field_name, i)
+            elif key in FLOAT_INPUTS:
+                values = np.asarray(td.data, dtype=np.float64)
+                bad = np.flatnonzero(~np.isfinite(values))
+                if bad.size:
+                    raise InvalidInputError(
+                        f"value {values[bad[0]]} at position {int(bad[0])} is not finite (NaN or infinite)",
+                        field=field_name, datum_index=i)
+                floats[key] = [float(v) for v in td.data]
+        checked.append(CheckedDatum(tokens, target, floats))
+    return checked
+
+
+def check_adam_params(params: Any) -> AdamParams:
+    """The optimizer settings, copied: later edits by the caller don't reach a queued step."""
+    if not isinstance(params, AdamParams):
+        raise InvalidInputError(f"expected AdamParams, got {type(params).__name__}", field="adam_params")
+    lr = params.learning_rate
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise InvalidInputError(f"must be a finite number > 0, got {lr!r}", field="adam_params.learning_rate")
+    for name in ("beta1", "beta2"):
+        value = getattr(params, name)
+        if not (isinstance(value, (int, float)) and 0 <= value < 1):
+            raise InvalidInputError(f"must be in [0, 1), got {value!r}", field=f"adam_params.{name}")
+    for name in ("eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(params, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise InvalidInputError(f"must be a finite number >= 0, got {value!r}", field=f"adam_params.{name}")
+    return replace(params)
+
+
+# -- sampling --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One checked sampling request: a prompt and how to continue it (or only score it)."""
+
+    prompt: list[int]
+    num_samples: int  # 0 for compute_logprobs
+    max_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    stop_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+    prompt_logprobs: bool = False
+    logprobs_only: bool = False
+
+
+def check_prompt(prompt: Any, limits: ModelLimits | None = None, field_name: str = "prompt") -> list[int]:
+    if isinstance(prompt, ModelInput):
+        tokens = prompt.to_ints()
+    elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
+        tokens = [int(t) for t in prompt]
+    else:
+        raise InvalidInputError(f"expected a ModelInput (or a list of token ids), got {type(prompt).__name__}",
+                                field=field_name)
+    if not tokens:
+        raise InvalidInputError("the prompt is empty: give at least one token", field=field_name)
+    if limits is not None:
+        if len(tokens) > limits.context_length:
+            raise InvalidInputError(f"the prompt has {len(tokens)} tokens, more than the context of {limits.name} "
+                                    f"({limits.context_length})", field=field_name)
+        _check_tokens(tokens, limits.vocab_size, field_name, None)
+    return tokens
+
+
+def _stops(stop: Any, limits: ModelLimits | None) -> tuple[frozenset[int], tuple[str, ...]]:
+    where = "sampling_params.stop"
+    if stop is None:
+        return frozenset(), ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidInputError(f"must be a string, a list of strings or a list of token ids, got "
+                                f"{type(stop).__name__}", field=where)
+    ids, strings = set(), []
+    for item in stop:
+        if isinstance(item, str):
+            if not item:
+                raise InvalidInputError("an empty stop string would stop at once", field=where)
+            strings.append(item)
+        elif is_int(item):
+            if limits is not None and not (0 <= item < limits.vocab_size):
+                raise InvalidInputError(f"stop token id {item} is outside the vocabulary [0, {limits.vocab_size})",
+                                        field=where)
+            ids.add(int(item))
+        else:
+            raise InvalidInputError(f"stop entries must be strings or token ids, got {type(item).__name__}",
+                                    field=where)
+    if strings and limits is not None and not limits.has_tokenizer:
+        raise InvalidInputError(f"{limits.name} has no tokenizer, so stop strings cannot be matched; "
+                                f"pass stop token ids instead", field=where)
+    return frozenset(ids), tuple(strings)
+
+
+def check_sample(prompt: Any, num_samples: Any, params: Any, include_prompt_logprobs: bool,
+                 limits: ModelLimits | None = None) -> SampleSpec:
+    tokens = check_prompt(prompt, limits)
+    if not is_int(num_samples) or num_samples < 1:
+        raise InvalidInputError(f"must be an integer >= 1, got {num_samples!r}", field="num_samples")
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"expected SamplingParams, got {type(params).__name__}", field="sampling_params")
+    mt = params.max_tokens
+    if not is_int(mt) or mt < 1:
+        raise InvalidInputError(f"must be an integer >= 1, got {mt!r}", field="sampling_params.max_tokens")
+    if limits is not None and len(tokens) + mt > limits.context_length:
+        raise InvalidInputError(f"prompt ({len(tokens)} tokens) + max_tokens ({mt}) is more than the context of "
+                                f"{limits.name} ({limits.context_length})", field="sampling_params.max_tokens")
+    temp = params.temperature
+    if not is_number(temp) or not math.isfinite(temp) or temp < 0:
+        raise InvalidInputError(f"must be a finite number >= 0 (0 is greedy), got {temp!r}",
+                                field="sampling_params.temperature")
+    top_k = params.top_k
+    if not is_int(top_k) or top_k < -1:
+        raise InvalidInputError(f"must be -1 (off) or an integer >= 1, got {top_k!r}", field="sampling_params.top_k")
+    top_p = params.top_p
+    if not is_number(top_p) or not (0 < top_p <= 1):
+        raise InvalidInputError(f"must be in (0, 1], got {top_p!r}", field="sampling_params.top_p")
+    seed = params.seed
+    if seed is not None and not is_int(seed):
+        raise InvalidInputError(f"must be an integer or None, got {seed!r}", field="sampling_params.seed")
+    stop_ids, stop_strings = _stops(params.stop, limits)
+    return SampleSpec(prompt=tokens, num_samples=int(num_samples), max_tokens=int(mt), temperature=float(temp),
+                      top_k=max(int(top_k), 0), top_p=float(top_p), stop_ids=stop_ids, stop_strings=stop_strings,
+                      seed=int(seed) % 2**64 if seed is not None else secrets.randbits(63),
+                      prompt_logprobs=bool(include_prompt_logprobs))
+
+
+def check_logprobs_prompt(prompt: Any, limits: ModelLimits | None = None) -> SampleSpec:
+    return SampleSpec(prompt=check_prompt(prompt, limits), num_samples=0, prompt_logprobs=True, logprobs_only=True)
