@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LAB_PORT ?= 8888
 
-.PHONY: setup lab test test-fast demo bench browser-deps clean
+.PHONY: setup lab lint test test-fast demo bench browser-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,12 @@ demo: setup
 NUMERIC_TESTS := tests/test_isolation.py tests/test_gradients.py tests/test_losses.py tests/test_sampling.py \
 	tests/test_checkpoints.py tests/test_models.py
 
-test: setup browser-deps
+# Lint and type check are part of the test run.
+lint: setup
+	$(VENV)/bin/ruff check trio_widgets tests benchmarks examples
+	$(VENV)/bin/mypy
+
+test: setup browser-deps lint
 	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests
 	TRIO_TORCH_THREADS=2 $(PY) -m pytest -q -rs $(NUMERIC_TESTS)
 

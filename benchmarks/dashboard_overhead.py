@@ -38,7 +38,7 @@ def rss_mb() -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
 
 
-def attach(pool: trio.LocalPool) -> "trio.Dashboard":
+def attach(pool: trio.LocalPool) -> trio.Dashboard:
     dash = trio.Dashboard(pool)
     dash.bokeh_widget.live = True  # send (serialise) every patch, as for a displayed view
     return dash

@@ -27,8 +27,14 @@ import torch
 import trio_widgets as trio
 from trio_widgets.engine.compute import ForwardJob, make_forward_job, run_forward_jobs
 from trio_widgets.engine.lora import LoRAAdapter
-from trio_widgets.engine.models import (DEFAULT_MODEL, _build_builtin, auto_torch_threads, load_base_model,
-                                        resolve_device, usable_cpus)
+from trio_widgets.engine.models import (
+    DEFAULT_MODEL,
+    _build_builtin,
+    auto_torch_threads,
+    load_base_model,
+    resolve_device,
+    usable_cpus,
+)
 
 TENANTS, SEQS, LENGTH, RANK = 8, 2, 64, 32
 ADAM = trio.AdamParams(learning_rate=1e-4)

@@ -17,7 +17,7 @@ The same loop runs on a hosted Tinker-style service after changing the import.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import trio_widgets as trio
 

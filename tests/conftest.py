@@ -21,7 +21,7 @@ def make_datum(tokens: list[int], weights: list[float] | None = None) -> trio.Da
 def random_batch(seed: int, n: int = 2, length: int = 33, vocab: int = 259, vary: bool = False) -> list[trio.Datum]:
     rng = random.Random(seed)
     batch = []
-    for i in range(n):
+    for _ in range(n):
         size = length + (rng.randint(-length // 2, length // 2) if vary else 0)
         tokens = [rng.randrange(3, vocab) for _ in range(size + 1)]
         weights = [rng.uniform(0.5, 1.5) for _ in range(size)]

@@ -9,11 +9,12 @@ from __future__ import annotations
 import threading
 import time
 
+from conftest import random_batch
+
 import trio_widgets as trio
 from trio_widgets.advisor import diagnose_client, diagnose_telemetry
 from trio_widgets.metrics import cycles_per_update as period
 from trio_widgets.telemetry import RequestRecord
-from conftest import random_batch
 
 CYCLE_S = 0.1
 ADAM = trio.AdamParams(learning_rate=1e-3)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import assert_fp32_close, model_terms, tiny_config
 
 import trio_widgets as trio
 from trio_widgets.engine import sampling
 from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import _build_builtin
-from numerics import assert_fp32_close, model_terms, tiny_config
 
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom, it was"]
 ADAM = trio.AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)

@@ -6,9 +6,9 @@ import asyncio
 import threading
 
 import pytest
+from conftest import random_batch
 
 import trio_widgets as trio
-from conftest import random_batch
 
 # Long enough that a client always reacts within one cycle, on any machine.
 CYCLE_S = 0.1

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import adapter_weights, make_datum, random_batch
 
 import trio_widgets as trio
-from conftest import adapter_weights, make_datum, random_batch
 
 ADAM = trio.AdamParams(learning_rate=1e-2)
 VICTIM_BATCH = random_batch(4242, n=2, length=20, vary=True)

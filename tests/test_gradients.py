@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-
-import trio_widgets as trio
 from conftest import adapter_weights, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
+
+import trio_widgets as trio
 from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
 from trio_widgets.engine.lora import LORA_ALPHA, LoRAAdapter
 from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model

@@ -16,10 +16,10 @@ import json
 
 import pytest
 import torch
-
-import trio_widgets as trio
 from conftest import random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
+
+import trio_widgets as trio
 
 peft = pytest.importorskip("peft")
 

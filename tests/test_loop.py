@@ -10,9 +10,9 @@ import threading
 import time
 
 import pytest
+from conftest import make_datum, random_batch
 
 import trio_widgets as trio
-from conftest import make_datum, random_batch
 
 CYCLE_S = 0.1  # long enough that a client always reacts within one cycle
 

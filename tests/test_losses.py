@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 import torch
-
-import trio_widgets as trio
 from numerics import assert_fp32_close, model_terms, tiny_config
 from test_gradients import _peft_model
+
+import trio_widgets as trio
 from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
 from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model

@@ -210,7 +210,8 @@ def test_make_lab_serves_the_quickstart_notebook(tmp_path: Path) -> None:
 
         status, _ = get(f"{url}lab/tree/{served}")
         assert status in (302, 403) or "login" in _.lower(), "the server must ask for its token"
-        print(f"\nmake lab: JupyterLab served {served} (from {root.group(1).strip()}) on 127.0.0.1:{port} after {t_ready:.1f} s")
+        print(f"\nmake lab: JupyterLab served {served} (from {root.group(1).strip()}) on 127.0.0.1:{port} "
+              f"after {t_ready:.1f} s")
     finally:
         _stop(proc, url, token)
     assert proc.returncode is not None

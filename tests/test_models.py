@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
+from conftest import random_batch
+from numerics import assert_fp32_close, model_terms
 
 import trio_widgets as trio
-from numerics import assert_fp32_close, model_terms
-from conftest import random_batch
 from trio_widgets.engine.models import byte_tokenizer, usable_cpus
 
 

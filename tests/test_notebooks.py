@@ -23,13 +23,12 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import nbformat
 import psutil
 import pytest
-
 from numerics import fp32_tolerance, model_terms, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -228,7 +227,7 @@ class PeakMemory:
             self.peak_total = max(self.peak_total, kernel + server)
             self._stop.wait(SAMPLE_EVERY_S)
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         self._thread.start()
         return self
 

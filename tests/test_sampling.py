@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import assert_fp32_close, model_terms, tiny_config
 
 import trio_widgets as trio
-from numerics import assert_fp32_close, model_terms, tiny_config
 from trio_widgets.engine.models import _build_builtin
 
 PROMPT = [3 + b for b in b"The cat "]  # byte tokenizer: token = byte + 3

@@ -17,7 +17,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-
 import trio_widgets as trio
 from trio_widgets.ops import op_color
 
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 def watch(dash) -> dict:
     """Observe a dashboard: messages each of its widgets sends, threads that change bokeh."""
     seen: dict = {"sends": Counter(), "threads": set()}
-    for w in dash._owned:
+    for w in dash.widgets:
         original = w._send
 
         def counting(msg, buffers=None, original=original, name=type(w).__name__):
@@ -87,13 +86,13 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
                 "diagnosis": dash.diagnoses[tc.client_id],
                 "ticks": dash.ticks,
                 "patches": dash.bokeh_widget.patches_sent,
-                "subscribers": len(pool.telemetry._subscribers),
+                "subscribers": pool.telemetry.subscriber_count,
                 "tasks": [t.get_name() for t in asyncio.all_tasks()],
             }
             paths = dash.export_trace(), dash.export_metrics(), dash.save_html()
             dash.close()
             await asyncio.sleep(0.05)
-            state.update(after_close_subscribers=len(pool.telemetry._subscribers), task_done=dash._task.done(),
+            state.update(after_close_subscribers=pool.telemetry.subscriber_count, task_done=not dash.running,
                          after_close_tasks=[t.get_name() for t in asyncio.all_tasks()])
             return state, seen, paths, threading.current_thread().name, tc.client_id
 
@@ -142,7 +141,7 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
             seen = watch(dash)
 
             def click(name):
-                button = dash._buttons.get(name) or dash._export_buttons[name]
+                button = dash.controls.buttons.get(name) or dash.controls.export_buttons[name]
                 t = threading.Thread(target=button.click, name=f"clicker-{name}")
                 t.start()
                 t.join()
@@ -152,7 +151,7 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
             lrs = [r.learning_rate for r in dash.runs]
             labels = [pool.telemetry.clients[r.client.client_id].label for r in dash.runs]
             for key, value in (("lr", 1e-3), ("log", True)):  # settings changed from another thread too
-                threading.Thread(target=setattr, args=(dash._controls[key], "value", value)).start()
+                threading.Thread(target=setattr, args=(dash.controls.settings[key], "value", value)).start()
             await until(lambda: dash.runs[0].learning_rate == 5e-4, "new learning rate")
             await until(lambda: dash.figures.loss_figs[1].visible, "log-scale loss figure")
             assert not dash.figures.loss_figs[0].visible
@@ -168,7 +167,7 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
             await until(lambda: dash.state == "stopped", "stopped")
             for name in ("trace", "metrics", "html"):
                 click(name)
-            await until(lambda: "trio-dashboard.html" in dash._export_note.value, "exports")
+            await until(lambda: "trio-dashboard.html" in dash.controls.export_note.value, "exports")
             pool.close()  # the dashboard notices and lets go of the pool
             await until(lambda: not dash.running, "dashboard task to end")
             return dict(lrs=lrs, labels=labels, updates=updates, paused_updates=paused_updates,

@@ -3,6 +3,7 @@
 `import trio_widgets as trio` gives the Tinker / PyTRIO client API over a local pool.
 """
 
+from . import data
 from .client import SamplingClient, ServiceClient, TrainingClient, default_pool
 from .engine import DEFAULT_MODEL, LocalPool
 from .errors import (
@@ -14,7 +15,6 @@ from .errors import (
     RequestFailedError,
     UnknownModelError,
 )
-from . import data
 from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
 from .types import (
@@ -33,7 +33,6 @@ from .types import (
     SaveWeightsResponse,
     TensorData,
 )
-
 
 __version__ = "0.1.0"
 
@@ -65,6 +64,7 @@ __all__ = [
     "TensorData",
     "TrainingClient",
     "UnknownModelError",
+    "data",
     "default_pool",
     "Dashboard",
     "TrainingRun",

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import time
 
-from . import AdamParams, DEFAULT_MODEL, LocalPool, ServiceClient
+from . import DEFAULT_MODEL, AdamParams, APIFuture, LocalPool, ServiceClient
 from .data import addition_batches
 from .metrics import batch_weight, loss_per_token
 
@@ -17,24 +17,23 @@ async def pipelined_demo(seconds: float, min_cycle_s: float, batch_size: int, lr
         batches = addition_batches(tc.get_tokenizer(), batch_size=batch_size, seed=0)
         adam = AdamParams(learning_rate=lr)
         losses, fb_cycles = [], []
-        in_flight = None
+        in_flight: list[tuple[APIFuture, APIFuture, float]] = []
         deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            batch = next(batches)
-            # Queue the next update before awaiting the current one: one update per cycle.
-            fb = await tc.forward_backward_async(batch, "cross_entropy")
-            opt = await tc.optim_step_async(adam)
-            if in_flight is not None:
-                prev_fb, prev_opt, prev_tokens = in_flight
-                result = await prev_fb
-                await prev_opt
-                losses.append(loss_per_token(result.metrics["loss:sum"], prev_tokens))
+        while time.perf_counter() < deadline or in_flight:
+            if time.perf_counter() < deadline:
+                batch = next(batches)
+                # Queue the next update before awaiting the current one: one update per cycle.
+                fb = await tc.forward_backward_async(batch, "cross_entropy")
+                opt = await tc.optim_step_async(adam)
+                in_flight.append((fb, opt, batch_weight(batch)[0]))
+                if len(in_flight) < 2:
+                    continue
+            prev_fb, prev_opt, weight = in_flight.pop(0)
+            result = await prev_fb
+            await prev_opt
+            losses.append(loss_per_token(result.metrics["loss:sum"], weight))
+            if prev_fb.cycle is not None:
                 fb_cycles.append(prev_fb.cycle)
-            in_flight = (fb, opt, batch_weight(batch)[0])
-        result = await in_flight[0]
-        await in_flight[1]
-        losses.append(loss_per_token(result.metrics["loss:sum"], in_flight[2]))
-        fb_cycles.append(in_flight[0].cycle)
     steady = fb_cycles[len(fb_cycles) // 4:]
     period = (steady[-1] - steady[0]) / max(1, len(steady) - 1)
     return {"updates": len(losses), "cycles_per_update": period, "first_loss": losses[0], "last_loss": losses[-1]}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,9 @@ class BackgroundWorker:
                         "block exit", self.name, timeout)
             return False
         return True
+
+    def stop(self) -> None:
+        self.close()
 
     @property
     def alive(self) -> bool:

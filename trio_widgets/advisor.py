@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import bisect
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Literal
 
 from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cycles
 from .ops import OPS, UPDATE_OPS
@@ -69,6 +70,11 @@ def _delivered(record: RequestRecord) -> bool:
     return record.delivered_at is not None and record.status in ("ok", "error") and record.cycle is not None
 
 
+def _delivered_at(record: RequestRecord) -> float:
+    """When a record `_updates` kept was delivered (always set for those)."""
+    return record.delivered_at if record.delivered_at is not None else float("inf")
+
+
 def _updates(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, RequestRecord | None]]:
     """(forward_backward, its optim_step or None) in submission order, delivered ones only."""
     updates: list[list] = []
@@ -97,10 +103,11 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     # Loop structure of each step from one update to the next.
     kinds: list[str] = []
     for (fb, opt), (nxt, _) in zip(updates, updates[1:]):
-        if opt is not None and opt.queued_at > fb.delivered_at:
+        fb_done = _delivered_at(fb)
+        if opt is not None and opt.queued_at > fb_done:
             kinds.append("naive")
         else:
-            last = max(fb.delivered_at, opt.delivered_at if opt is not None else fb.delivered_at)
+            last = max(fb_done, _delivered_at(opt) if opt is not None else fb_done)
             kinds.append("together" if nxt.queued_at >= last else "pipelined")
     structure = max(STRUCTURE_PERIOD, key=lambda k: (kinds.count(k), -STRUCTURE_PERIOD[k]))
 

@@ -9,8 +9,9 @@ or a callable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .futures import APIFuture
 from .types import AdamParams, Datum, ModelInput, SamplingParams

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -28,8 +29,8 @@ from .backend import (
     ModelHandle,
     OptimStepRequest,
     Reservation,
-    SampleRequest,
     SamplerCreated,
+    SampleRequest,
     SaveRequest,
 )
 from .engine.backend import LocalBackend
@@ -97,7 +98,7 @@ class TrainingInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _release(backend_ref: "weakref.ref[Backend]", client_id: str) -> None:
+def _release(backend_ref: weakref.ref[Backend], client_id: str) -> None:
     backend = backend_ref()
     if backend is not None:
         backend.release(client_id)
@@ -156,7 +157,7 @@ class TrainingClient(_Client):
     """One LoRA run in the pool. Every op returns an APIFuture at once; `*_async` twins
     return it from an awaitable (two await boundaries: submit, then result)."""
 
-    def __init__(self, backend: Backend, handle: ModelHandle, service: "ServiceClient"):
+    def __init__(self, backend: Backend, handle: ModelHandle, service: ServiceClient):
         super().__init__(backend, handle)
         self._service = service
 
@@ -239,18 +240,18 @@ class TrainingClient(_Client):
         `create_sampling_client(model_path=...)` or `peft.PeftModel.from_pretrained(base, path)`."""
         return self._submit("save_weights_for_sampler", SaveRequest(name))
 
-    def _sampler_from(self, created: SamplerCreated) -> "SamplingClient":
+    def _sampler_from(self, created: SamplerCreated) -> SamplingClient:
         return SamplingClient(self._backend, created.sampler)
 
     def _submit_snapshot(self, name: str | None) -> APIFuture[SamplerCreated]:
         return self._submit("save_weights_for_sampler", SaveRequest(name, make_sampler=True))
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> "SamplingClient":
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """A sampling client over a copy of the weights as of the ops submitted before this call
         (later training does not change what it samples). With `name`, also written to disk."""
         return self._sampler_from(self._submit_snapshot(name).result())
 
-    def create_sampling_client(self, model_path: str) -> "SamplingClient":
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
         return self._service.create_sampling_client(model_path=model_path)
 
     async def save_state_async(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
@@ -266,10 +267,10 @@ class TrainingClient(_Client):
                                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
         return self.save_weights_for_sampler(name, ttl_seconds)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> "SamplingClient":
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
         return self._sampler_from(await self._submit_snapshot(name))
 
-    async def create_sampling_client_async(self, model_path: str) -> "SamplingClient":
+    async def create_sampling_client_async(self, model_path: str) -> SamplingClient:
         return self.create_sampling_client(model_path)
 
     # -- info ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from .types import Datum, ModelInput
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any, Callable, Generator, Generic, Protocol, TypeVar
+from collections.abc import Callable, Generator
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -77,11 +78,11 @@ class APIFuture(Generic[T]):
     def cancelled(self) -> bool:
         return self._future.cancelled()
 
-    def add_done_callback(self, fn: Callable[["APIFuture[T]"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[APIFuture[T]], Any]) -> None:
         """`fn(self)` once the result is in; it runs on the thread that delivers it (keep it short)."""
         self._future.add_done_callback(lambda _f: fn(self))
 
-    def map(self, fn: Callable[[T], U]) -> "APIFuture[U]":
+    def map(self, fn: Callable[[T], U]) -> APIFuture[U]:
         """A future of `fn(result)`, for the same request (same id, op and cycle)."""
         mapped: concurrent.futures.Future = concurrent.futures.Future()
 

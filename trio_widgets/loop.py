@@ -26,14 +26,15 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterable, Awaitable, Callable, Iterable, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 from .errors import PoolClosedError
 from .futures import APIFuture
 from .metrics import batch_weight, json_safe, loss_per_token
-from .validation import is_int
 from .types import AdamParams, Datum
+from .validation import is_int
 
 __all__ = ["MODES", "TrainingRun", "run_sync", "train"]
 
@@ -113,7 +114,7 @@ class TrainingRun:
         self._wakeup: asyncio.Event | None = None
         self._last_fb_cycle: int | None = None
         self._last_done: float | None = None
-        self._file = None
+        self._file: IO[str] | None = None
 
     def __repr__(self) -> str:
         return f"<TrainingRun {self.name} {self.state} step={self.step} mode={self._mode}>"
@@ -194,17 +195,18 @@ class TrainingRun:
             pass
 
     # -- running ------------------------------------------------------------------------
-    def start(self) -> "TrainingRun":
+    def start(self) -> TrainingRun:
         """Schedule the loop as a task on the running event loop (call it on that loop)."""
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._main(), name=f"trio-train-{self.name}")
         return self
 
-    async def wait(self) -> "TrainingRun":
+    async def wait(self) -> TrainingRun:
         """Wait until the run ends; re-raises the error that ended it, if any."""
-        if self.task is None:
-            self.start()
-        await asyncio.shield(self.task) if not self.task.done() else None
+        task = self.task if self.task is not None else self.start().task
+        assert task is not None
+        if not task.done():
+            await asyncio.shield(task)
         if self.error is not None:
             raise self.error
         return self
@@ -221,8 +223,9 @@ class TrainingRun:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        is_async = hasattr(self._batches, "__aiter__")
-        iterator = self._batches.__aiter__() if is_async else iter(self._batches)
+        batches: Any = self._batches
+        is_async = hasattr(batches, "__aiter__")
+        iterator = batches.__aiter__() if is_async else iter(batches)
         if self.metrics_path is not None:
             self._file = open(self.metrics_path, "w", encoding="utf-8")
         inflight: deque[_Update] = deque()
@@ -296,11 +299,13 @@ class TrainingRun:
     async def _paused(self) -> bool:
         """Wait while paused; False if stopped meanwhile."""
         self.state = "paused"
+        wakeup = self._wakeup
+        assert wakeup is not None  # set when the run started
         while self._pause_requested and not self._stop_requested:
-            self._wakeup.clear()
+            wakeup.clear()
             if not self._pause_requested or self._stop_requested:
                 break
-            await self._wakeup.wait()
+            await wakeup.wait()
         if self._stop_requested:
             return False
         self.state = "running"

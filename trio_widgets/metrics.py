@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = ["PERIOD_WINDOW", "batch_weight", "cycle_duration", "cycles_per_update", "format_cycles",
            "json_safe", "loss_per_token", "period_history", "record_loss"]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 from .ops import OPS
 
@@ -105,6 +106,10 @@ class Telemetry:
                 self._subscribers = [s for s in self._subscribers if s is not callback]
 
         return unsubscribe
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)
 
     def emit(self, kind: EventKind, record: object) -> None:
         event = TelemetryEvent(kind, record)

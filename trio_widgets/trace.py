@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .metrics import json_safe, record_loss
 from .ops import UPDATE_OPS
@@ -65,17 +66,20 @@ def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1)
                        "args": {"cycle": c.index, "busy_ms": round(c.busy_s * 1e3, 3), "requests": c.n_requests,
                                 "tokens": c.tokens, "ops": dict(c.ops), "idle": c.n_requests == 0}})
     for r in requests:
+        started, finished = r.started_at, r.finished_at
+        if started is None or finished is None:
+            continue
         args: dict[str, Any] = {"request_id": r.request_id, "client": r.client_id, "cycle": r.cycle,
                                 "status": r.status, "tokens": r.tokens,
-                                "queued_ms": round((r.started_at - r.queued_at) * 1e3, 3)}
+                                "queued_ms": round((started - r.queued_at) * 1e3, 3)}
         if r.delivered_at is not None:
-            args["delivered_ms"] = round((r.delivered_at - r.finished_at) * 1e3, 3)
+            args["delivered_ms"] = round((r.delivered_at - finished) * 1e3, 3)
         for key, value in r.metrics.items():
             args[key] = value if isinstance(value, (int, float)) and math.isfinite(value) else str(value)
         if r.error:
             args["error"] = r.error
         events.append({"ph": "X", "pid": pid, "tid": tid_of(r.client_id), "name": r.op, "cat": r.op,
-                       "ts": _us(r.started_at, t0), "dur": max(_us(r.finished_at, r.started_at), 1.0),
+                       "ts": _us(started, t0), "dur": max(_us(finished, started), 1.0),
                        "args": args})
     for d in depths:
         for cid, depth in d.depths.items():

@@ -6,8 +6,9 @@ Plain dataclasses (no pydantic): they are built in the user's hot loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Literal, Union
 
 import numpy as np
 import torch
@@ -46,8 +47,9 @@ class TensorData:
     shape: list[int] | None = None
 
     @classmethod
-    def from_numpy(cls, array: np.ndarray) -> "TensorData":
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
         array = np.asarray(array)
+        dtype: Literal["int64", "float32"]
         if array.dtype.kind in "iub":
             dtype = "int64"
         elif array.dtype.kind == "f":
@@ -57,11 +59,11 @@ class TensorData:
         return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
 
     @classmethod
-    def from_torch(cls, tensor: torch.Tensor) -> "TensorData":
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
         return cls.from_numpy(tensor.detach().cpu().numpy())
 
     @classmethod
-    def from_any(cls, value: Any) -> "TensorData":
+    def from_any(cls, value: Any) -> TensorData:
         """Lists, numpy arrays, torch tensors and TensorData all become TensorData."""
         if isinstance(value, TensorData):
             return value
@@ -107,11 +109,11 @@ class ModelInput:
     chunks: list[EncodedTextChunk] = field(default_factory=list)
 
     @classmethod
-    def from_ints(cls, tokens: Sequence[int]) -> "ModelInput":
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
         return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
 
     @classmethod
-    def empty(cls) -> "ModelInput":
+    def empty(cls) -> ModelInput:
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
@@ -121,7 +123,7 @@ class ModelInput:
     def length(self) -> int:
         return sum(chunk.length for chunk in self.chunks)
 
-    def append_int(self, token: int) -> "ModelInput":
+    def append_int(self, token: int) -> ModelInput:
         return ModelInput.from_ints(self.to_ints() + [int(token)])
 
 

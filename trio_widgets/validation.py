@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

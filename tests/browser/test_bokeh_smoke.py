@@ -13,16 +13,15 @@ from typing import Any
 
 import nbformat
 import pytest
-
-from lab import BOKEH_ERRORS
-from lab import write_notebook as lab_write_notebook
 from lab import (
+    BOKEH_ERRORS,
     REPO,
     SUBSHELLS_OFF,
     SUBSHELLS_ON,
     LabServer,
     open_notebook,
 )
+from lab import write_notebook as lab_write_notebook
 
 BAD_CONSOLE = BOKEH_ERRORS
 

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from lab import BOKEH_ERRORS
+from lab import ARTIFACTS, BOKEH_ERRORS, SUBSHELLS_OFF, SUBSHELLS_ON, LabServer, open_notebook
 from lab import write_notebook as lab_write_notebook
-from lab import ARTIFACTS, SUBSHELLS_OFF, SUBSHELLS_ON, LabServer, open_notebook
 
 BAD_CONSOLE = (
     *BOKEH_ERRORS,

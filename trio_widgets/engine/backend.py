@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._worker import BackgroundWorker
 from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle
@@ -30,10 +31,12 @@ class LocalBackend:
         self.pool = pool
         self.name = pool.name
         self._worker = BackgroundWorker(f"trio-client-{pool.name}")
-        pool.on_close(self._worker.close)
+        # the hook holds the worker, not this backend: no cycle keeps a dropped pool alive
+        pool.on_close(self._worker.stop)
 
     def __repr__(self) -> str:
         return f"<LocalBackend {self.pool!r}>"
+
 
     # -- clients ------------------------------------------------------------------------
     def supported_models(self) -> list[str]:
@@ -78,11 +81,15 @@ class LocalBackend:
                                        f"max_rank {pool.max_rank}", path=shown)
         kinds = {base.lora_targets[name][0] for name in targets}
         meta = loaded.meta
-        flags = {key: bool(meta.get(key, kind in kinds))
-                 for key, kind in (("train_attn", "attn"), ("train_mlp", "mlp"), ("train_unembed", "unembed"))}
+
+        def flag(key: str, kind: str) -> bool:  # saved by us; else what the weights adapt
+            return bool(meta.get(key, kind in kinds))
+
         adapter = LoRAAdapter(targets, loaded.rank, loaded.seed, base.device, alpha=loaded.alpha)
         adapter.load_state_dict(loaded.state_dict(), with_optimizer=request.with_optimizer)
-        tenant = Tenant(pool.new_client_id("lora"), base, adapter, loaded.rank, loaded.seed, **flags)
+        tenant = Tenant(pool.new_client_id("lora"), base, adapter, loaded.rank, loaded.seed,
+                        train_attn=flag("train_attn", "attn"), train_mlp=flag("train_mlp", "mlp"),
+                        train_unembed=flag("train_unembed", "unembed"))
         tenant.extra["resumed_from"] = loaded.path
         pool.add_tenant(tenant, request.label)
         return handle_of(tenant, model_path=loaded.path)

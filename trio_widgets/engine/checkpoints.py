@@ -183,6 +183,8 @@ def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: 
     from safetensors.torch import save
 
     adapter = adapter if adapter is not None else tenant.adapter
+    if adapter is None:
+        raise ValueError(f"client {tenant.client_id} samples the bare base model: there are no weights to save")
     files: dict[str, bytes] = {ADAPTER_WEIGHTS: save(peft_tensors(adapter), metadata={"format": "pt"})}
     if kind == "state":
         moments = {}
@@ -198,7 +200,7 @@ def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: 
         "rank": adapter.rank, "alpha": adapter.alpha, "seed": tenant.seed,
         "targets": sorted(adapter.weights),
         "train_attn": tenant.train_attn, "train_mlp": tenant.train_mlp, "train_unembed": tenant.train_unembed,
-        "step": tenant.adapter.adam.step if tenant.adapter is not None else 0, "client_id": tenant.client_id, "run_id": tenant.extra.get("run_id"),
+        "step": adapter.adam.step, "client_id": tenant.client_id, "run_id": tenant.extra.get("run_id"),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": {fname: {"sha256": _sha256(data), "bytes": len(data)} for fname, data in files.items()},
     }

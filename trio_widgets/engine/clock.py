@@ -25,8 +25,9 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -123,7 +124,7 @@ def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int) -> 
 
 
 _CELL_POOLS = CellRegistry()
-_LIVE_POOLS: "weakref.WeakSet[LocalPool]" = weakref.WeakSet()
+_LIVE_POOLS: weakref.WeakSet[LocalPool] = weakref.WeakSet()
 _ATEXIT_LOCK = threading.Lock()
 _atexit_registered = False
 
@@ -162,7 +163,7 @@ class _Clock:
 class _Slot:
     """A reservation (see trio_widgets.backend.Reservation) in a LocalPool's queue."""
 
-    def __init__(self, pool: "LocalPool", request: Request):
+    def __init__(self, pool: LocalPool, request: Request):
         self._pool = weakref.ref(pool)
         self._request = request
         self.future = request.future
@@ -278,7 +279,7 @@ class LocalPool:
         with self._boundary_gate:
             yield
 
-    def __enter__(self) -> "LocalPool":
+    def __enter__(self) -> LocalPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -507,7 +508,7 @@ def _as_failure(request: Request, exc: Exception) -> BaseException:
     return failure
 
 
-def _cancel(pool_ref: "weakref.ref[LocalPool]", request: Request) -> bool:
+def _cancel(pool_ref: weakref.ref[LocalPool], request: Request) -> bool:
     pool = pool_ref()
     if pool is None:
         return False
@@ -582,7 +583,7 @@ def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
         thread.join(timeout)
 
 
-def _run_clock(pool_ref: "weakref.ref[LocalPool]", clock: _Clock) -> None:
+def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
     pending: list[tuple[Request, Any]] = []
     pending_cycle = -1
     last: CycleRecord | None = None

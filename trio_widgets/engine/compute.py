@@ -17,11 +17,11 @@ import torch.nn.functional as F
 
 from ..errors import RequestFailedError
 from ..types import ForwardBackwardOutput, TensorData
+from ..validation import check_batch
 from .lora import LoRAAdapter, all_finite
 from .losses import LOSSES
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
-from ..validation import check_batch
 
 
 @dataclass
@@ -66,6 +66,13 @@ class _Work:
     adapter: LoRAAdapter | None
     job: ForwardJob
     client_id: str
+
+    @property
+    def trained(self) -> LoRAAdapter:
+        """The adapter a backward pass writes to (only training clients send one)."""
+        if self.adapter is None:
+            raise RuntimeError(f"client {self.client_id} has no adapter to train")
+        return self.adapter
 
 
 def _micro_batches(jobs: list[_Work], token_budget: int) -> list[list[tuple[int, int]]]:
@@ -118,8 +125,8 @@ def _datum_loss(job: ForwardJob, d: int, logp: torch.Tensor, device: torch.devic
 @dataclass
 class _PassResult:
     loss_sum: float
-    logprobs: list[torch.Tensor]
-    elementwise: list[torch.Tensor]
+    logprobs: list[Any]  # a tensor per datum once the pass ran
+    elementwise: list[Any]
     grads: torch.Tensor | None  # the adapter's flat gradient from this pass
 
 
@@ -127,7 +134,7 @@ def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: b
     results = [_PassResult(0.0, [None] * len(w.job.data), [None] * len(w.job.data), None) for w in jobs]
     if backward:
         for work in jobs:
-            work.adapter.begin_pass()
+            work.trained.begin_pass()
     try:
         for batch in _micro_batches(jobs, token_budget):
             with torch.set_grad_enabled(backward):
@@ -146,7 +153,7 @@ def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: b
     finally:  # the adapters let go of the pass's buffers even when the pass breaks
         if backward:
             for work, result in zip(jobs, results):
-                result.grads = work.adapter.end_pass()
+                result.grads = work.trained.end_pass()
     return results
 
 
@@ -187,8 +194,8 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             bad = [i for i, r in zip(alive, results) if not _finite(r)]
             if not bad:
                 for i, result in zip(alive, results):
-                    if backward:
-                        jobs[i].adapter.accumulate(result.grads)
+                    if backward and result.grads is not None:
+                        jobs[i].trained.accumulate(result.grads)
                     outcomes[i] = _output(jobs[i].job, result)
                 break
             for i in bad:

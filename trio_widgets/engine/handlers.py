@@ -24,19 +24,24 @@ from ..backend import (
     LoadRequest,
     ModelHandle,
     OptimStepRequest,
-    SampleRequest,
     SamplerCreated,
+    SampleRequest,
     SaveRequest,
 )
 from ..errors import InvalidInputError, RequestFailedError
-from ..types import AdapterSnapshot, LoadWeightsResponse, OptimStepResponse, SaveWeightsForSamplerResponse, \
-    SaveWeightsResponse
+from ..types import (
+    AdapterSnapshot,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
 from ..validation import check_adam_params, check_logprobs_prompt, check_loss, check_sample
 from . import checkpoints as ckpt
-from .compute import make_forward_job, run_forward_jobs
-from .sampling import run_sample_batch
-
 from .clock import Prepared, Tenant
+from .compute import make_forward_job, run_forward_jobs
+from .lora import LoRAAdapter
+from .sampling import run_sample_batch
 
 if TYPE_CHECKING:
     from .clock import LocalPool, Request
@@ -48,16 +53,23 @@ def _expect(request: Any, kind: type, op: str) -> None:
         raise InvalidInputError(f"{op} takes a {kind.__name__}, got {type(request).__name__}", field="request")
 
 
-def _trained(tenant: "Tenant", op: str) -> Any:
-    if tenant.kind != "training":
+def _trained(tenant: Tenant, op: str) -> LoRAAdapter:
+    if tenant.kind != "training" or tenant.adapter is None:
         raise InvalidInputError(f"{op}: client {tenant.client_id} is a sampling client; it has no weights to train",
+                                field="client")
+    return tenant.adapter
+
+
+def _adapter(tenant: Tenant) -> LoRAAdapter:
+    if tenant.adapter is None:
+        raise InvalidInputError(f"client {tenant.client_id} samples the bare base model: it has no adapter",
                                 field="client")
     return tenant.adapter
 
 
 # -- forward, forward_backward, forward_backward_custom ------------------------------------
 
-def prepare_forward(pool: "LocalPool", tenant: "Tenant", op: str, request: ForwardRequest) -> Prepared:
+def prepare_forward(pool: LocalPool, tenant: Tenant, op: str, request: ForwardRequest) -> Prepared:
     _expect(request, ForwardRequest, op)
     if op != "forward":
         _trained(tenant, op)
@@ -67,7 +79,7 @@ def prepare_forward(pool: "LocalPool", tenant: "Tenant", op: str, request: Forwa
     return Prepared(job, tokens=job.tokens, weight=0.0 if op == "forward_backward_custom" else weight)
 
 
-def run_forward(pool: "LocalPool", base: "BaseModel", group: list[tuple["Tenant", "Request"]]) -> list[Any]:
+def run_forward(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
     items = [(tenant.adapter, request.payload, tenant.client_id) for tenant, request in group]
     outcomes = run_forward_jobs(base, items, pool.max_tokens_per_pass)
     for (_, request), outcome in zip(group, outcomes):
@@ -78,15 +90,15 @@ def run_forward(pool: "LocalPool", base: "BaseModel", group: list[tuple["Tenant"
 
 # -- optim_step ------------------------------------------------------------------------------
 
-def prepare_optim_step(pool: "LocalPool", tenant: "Tenant", op: str, request: OptimStepRequest) -> Prepared:
+def prepare_optim_step(pool: LocalPool, tenant: Tenant, op: str, request: OptimStepRequest) -> Prepared:
     _expect(request, OptimStepRequest, op)
     _trained(tenant, op)
     return Prepared(check_adam_params(request.adam_params))
 
 
-def run_optim_step(pool: "LocalPool", tenant: "Tenant", request: "Request") -> OptimStepResponse:
+def run_optim_step(pool: LocalPool, tenant: Tenant, request: Request) -> OptimStepResponse:
     try:
-        metrics = tenant.adapter.adamw_step(request.payload)
+        metrics = _trained(tenant, request.op).adamw_step(request.payload)
     except FloatingPointError as exc:
         raise RequestFailedError(f"optim_step: {exc}; weights and optimizer state are unchanged",
                                  client_id=tenant.client_id) from exc
@@ -96,7 +108,7 @@ def run_optim_step(pool: "LocalPool", tenant: "Tenant", request: "Request") -> O
 
 # -- save_state, save_weights_for_sampler ----------------------------------------------------
 
-def prepare_save(pool: "LocalPool", tenant: "Tenant", op: str, request: SaveRequest) -> Prepared:
+def prepare_save(pool: LocalPool, tenant: Tenant, op: str, request: SaveRequest) -> Prepared:
     _expect(request, SaveRequest, op)
     _trained(tenant, op)
     if request.name is not None or not request.make_sampler:  # only an in-memory sampler may go unnamed
@@ -104,14 +116,16 @@ def prepare_save(pool: "LocalPool", tenant: "Tenant", op: str, request: SaveRequ
     return Prepared(request)
 
 
-def run_save(pool: "LocalPool", tenant: "Tenant", request: "Request") -> Any:
+def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
     save: SaveRequest = request.payload
+    adapter = _trained(tenant, request.op)
     if request.op == "save_state":
-        path = ckpt.run_dir(pool, tenant) / "weights" / save.name
-        ckpt.write_checkpoint(path, tenant, "state", save.name)
-        request.record.metrics["step"] = float(tenant.adapter.adam.step)
+        name = ckpt.validate_name(save.name)
+        path = ckpt.run_dir(pool, tenant) / "weights" / name
+        ckpt.write_checkpoint(path, tenant, "state", name)
+        request.record.metrics["step"] = float(adapter.adam.step)
         return SaveWeightsResponse(path=str(path))
-    snapshot = tenant.adapter.snapshot()
+    snapshot = adapter.snapshot()
     written = None
     if save.name is not None:
         target = ckpt.run_dir(pool, tenant) / "sampler_weights" / save.name
@@ -125,7 +139,7 @@ def run_save(pool: "LocalPool", tenant: "Tenant", request: "Request") -> Any:
     return SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written)
 
 
-def handle_of(tenant: "Tenant", model_path: str | None = None) -> ModelHandle:
+def handle_of(tenant: Tenant, model_path: str | None = None) -> ModelHandle:
     adapter = tenant.adapter
     return ModelHandle(client_id=tenant.client_id, base_model=tenant.base.name, rank=tenant.rank,
                        alpha=adapter.alpha if adapter is not None else 0.0, seed=tenant.seed,
@@ -141,7 +155,7 @@ class LoadJob:
     with_optimizer: bool
 
 
-def prepare_load(pool: "LocalPool", tenant: "Tenant", op: str, request: LoadRequest) -> Prepared:
+def prepare_load(pool: LocalPool, tenant: Tenant, op: str, request: LoadRequest) -> Prepared:
     _expect(request, LoadRequest, op)
     _trained(tenant, op)
     with_optimizer = op == "load_state_with_optimizer"
@@ -151,43 +165,42 @@ def prepare_load(pool: "LocalPool", tenant: "Tenant", op: str, request: LoadRequ
     return Prepared(LoadJob(loaded, with_optimizer))
 
 
-def run_load(pool: "LocalPool", tenant: "Tenant", request: "Request") -> LoadWeightsResponse:
+def run_load(pool: LocalPool, tenant: Tenant, request: Request) -> LoadWeightsResponse:
     job: LoadJob = request.payload
-    tenant.adapter.load_state_dict(job.loaded.state_dict(), with_optimizer=job.with_optimizer)
-    request.record.metrics["step"] = float(tenant.adapter.adam.step)
+    adapter = _trained(tenant, request.op)
+    adapter.load_state_dict(job.loaded.state_dict(), with_optimizer=job.with_optimizer)
+    request.record.metrics["step"] = float(adapter.adam.step)
     return LoadWeightsResponse(path=job.loaded.path)
 
 
 # -- inspect_adapter ---------------------------------------------------------------------------
 
-def prepare_inspect(pool: "LocalPool", tenant: "Tenant", op: str, request: InspectRequest) -> Prepared:
+def prepare_inspect(pool: LocalPool, tenant: Tenant, op: str, request: InspectRequest) -> Prepared:
     _expect(request, InspectRequest, op)
-    if tenant.adapter is None:
-        raise InvalidInputError(f"client {tenant.client_id} samples the bare base model: it has no adapter",
-                                field="client")
+    _adapter(tenant)
     return Prepared(None)
 
 
-def run_inspect(pool: "LocalPool", tenant: "Tenant", request: "Request") -> AdapterSnapshot:
-    return tenant.adapter.snapshot_state(tenant.client_id, tenant.base.name)
+def run_inspect(pool: LocalPool, tenant: Tenant, request: Request) -> AdapterSnapshot:
+    return _adapter(tenant).snapshot_state(tenant.client_id, tenant.base.name)
 
 
 # -- sample, compute_logprobs ---------------------------------------------------------------------
 
-def prepare_sample(pool: "LocalPool", tenant: "Tenant", op: str, request: SampleRequest) -> Prepared:
+def prepare_sample(pool: LocalPool, tenant: Tenant, op: str, request: SampleRequest) -> Prepared:
     _expect(request, SampleRequest, op)
     spec = check_sample(request.prompt, request.num_samples, request.sampling_params,
                         request.include_prompt_logprobs, tenant.base.limits)
     return Prepared(spec, tokens=len(spec.prompt))
 
 
-def prepare_logprobs(pool: "LocalPool", tenant: "Tenant", op: str, request: ComputeLogprobsRequest) -> Prepared:
+def prepare_logprobs(pool: LocalPool, tenant: Tenant, op: str, request: ComputeLogprobsRequest) -> Prepared:
     _expect(request, ComputeLogprobsRequest, op)
     spec = check_logprobs_prompt(request.prompt, tenant.base.limits)
     return Prepared(spec, tokens=len(spec.prompt))
 
 
-def run_sample(pool: "LocalPool", base: "BaseModel", group: list[tuple["Tenant", "Request"]]) -> list[Any]:
+def run_sample(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
     outcomes = run_sample_batch(base, [(tenant.adapter, request.payload) for tenant, request in group],
                                 pool.max_tokens_per_pass)
     for (tenant, request), outcome in zip(group, outcomes):

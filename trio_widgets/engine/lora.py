@@ -85,13 +85,13 @@ class LoRAAdapter:
 
     @classmethod
     def from_weights(cls, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: float = LORA_ALPHA,
-                     seed: int = 0, device: torch.device | str = "cpu") -> "LoRAAdapter":
+                     seed: int = 0, device: torch.device | str = "cpu") -> LoRAAdapter:
         """A frozen adapter holding copies of `weights` (A [rank, in], B [out, rank], float32)."""
         adapter = cls.__new__(cls)
         adapter._init(weights, rank, alpha, seed, device, torch.float32)
         return adapter
 
-    def snapshot(self) -> "LoRAAdapter":
+    def snapshot(self) -> LoRAAdapter:
         """An immutable copy of the current weights (no gradient, no optimizer state): what a
         sampling client samples from, untouched by later training."""
         return LoRAAdapter.from_weights(self.weights, self.rank, self.alpha, self.seed, self.flat.device)
@@ -183,7 +183,7 @@ class LoRAAdapter:
                     for n, (a, b) in table.items()}
         return AdapterSnapshot(client_id=client_id, base_model=base_model, rank=self.rank, alpha=self.alpha,
                                seed=self.seed, step=self.adam.step, weights=copy(self.weights),
-                               grad=copy(self.grad) if self._grad is not None else None,
+                               grad=copy(self.views(self._grad)) if self._grad is not None else None,
                                exp_avg=copy(self.adam.exp_avg), exp_avg_sq=copy(self.adam.exp_avg_sq))
 
     def state_dict(self) -> dict:
@@ -202,7 +202,8 @@ class LoRAAdapter:
             for name, (a, b) in self.weights.items():
                 src_a, src_b = state["weights"][name]
                 if src_a.shape != a.shape or src_b.shape != b.shape:
-                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(src_a.shape)}, expected {tuple(a.shape)}")
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(src_a.shape)}, "
+                                     f"expected {tuple(a.shape)}")
             for name, (a, b) in self.weights.items():
                 a.copy_(state["weights"][name][0])
                 b.copy_(state["weights"][name][1])

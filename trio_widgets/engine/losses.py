@@ -6,7 +6,7 @@ datum's loss inputs, and returns the per-token loss; the datum's loss is its sum
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -59,7 +59,7 @@ BUILTIN_MODELS: dict[str, str] = {
 @dataclass
 class BaseModel:
     name: str
-    model: nn.Module
+    model: Any  # a transformers PreTrainedModel (its attribute access is too dynamic to type)
     tokenizer: Any
     vocab_size: int
     context_length: int
@@ -121,8 +121,8 @@ def auto_torch_threads() -> int:
 def _cgroup_cpu_quota(root: Path) -> float | None:
     """CPUs' worth of quota from cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`); None if unlimited."""
     try:
-        quota, period = (root / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+        quota_text, period_text = (root / "cpu.max").read_text().split()[:2]
+        return None if quota_text == "max" else int(quota_text) / int(period_text)
     except (OSError, ValueError):
         pass
     try:
@@ -143,7 +143,7 @@ def _classify(name: str) -> LoRAKind | None:
     return None
 
 
-def _install_lora_wrappers(model: nn.Module) -> dict[str, tuple[LoRAKind, int, int]]:
+def _install_lora_wrappers(model: Any) -> dict[str, tuple[LoRAKind, int, int]]:
     head = model.get_output_embeddings()
     targets: dict[str, tuple[LoRAKind, int, int]] = {}
     for name, module in list(model.named_modules()):
@@ -159,12 +159,12 @@ def _install_lora_wrappers(model: nn.Module) -> dict[str, tuple[LoRAKind, int, i
     return targets
 
 
-def _build_builtin(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+def _build_builtin(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import LlamaForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # the same base weights in every process
-        model = LlamaForCausalLM(_tiny_llama_config())
+        model: Any = LlamaForCausalLM(_tiny_llama_config())
     return model.to(dtype), byte_tokenizer()
 
 
@@ -183,7 +183,7 @@ def _local_model_dir(name: str) -> str | None:
         return None
 
 
-def _load_local(name: str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+def _load_local(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
     path = _local_model_dir(name)

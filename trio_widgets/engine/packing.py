@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ class Segment:
 
     start: int
     end: int
-    adapter: "LoRAAdapter | None"
+    adapter: LoRAAdapter | None
 
 
 @dataclass
@@ -64,7 +65,7 @@ class PackPlan:
             if len(set(self.seq_lens)) == 1:
                 self._groups = [(self.seq_lens[0], None)]
             else:
-                offsets, by_len = 0, {}
+                offsets, by_len = 0, dict[int, list[torch.Tensor]]()
                 for n in self.seq_lens:
                     by_len.setdefault(n, []).append(torch.arange(offsets, offsets + n))
                     offsets += n
@@ -102,23 +103,25 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     groups = plan.length_groups(query.device)
     out = query.new_empty(heads, total, value.shape[-1]) if len(groups) > 1 else None
     for length, index in groups:
-        def split(t: torch.Tensor) -> torch.Tensor:
+        def split(t: torch.Tensor, index: torch.Tensor | None = index, length: int = length) -> torch.Tensor:
             t = t[0] if index is None else t[0].index_select(1, index)
             return t.reshape(t.shape[0], -1, length, t.shape[-1]).transpose(0, 1)  # [n, H, L, D]
 
         attn = F.scaled_dot_product_attention(split(query), split(key), split(value),
                                               is_causal=True, scale=scaling)
         flat = attn.transpose(0, 1).reshape(heads, -1, attn.shape[-1])  # [H, n*L, D]
-        if out is None:
+        if out is None or index is None:  # one group: the row in order
             return flat.transpose(0, 1).unsqueeze(0).contiguous(), None
         out = out.index_copy(1, index, flat)
+    assert out is not None  # several groups: every one was copied in
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
-def segment_scales(segments: list[Segment], dtype: torch.dtype, device: torch.device) -> float | torch.Tensor:
+def segment_scales(adapters: list[LoRAAdapter], dtype: torch.dtype, device: torch.device
+                   ) -> float | torch.Tensor:
     """Each segment's own LoRA scale (alpha / rank of its adapter): one number when they
     agree, else a [S, 1, 1] column, so a group never borrows a neighbour's scale."""
-    scales = [seg.adapter.scale for seg in segments]
+    scales = [adapter.scale for adapter in adapters]
     if all(s == scales[0] for s in scales):
         return scales[0]
     return torch.tensor(scales, dtype=dtype, device=device).view(-1, 1, 1)
@@ -170,32 +173,35 @@ class MultiLoRALinear(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         # Segments of equal length and rank go through one batched matmul pair: far fewer
         # ops than one pair per tenant, which is what small per-tenant batches pay for.
-        groups: dict[tuple[int, int], list[int]] = {}
+        # (segment index, segment, its adapter) by (length, rank): segments with a LoRA here
+        groups: dict[tuple[int, int], list[tuple[int, Segment, LoRAAdapter]]] = {}
         for i, seg in enumerate(plan.segments):
-            pair = seg.adapter.weights.get(self.name) if seg.adapter is not None else None
-            if pair is not None:
-                groups.setdefault((seg.end - seg.start, pair[0].shape[0]), []).append(i)
+            if seg.adapter is not None and self.name in seg.adapter.weights:
+                rank = seg.adapter.weights[self.name][0].shape[0]
+                groups.setdefault((seg.end - seg.start, rank), []).append((i, seg, seg.adapter))
         if not groups:
             return out
         pieces: list[torch.Tensor | None] = [None] * len(plan.segments)
-        for (length, _rank), members in groups.items():
-            segs = [plan.segments[i] for i in members]
-            pairs = [s.adapter.weights[self.name] for s in segs]
+        for (length, _rank), group in groups.items():
+            members = [i for i, _, _ in group]
+            segs = [seg for _, seg, _ in group]
+            adapters = [adapter for _, _, adapter in group]
+            pairs = [adapter.weights[self.name] for adapter in adapters]
             if len(segs) == 1:
                 lora_a, lora_b = pairs[0][0][None], pairs[0][1][None]
             else:
                 lora_a = torch.stack([a for a, _ in pairs])  # [S, r, in]
                 lora_b = torch.stack([b for _, b in pairs])  # [S, out, r]
-            if torch.is_grad_enabled() and all(s.adapter.pass_grad is not None for s in segs):
+            sinks = [a.pass_grad[self.name] for a in adapters if a.pass_grad is not None]
+            if torch.is_grad_enabled() and len(sinks) == len(adapters):
                 # This pass's stacked weights are autograd leaves; their gradients go to the
                 # adapters in `flush_grads`, so no per-tenant node is in the graph.
                 lora_a, lora_b = lora_a.detach().requires_grad_(), lora_b.detach().requires_grad_()
-                grads = [s.adapter.pass_grad[self.name] for s in segs]
-                plan.grad_leaves += [(lora_a, [ga for ga, _ in grads]), (lora_b, [gb for _, gb in grads])]
+                plan.grad_leaves += [(lora_a, [ga for ga, _ in sinks]), (lora_b, [gb for _, gb in sinks])]
             whole_row = len(segs) == len(plan.segments)  # one group covering the row in order: a view
             xs = flat.view(len(segs), length, flat.shape[-1]) if whole_row else torch.stack(
                 [flat[s.start:s.end] for s in segs])
-            scale = segment_scales(segs, lora_a.dtype, lora_a.device)
+            scale = segment_scales(adapters, lora_a.dtype, lora_a.device)
             if whole_row:  # (the .to()s are no-ops in fp32; a bf16 base adds in fp32, rounds once)
                 fused = lora_delta(out.view(len(segs), length, out.shape[-1]).to(lora_a.dtype),
                                    xs.to(lora_a.dtype), lora_a, lora_b, scale)
@@ -203,7 +209,6 @@ class MultiLoRALinear(nn.Module):
             delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, scale)
             for i, d in zip(members, delta.unbind(0)):
                 pieces[i] = d.to(out.dtype)
-        for i, seg in enumerate(plan.segments):
-            if pieces[i] is None:
-                pieces[i] = out.new_zeros(seg.end - seg.start, out.shape[-1])
-        return out + torch.cat(pieces, dim=0).view_as(out)
+        filled = [p if p is not None else out.new_zeros(seg.end - seg.start, out.shape[-1])
+                  for p, seg in zip(pieces, plan.segments)]
+        return out + torch.cat(filled, dim=0).view_as(out)

@@ -18,8 +18,9 @@ the quantity importance-sampling losses need and what `compute_logprobs` returns
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return _CACHE_KWARG[kind]
 
 
-def _new_cache(model: torch.nn.Module):
+def _new_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
     try:
@@ -187,7 +188,7 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec
             target = torch.tensor(job.prompt[1:], dtype=torch.long, device=lp.device)
             prompt_lps[j] = [None] + lp.gather(1, target[:, None]).squeeze(1).tolist()
 
-    if rows:
+    if rows and cache is not None:
         index = torch.tensor([r.job for r in rows], device=device)
         step_logits = logits[index, -1]
         del logits
@@ -199,10 +200,10 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec
         while True:
             chosen, lps = _choose(step_logits, [rows[i] for i in active], step)
             keep = []
-            for a, (i, tok, lp) in enumerate(zip(active, chosen, lps)):
+            for a, (i, tok, token_lp) in enumerate(zip(active, chosen, lps)):
                 row = rows[i]
                 row.tokens.append(tok)
-                row.logprobs.append(lp)
+                row.logprobs.append(token_lp)
                 if _stopped(row, base.tokenizer):
                     row.stop_reason = "stop"
                 elif len(row.tokens) >= row.spec.max_tokens:
@@ -233,7 +234,8 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec
         if job.logprobs_only:
             results.append(prompt_lps[j])
         else:
-            sequences = [SampledSequence(tokens=r.tokens, logprobs=r.logprobs, stop_reason=r.stop_reason)
+            sequences = [SampledSequence(tokens=r.tokens, logprobs=r.logprobs,
+                                         stop_reason="stop" if r.stop_reason == "stop" else "length")
                          for r in by_job[j]]
             results.append(SampleResponse(sequences=sequences, prompt_logprobs=prompt_lps[j]))
     return results

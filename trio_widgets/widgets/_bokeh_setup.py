@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import ipywidgets
     from bokeh.models import LayoutDOM
 
-__all__ = ["BOKEHJS_COMPONENTS", "LOAD_MIME_TYPE", "batched_bokeh_widget", "bokeh_widget", "bokehjs_loaded", "ensure_bokehjs"]
+__all__ = ["BOKEHJS_COMPONENTS", "LOAD_MIME_TYPE", "batched_bokeh_widget", "bokeh_widget", "bokehjs_loaded",
+           "ensure_bokehjs"]
 
 #: MIME type rendered by jupyter_bokeh's lab extension as an inline <script>.
 LOAD_MIME_TYPE = "application/vnd.bokehjs_load.v0+json"
@@ -124,7 +125,7 @@ def bokeh_widget(obj: LayoutDOM) -> ipywidgets.DOMWidget:
     return BokehModel(obj)
 
 
-def batched_bokeh_widget(obj: LayoutDOM) -> "ipywidgets.DOMWidget":
+def batched_bokeh_widget(obj: LayoutDOM) -> ipywidgets.DOMWidget:
     """Like :func:`bokeh_widget`, for a figure that is only ever updated from Python.
 
     The widget (a ``BokehModel`` subclass) adds, for jupyter_bokeh 4.1:

@@ -36,18 +36,19 @@ from bokeh.core.property.validation import validate
 
 from .._notebook import CellRegistry
 from ..advisor import Diagnosis, diagnose_telemetry
-from ..metrics import cycles_per_update, format_cycles, period_history
-from ..ops import UPDATE_OPS
-from ..client import ServiceClient, default_pool
-from ..data import addition_batches
+from ..client import default_pool
 from ..engine import DEFAULT_MODEL, LocalPool
 from ..loop import MODES, TrainingRun
+from ..metrics import cycles_per_update, format_cycles, period_history
+from ..ops import UPDATE_OPS
 from ..trace import metrics_rows, write_chrome_trace, write_metrics_jsonl
 from ._bokeh_setup import batched_bokeh_widget
+from .controls import Controls
 from .feed import TelemetryFeed
 from .figures import CLIENT_COLORS, DashboardFigures
+from .sweep import SweepLauncher, lr_multipliers
 
-__all__ = ["Dashboard", "lr_multipliers"]
+__all__ = ["Dashboard", "lr_multipliers"]  # lr_multipliers: the sweep's, kept importable from here
 
 log = logging.getLogger(__name__)
 
@@ -84,41 +85,11 @@ _CSS = """<style>
 </style>"""
 
 
-def lr_multipliers(runs: int) -> list[float]:
-    """A learning-rate sweep of `runs` values around 1, a factor 2 apart: 3 -> 0.5, 1, 2."""
-    low = -(runs // 2)
-    return [2.0 ** k for k in range(low, low + runs)]
-
-
 def _si(value: float) -> str:
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if value >= scale:
             return f"{value / scale:.1f}{unit}"
     return f"{value:.0f}"
-
-
-async def _in_thread(fn, *args):
-    """Run `fn` on a short-lived thread (loading a base model takes seconds) and await it.
-    Not an executor: its worker threads would outlive the dashboard."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not done.done():
-            (done.set_result if ok else done.set_exception)(value)
-
-    def work() -> None:
-        try:
-            value, ok = fn(*args), True
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            value, ok = exc, False
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-
-    threading.Thread(target=work, name="trio-dashboard-start", daemon=True).start()
-    return await done
 
 
 class Dashboard(W.VBox):
@@ -150,72 +121,31 @@ class Dashboard(W.VBox):
                         f"{pool.min_cycle_s * 1e3:.0f} ms · {html.escape(pool.device.type)}</span></div>")
         status = W.HTML("<span class='trio-pill idle'>idle</span> cycle 0")
         status.add_class("trio-status")
-        buttons = {}
-        for name, style, tip in (("Start", "success", "train `runs` clients on the addition task"),
-                                 ("Pause", "warning", "pause at the next update"),
-                                 ("Resume", "info", "resume"),
-                                 ("Stop", "danger", "stop at the next update")):
-            b = W.Button(description=name, button_style=style, tooltip=tip, layout=W.Layout(width="78px"))
-            b.add_class(f"trio-{name.lower()}")
-            buttons[name] = b
-        narrow = {"description_width": "initial"}
-        mode_w = W.Dropdown(options=list(MODES), value=mode, description="mode", style=narrow,
-                            layout=W.Layout(width="160px"))
-        look_w = W.BoundedIntText(value=lookahead, min=0, max=8, description="lookahead", style=narrow,
-                                  layout=W.Layout(width="120px"))
-        lr_w = W.BoundedFloatText(value=learning_rate, min=1e-6, max=1.0, step=5e-4, description="lr",
-                                  style=narrow, layout=W.Layout(width="130px"))
-        bs_w = W.BoundedIntText(value=batch_size, min=1, max=64, description="batch", style=narrow,
-                                layout=W.Layout(width="105px"))
-        runs_w = W.BoundedIntText(value=runs, min=1, max=max_clients, description="runs", style=narrow,
-                                  layout=W.Layout(width="95px"), tooltip="a learning-rate sweep, applied at Start")
-        log_w = W.ToggleButton(value=False, description="log y", tooltip="loss on a log scale",
-                               layout=W.Layout(width="70px"))
-        controls = W.HBox([*buttons.values(), W.HTML("&nbsp;"), mode_w, look_w, lr_w, bs_w, runs_w, log_w],
-                          layout=W.Layout(flex_flow="row wrap", align_items="center", margin="4px 0 6px 0"))
         advisor = W.HTML("<div class='trio-advisor'><div class='trio-adv-title'>Advisor</div>"
                          "<i>waiting for training requests…</i></div>")
-        export_buttons = {}
-        for key, label in (("trace", "Export trace (Perfetto)"), ("metrics", "Export metrics.jsonl"),
-                           ("html", "Save HTML snapshot")):
-            export_buttons[key] = W.Button(description=label, icon="download", layout=W.Layout(width="auto"))
-        export_note = W.HTML("")
-        export_note.add_class("trio-exports")
-        exports = W.HBox([*export_buttons.values(), export_note],
-                         layout=W.Layout(align_items="center", margin="6px 0 0 0", flex_flow="row wrap"))
-
-        super().__init__(children=[header, status, controls, plot, advisor, exports])
+        settings: dict[str, Any] = {"mode": mode, "lookahead": lookahead, "lr": learning_rate,
+                                    "batch_size": batch_size, "runs": runs, "log": False}
+        controls = Controls(settings, max_clients, self._request)
+        super().__init__(children=[header, status, controls.bar, plot, advisor, controls.exports])
         self.add_class("trio-dashboard")
 
         self.pool = pool
-        self._t0 = t0
+        self.controls = controls
+        self.sweep = SweepLauncher(pool, base_model, rank, settings)
+        self._settings = settings
         self._figs = figs
         self._bokeh = plot
         self._status = status
         self._advisor_w = advisor
         self._header = header
-        self._buttons = buttons
-        self._export_buttons = export_buttons
-        self._export_note = export_note
-        self._controls = {"mode": mode_w, "lookahead": look_w, "lr": lr_w, "batch_size": bs_w, "runs": runs_w,
-                          "log": log_w}
-        self._owned = [header, status, *buttons.values(), mode_w, look_w, lr_w, bs_w, runs_w, log_w, controls,
-                       plot, advisor, *export_buttons.values(), export_note, exports]
-        self._settings: dict[str, Any] = {"mode": mode, "lookahead": lookahead, "lr": learning_rate,
-                                          "batch_size": batch_size, "runs": runs, "log": False}
-        self.base_model, self.rank = base_model, rank
+        self._owned: list[W.Widget] = [header, status, *controls.widgets, plot, advisor]
         self.export_dir = os.fspath(export_dir)
         self.refresh_hz = float(refresh_hz)
-        self.runs: list[TrainingRun] = []
-        self._multipliers: list[float] = []
-        self._starts = 0
-        self._starting = False
-        self._pending_after_start: list[str] = []
-        self._error: str | None = None
         self._closed = False
         self._pool_closed = False
+        self._error: str | None = None
         self._commands: deque[tuple[str, Any]] = deque(maxlen=256)
-        self._fb_cycles: dict[str, deque[int]] = {}
+        self._update_cycles: dict[str, deque[int]] = {}
         self._rates: deque[tuple[float, int]] = deque(maxlen=64)
         self._diagnoses: dict[str, Diagnosis] = {}
         self._status_text = ""
@@ -228,13 +158,6 @@ class Dashboard(W.VBox):
         self.tick_thread: threading.Thread | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-
-        for name, b in buttons.items():
-            b.on_click(lambda _b, cmd=name.lower(): self._request(cmd))
-        for key, b in export_buttons.items():
-            b.on_click(lambda _b, cmd=key: self._request("export", cmd))
-        for key, w in self._controls.items():
-            w.observe(lambda change, key=key: self._request("setting", (key, change["new"])), names="value")
 
         self._feed = TelemetryFeed(pool.telemetry)
         _CELL_DASHBOARDS.claim(self)  # the cell that built one before runs again: one live dashboard per cell
@@ -261,24 +184,19 @@ class Dashboard(W.VBox):
     def set(self, **settings: Any) -> None:
         """Change settings (mode, lookahead, lr, batch_size, runs, log) like the controls do."""
         for key, value in settings.items():
-            if key not in self._controls:
-                raise KeyError(f"unknown setting {key!r}; one of {', '.join(self._controls)}")
+            if key not in self.controls.settings:
+                raise KeyError(f"unknown setting {key!r}; one of {', '.join(self.controls.settings)}")
             self._request("setting", (key, value))
 
     @property
     def state(self) -> str:
-        if self._pool_closed:
-            return "closed"
-        if self._starting:
-            return "starting"
-        if not self.runs:
-            return "idle"
-        states = {r.state for r in self.runs}
-        if "running" in states or "created" in states:
-            return "running" if not all(r.pause_requested for r in self.runs) else "pausing"
-        if "paused" in states:
-            return "paused"
-        return "error" if "error" in states else "stopped"
+        """The Start runs' state: idle, starting, running, pausing, paused, stopped, error; or closed."""
+        return "closed" if self._pool_closed else self.sweep.state
+
+    @property
+    def runs(self) -> list[TrainingRun]:
+        """The runs of the last Start."""
+        return self.sweep.runs
 
     @property
     def running(self) -> bool:
@@ -329,85 +247,23 @@ class Dashboard(W.VBox):
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
-            if self._starting or any(not r.done() for r in self.runs) or self._pool_closed:
+            if self._pool_closed:
                 return
             if self._loop is None:
                 raise RuntimeError("Start needs a running event loop: build the Dashboard in a notebook cell")
-            self._starting = True
-            self._pending_after_start = []
-            self._loop.create_task(self._start_runs(), name="trio-dashboard-start")
+            self.sweep.start(self._loop)
         elif command in ("pause", "resume", "stop"):
-            if self._starting:
-                self._pending_after_start.append(command)
-            for run in self.runs:
-                getattr(run, command)()
+            self.sweep.control(command)
         elif command == "setting":
             key, value = arg
             self._settings[key] = value
-            if key == "lr":
-                for run, mult in zip(self.runs, self._multipliers):
-                    if value and value > 0:
-                        run.learning_rate = float(value) * mult
-            elif key == "mode":
-                for run in self.runs:
-                    run.mode = value
-            elif key == "lookahead":
-                for run in self.runs:
-                    run.lookahead = int(value)
-            w = self._controls[key]
-            if w.value != value:
-                w.value = value
+            self.sweep.apply(key, value)
+            self.controls.show(key, value)
         elif command == "export":
             what = {"trace": self.export_trace, "metrics": self.export_metrics, "html": self.save_html}[arg]
             path = what()
             size = os.path.getsize(path)
-            self._export_note.value = f"wrote <code>{html.escape(path)}</code> ({_si(size)}B)"
-
-    def _make_clients(self, n: int, lr: float, multipliers: list[float]) -> list:
-        service = ServiceClient(self.pool)
-        self._starts += 1
-        clients = []
-        for i, mult in enumerate(multipliers[:n]):
-            name = f"run{i + 1} lr={lr * mult:.2g}" if n > 1 else f"run lr={lr * mult:.2g}"
-            if self._starts > 1:
-                name = f"{name} #{self._starts}"
-            clients.append(service.create_lora_training_client(
-                self.base_model, rank=self.rank, seed=1000 * self._starts + i, user_metadata={"name": name}))
-        return clients
-
-    def _batches(self, tokenizer: Any, seed: int):
-        """The built-in addition task, batch size read at every batch (changes apply at once)."""
-        singles = addition_batches(tokenizer, batch_size=1, seed=seed)
-        while True:
-            n = max(1, int(self._settings["batch_size"] or 1))
-            yield [next(singles)[0] for _ in range(n)]
-
-    async def _start_runs(self) -> None:
-        s = dict(self._settings)
-        n = int(s["runs"])
-        multipliers = lr_multipliers(n)
-        for run in self.runs:  # they have ended: their clients' adapters and lanes are freed
-            run.client.close()
-        try:
-            clients = await _in_thread(self._make_clients, n, float(s["lr"]), multipliers)
-            if self._closed or self._pool_closed:
-                return
-            runs = []
-            for i, (tc, mult) in enumerate(zip(clients, multipliers)):
-                label = self.pool.telemetry.live_clients()[tc.client_id].label
-                batches = self._batches(tc.get_tokenizer(), seed=100 * self._starts + i)
-                run = TrainingRun(tc, batches, mode=s["mode"], lookahead=int(s["lookahead"]),
-                                  learning_rate=float(s["lr"]) * mult, name=label)
-                runs.append(run.start())
-            self.runs, self._multipliers = runs, multipliers
-            for command in self._pending_after_start:
-                for run in runs:
-                    getattr(run, command)()
-        except Exception as exc:
-            log.exception("dashboard start failed")
-            self._error = f"start: {exc}"
-        finally:
-            self._starting = False
+            self.controls.note(f"wrote <code>{html.escape(path)}</code> ({_si(size)}B)")
 
     # -- the periodic task -------------------------------------------------------------------------
     async def _pump(self) -> None:
@@ -441,9 +297,9 @@ class Dashboard(W.VBox):
             self._figs.update(cycles, boundaries, delivered)
         for r in delivered:
             if r.op in UPDATE_OPS and r.cycle is not None and r.status == "ok":
-                self._fb_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
+                self._update_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
         for info in self._feed.drain_retired():
-            self._fb_cycles.pop(info.client_id, None)
+            self._update_cycles.pop(info.client_id, None)
         now = time.perf_counter()
         self._rates.append((now, self.pool.telemetry.total_tokens))
         if now - self._advised_at >= 1.0:  # the advisor reads whole buffers: once a second
@@ -484,7 +340,7 @@ class Dashboard(W.VBox):
                  f"<b>{_si(self._tokens_per_s())}</b> tokens/s"]
         per_client = []
         for cid, views in self._figs.clients.items():
-            p = cycles_per_update(self._fb_cycles.get(cid, ()))
+            p = cycles_per_update(self._update_cycles.get(cid, ()))
             if p is None:
                 continue
             per_client.append(f"<span class='trio-cpu'><span class='trio-dot' style='background:{views.color}'>"
@@ -492,11 +348,12 @@ class Dashboard(W.VBox):
                               f"{'cycle' if format_cycles(p) == '1' else 'cycles'}/update</span>")
         if per_client:
             parts.append("<br>" + "".join(per_client))
-        if self._error:
-            parts.append(f"<br><span style='color:#991b1b'>{html.escape(self._error)}</span>")
+        for error in (self._error, self.sweep.error):
+            if error:
+                parts.append(f"<br><span style='color:#991b1b'>{html.escape(error)}</span>")
         for run in self.runs:
             if run.error is not None:
-                parts.append(f"<br><span style='color:#991b1b'>{html.escape(run.name)}: "
+                parts.append(f"<br><span style='color:#991b1b'>{html.escape(str(run.name))}: "
                              f"{html.escape(str(run.error))}</span>")
         text = "".join(parts)
         if text != self._status_text:
@@ -522,13 +379,7 @@ class Dashboard(W.VBox):
             self._advisor_w.value = text
 
     def _update_buttons(self) -> None:
-        state = self.state
-        enabled = {"Start": state in ("idle", "stopped", "error"), "Pause": state == "running",
-                   "Resume": state in ("paused", "pausing"), "Stop": state in ("running", "paused", "pausing")}
-        for name, b in self._buttons.items():
-            disabled = not enabled[name]
-            if b.disabled != disabled:
-                b.disabled = disabled
+        self.controls.enable(self.state)
 
     # -- display: hold patches until the new view has rendered ----------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any):
@@ -577,10 +428,7 @@ class Dashboard(W.VBox):
     def _shutdown(self) -> None:
         self._closed = True
         self._feed.close()
-        for run in self.runs:
-            run.stop()
-            if run.done():
-                run.client.close()
+        self.sweep.close(timeout=10.0)
         task, loop = self._task, self._loop
         if task is not None and not task.done() and loop is not None and not loop.is_closed():
             try:
@@ -603,6 +451,11 @@ class Dashboard(W.VBox):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def widgets(self) -> list[W.Widget]:
+        """Every widget the dashboard built (and closes with it)."""
+        return list(self._owned)
 
     @property
     def subscribed(self) -> bool:

@@ -13,7 +13,7 @@ that this copy already had.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry, TelemetryEvent
 
@@ -41,28 +41,27 @@ class TelemetryFeed:
 
     # -- clock thread ------------------------------------------------------------------
     def __call__(self, event: TelemetryEvent) -> None:
-        kind = event.kind
-        if kind == "delivered":
-            self.delivered.append(event.record)
-        elif kind == "cycle":
-            self.cycles.append(event.record)
-        elif kind == "boundary":
-            self.boundaries.append(event.record)
-        elif kind == "client":
-            self.clients.append(event.record)
-        elif kind == "retired":
-            self.retired.append(event.record)
+        record = event.record
+        if isinstance(record, RequestRecord):
+            if event.kind == "delivered":
+                self.delivered.append(record)
+        elif isinstance(record, CycleRecord):
+            self.cycles.append(record)
+        elif isinstance(record, QueueDepthRecord):
+            self.boundaries.append(record)
+        elif isinstance(record, ClientInfo):
+            (self.clients if event.kind == "client" else self.retired).append(record)
         self.events += 1
 
     # -- consumer (one thread) ---------------------------------------------------------
     def _take_backfill(self) -> None:
         t = self.telemetry
-        n = self.delivered.maxlen
+        n = self.delivered.maxlen or 4096
         clients = list(t.live_clients().values())
         cycles = list(t.cycles)[-n:]
         boundaries = list(t.queue_depths)[-n:]
         requests = [r for r in list(t.requests) if r.delivered_at is not None]
-        requests.sort(key=lambda r: (r.delivered_at, r.request_id))
+        requests.sort(key=lambda r: (r.delivered_at or 0.0, r.request_id))
         requests = requests[-n:]
         self._backfill = (clients, cycles, boundaries, requests)
         self._seen_ids = {r.request_id for r in requests}

@@ -8,22 +8,13 @@ sources (with rollover) and moves the shared time range. Call everything on one 
 from __future__ import annotations
 
 import math
-import zlib
 from bisect import bisect_right
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from bokeh.layouts import column, row
-from bokeh.models import (
-    BasicTicker,
-    ColumnDataSource,
-    FixedTicker,
-    HoverTool,
-    LabelSet,
-    Legend,
-    LegendItem,
-    Range1d,
-)
+from bokeh.models import BasicTicker, ColumnDataSource, FixedTicker, HoverTool, Range1d
+from bokeh.models.annotations import LabelSet, Legend, LegendItem
 from bokeh.plotting import figure
 
 from ..metrics import cycle_duration, record_loss
@@ -96,8 +87,9 @@ class DashboardFigures:
         self._boundary_i: list[int] = []
         self.streams = 0  # stream() calls made (for tests: one per source per update at most)
 
-        self.x_range = Range1d(0.0, 1.0)
-        tl = figure(height=250, width=width, x_range=self.x_range, y_range=Range1d(-0.6, 0.95),
+        self.x_range = Range1d(start=0.0, end=1.0)
+        self._lanes_range = Range1d(start=-0.6, end=0.95)
+        tl = figure(height=250, width=width, x_range=self.x_range, y_range=self._lanes_range,
                     tools="xpan,xwheel_zoom,reset", toolbar_location=None, x_axis_label="time (s)")
         _style(tl, "Cycle timeline — a lane per client; bands are cycles (amber: idle)")
         tl.yaxis.ticker = FixedTicker(ticks=[])
@@ -112,19 +104,21 @@ class DashboardFigures:
         self.bars = ColumnDataSource(data={
             "left": [], "right": [], "bottom": [], "top": [], "color": [], "op": [], "rid": [], "client": [],
             "cycle": [], "wait_ms": [], "waited": [], "run_ms": [], "status": []})
-        bars = tl.quad(left="left", right="right", bottom="bottom", top="top", source=self.bars,
+        bar_glyphs = tl.quad(left="left", right="right", bottom="bottom", top="top", source=self.bars,
                        fill_color="color", line_color="color", fill_alpha=0.9)
-        tl.add_tools(HoverTool(renderers=[bars], tooltips=[
+        tl.add_tools(HoverTool(renderers=[bar_glyphs], tooltips=[
             ("request", "#@rid @op"), ("client", "@client"), ("cycle", "@cycle"),
             ("waited in queue", "@wait_ms{0.0} ms (@waited cycles)"), ("ran", "@run_ms{0.00} ms"),
             ("status", "@status")]))
-        tl.add_layout(Legend(items=[LegendItem(label={"field": "op"}, renderers=[bars])], orientation="horizontal",
+        tl.add_layout(Legend(items=[LegendItem(label={"field": "op"}, renderers=[bar_glyphs])],
+                             orientation="horizontal",
                              location="top_left", label_text_font_size="8pt", glyph_width=14, glyph_height=10,
                              spacing=12, padding=4, margin=2, border_line_color=None,
                              background_fill_alpha=0.0), "below")
         self.timeline = tl
 
-        qd = figure(height=160, width=width, x_range=self.x_range, y_range=Range1d(0, 4),
+        self._depth_range = Range1d(start=0, end=4)
+        qd = figure(height=160, width=width, x_range=self.x_range, y_range=self._depth_range,
                     tools="xpan,xwheel_zoom,reset", toolbar_location=None, y_axis_label="queued")
         _style(qd, "Queue depth at each cycle boundary")
         qd.yaxis.ticker = BasicTicker(desired_num_ticks=4, min_interval=1)
@@ -160,7 +154,7 @@ class DashboardFigures:
         self.clients[info.client_id] = views
         n = len(self.clients)
         tl = self.timeline
-        tl.y_range.start = -(n - 1) - 0.6
+        self._lanes_range.start = -(n - 1) - 0.6
         tl.yaxis.ticker = FixedTicker(ticks=[-v.lane for v in self.clients.values()])
         tl.yaxis.major_label_overrides = {-v.lane: v.label for v in self.clients.values()}
         # equal depths overlap exactly: earlier lanes are drawn wider, so every line stays visible
@@ -187,7 +181,7 @@ class DashboardFigures:
         return round(t - self.t0, 6)
 
     def cycle_estimate(self) -> float:
-        return cycle_duration(self._cycle_s, default=0.05, window=len(self._cycle_s) or 1)
+        return cycle_duration(self._cycle_s, default=None, window=len(self._cycle_s) or 1) or 0.05
 
     def _label(self, index: int, left: float, right: float) -> str:
         """The band's label, or "" where it would overlap the previous one (about 6 px a digit)."""
@@ -213,107 +207,131 @@ class DashboardFigures:
 
     def update(self, cycles: Iterable[CycleRecord], boundaries: Iterable[QueueDepthRecord],
                delivered: Iterable[RequestRecord]) -> bool:
-        """Stream what is new; returns whether anything changed."""
-        changed = False
-        cycles = list(cycles)[-self.band_rollover:]
-        if cycles:
-            for c in cycles:
-                if c.ended_at > c.started_at:
-                    self._cycle_s.append(c.ended_at - c.started_at)
-                self._durations.append(max(0.0, c.ended_at - c.started_at))
-            data: dict[str, list] = {k: [] for k in self.bands.data}
-            for c in cycles:
-                left, right = self._rel(c.started_at), self._rel(max(c.ended_at, c.started_at))
-                idle = c.n_requests == 0
-                data["left"].append(left)
-                data["right"].append(right)
-                data["mid"].append(round((left + right) / 2, 6))
-                data["fill"].append(_BAND_FILL[idle][c.index % 2])
-                data["label"].append(self._label(c.index, left, right))
-                data["index"].append(c.index)
-                self._band_starts.append(left)
-                self._last_end = right
-            self._stream(self.bands, data, self.band_rollover)
-            changed = True
-
-        boundaries = list(boundaries)
-        if boundaries:
-            self._boundary_t.extend(b.time for b in boundaries)
-            self._boundary_i.extend(b.cycle for b in boundaries)
-            if len(self._boundary_t) > 8192:
-                del self._boundary_t[:4096], self._boundary_i[:4096]
-            rows: dict[str, list] = {k: [] for k in self.queue.data}
-            lanes = [(f"d{v.lane}", cid) for cid, v in self.clients.items()]
-            absent = [k for k in rows if k != "t" and k not in {name for name, _ in lanes}]
-            for b in boundaries[-self.queue_rollover:]:
-                rows["t"].append(self._rel(b.time))
-                depth_max = 0
-                for name, cid in lanes:
-                    depth = b.depths.get(cid, 0)
-                    rows[name].append(depth)
-                    depth_max = max(depth_max, depth)
-                for name in absent:
-                    rows[name].append(0)
-                self._depth_max.append(depth_max)
-            if self.clients:
-                self._stream(self.queue, rows, self.queue_rollover)
-                changed = True
-            top = max(4, max(self._depth_max, default=0) + 1)
-            if self.queue_fig.y_range.end != top:
-                self.queue_fig.y_range.end = top
-
+        """Stream what is new, one stream per source at most; returns whether anything changed."""
         delivered = [r for r in delivered if r.client_id in self.clients]
-        if delivered:
-            min_w = max(0.0015, 0.05 * self.cycle_estimate())
-            bars: dict[str, list] = {k: [] for k in self.bars.data}
-            losses: dict[str, dict[str, list]] = {}
-            for r in delivered:
-                views = self.clients[r.client_id]
-                if r.op in UPDATE_OPS and r.status == "ok":
-                    loss = record_loss(r.metrics)
-                    if math.isfinite(loss):
-                        views.step += 1
-                        a = self.smoothing
-                        views.ema = (1 - a) * views.ema + a * loss
-                        views.ema_weight = (1 - a) * views.ema_weight + a
-                        d = losses.setdefault(r.client_id, {"step": [], "loss": [], "smooth": []})
-                        d["step"].append(views.step)
-                        d["loss"].append(round(loss, 6))
-                        d["smooth"].append(round(views.ema / views.ema_weight, 6))
-                if r.started_at is None or r.finished_at is None:
-                    continue  # cancelled, or failed before it ran
-                left = self._rel(r.started_at)
-                y = -views.lane
-                bars["left"].append(left)
-                bars["right"].append(round(max(self._rel(r.finished_at), left + min_w), 6))
-                bars["bottom"].append(y - 0.3)
-                bars["top"].append(y + 0.3)
-                bars["color"].append(op_color(r.op) if r.status == "ok" else "#991b1b")
-                bars["op"].append(r.op)
-                bars["rid"].append(r.request_id)
-                bars["client"].append(views.label)
-                bars["cycle"].append(r.cycle if r.cycle is not None else -1)
-                bars["wait_ms"].append(round((r.started_at - r.queued_at) * 1e3, 2))
-                waited = self._waited_cycles(r)
-                bars["waited"].append(waited if waited is not None else -1)
-                bars["run_ms"].append(round((r.finished_at - r.started_at) * 1e3, 3))
-                bars["status"].append(r.status)
-            if bars["left"]:
-                keep = self.bar_rollover
-                self._stream(self.bars, {k: v[-keep:] for k, v in bars.items()}, keep)
-                changed = True
-            for cid, d in losses.items():
-                self._stream(self.clients[cid].loss, d, self.loss_rollover)
-                changed = True
-
-        if self._last_end is not None and self._band_starts:
-            start, end = self._band_starts[0], self._last_end
-            if end - start < 1e-3:
-                end = start + 1e-3
-            if (self.x_range.start, self.x_range.end) != (start, end):
-                self.x_range.update(start=start, end=end)
-                changed = True
+        changed = self._stream_bands(list(cycles)[-self.band_rollover:])
+        changed |= self._stream_queue(list(boundaries))
+        changed |= self._stream_bars(delivered)
+        changed |= self._stream_losses(delivered)
+        changed |= self._follow_time()
         return changed
+
+    def _stream_bands(self, cycles: list[CycleRecord]) -> bool:
+        """The timeline's cycle bands (and the durations the labels and bars are sized by)."""
+        if not cycles:
+            return False
+        for c in cycles:
+            if c.ended_at > c.started_at:
+                self._cycle_s.append(c.ended_at - c.started_at)
+            self._durations.append(max(0.0, c.ended_at - c.started_at))
+        data: dict[str, list] = {k: [] for k in self.bands.data}
+        for c in cycles:
+            left, right = self._rel(c.started_at), self._rel(max(c.ended_at, c.started_at))
+            idle = c.n_requests == 0
+            data["left"].append(left)
+            data["right"].append(right)
+            data["mid"].append(round((left + right) / 2, 6))
+            data["fill"].append(_BAND_FILL[idle][c.index % 2])
+            data["label"].append(self._label(c.index, left, right))
+            data["index"].append(c.index)
+            self._band_starts.append(left)
+            self._last_end = right
+        self._stream(self.bands, data, self.band_rollover)
+        return True
+
+    def _stream_queue(self, boundaries: list[QueueDepthRecord]) -> bool:
+        """Queue depths at each boundary: one column per lane, one source for all lanes."""
+        if not boundaries:
+            return False
+        self._boundary_t.extend(b.time for b in boundaries)
+        self._boundary_i.extend(b.cycle for b in boundaries)
+        if len(self._boundary_t) > 8192:
+            del self._boundary_t[:4096], self._boundary_i[:4096]
+        rows: dict[str, list] = {k: [] for k in self.queue.data}
+        lanes = [(f"d{v.lane}", cid) for cid, v in self.clients.items()]
+        absent = [k for k in rows if k != "t" and k not in {name for name, _ in lanes}]
+        for b in boundaries[-self.queue_rollover:]:
+            rows["t"].append(self._rel(b.time))
+            depth_max = 0
+            for name, cid in lanes:
+                depth = b.depths.get(cid, 0)
+                rows[name].append(depth)
+                depth_max = max(depth_max, depth)
+            for name in absent:
+                rows[name].append(0)
+            self._depth_max.append(depth_max)
+        changed = False
+        if self.clients:
+            self._stream(self.queue, rows, self.queue_rollover)
+            changed = True
+        top = max(4, max(self._depth_max, default=0) + 1)
+        if self._depth_range.end != top:
+            self._depth_range.end = top
+        return changed
+
+    def _stream_bars(self, delivered: list[RequestRecord]) -> bool:
+        """A bar per request that ran, in its client's lane, coloured by op (red: failed)."""
+        min_w = max(0.0015, 0.05 * self.cycle_estimate())
+        bars: dict[str, list] = {k: [] for k in self.bars.data}
+        for r in delivered:
+            if r.started_at is None or r.finished_at is None:
+                continue  # cancelled, or failed before it ran
+            views = self.clients[r.client_id]
+            left = self._rel(r.started_at)
+            y = -views.lane
+            bars["left"].append(left)
+            bars["right"].append(round(max(self._rel(r.finished_at), left + min_w), 6))
+            bars["bottom"].append(y - 0.3)
+            bars["top"].append(y + 0.3)
+            bars["color"].append(op_color(r.op) if r.status == "ok" else "#991b1b")
+            bars["op"].append(r.op)
+            bars["rid"].append(r.request_id)
+            bars["client"].append(views.label)
+            bars["cycle"].append(r.cycle if r.cycle is not None else -1)
+            bars["wait_ms"].append(round((r.started_at - r.queued_at) * 1e3, 2))
+            waited = self._waited_cycles(r)
+            bars["waited"].append(waited if waited is not None else -1)
+            bars["run_ms"].append(round((r.finished_at - r.started_at) * 1e3, 3))
+            bars["status"].append(r.status)
+        if not bars["left"]:
+            return False
+        keep = self.bar_rollover
+        self._stream(self.bars, {k: v[-keep:] for k, v in bars.items()}, keep)
+        return True
+
+    def _stream_losses(self, delivered: list[RequestRecord]) -> bool:
+        """Each client's loss per token (raw and smoothed) of its successful updates."""
+        losses: dict[str, dict[str, list]] = {}
+        for r in delivered:
+            if r.op not in UPDATE_OPS or r.status != "ok":
+                continue
+            loss = record_loss(r.metrics)
+            if not math.isfinite(loss):
+                continue
+            views = self.clients[r.client_id]
+            views.step += 1
+            a = self.smoothing
+            views.ema = (1 - a) * views.ema + a * loss
+            views.ema_weight = (1 - a) * views.ema_weight + a
+            d = losses.setdefault(r.client_id, {"step": [], "loss": [], "smooth": []})
+            d["step"].append(views.step)
+            d["loss"].append(round(loss, 6))
+            d["smooth"].append(round(views.ema / views.ema_weight, 6))
+        for cid, d in losses.items():
+            self._stream(self.clients[cid].loss, d, self.loss_rollover)
+        return bool(losses)
+
+    def _follow_time(self) -> bool:
+        """The shared time axis shows the cycles the bands still hold."""
+        if self._last_end is None or not self._band_starts:
+            return False
+        start, end = self._band_starts[0], self._last_end
+        if end - start < 1e-3:
+            end = start + 1e-3
+        if (self.x_range.start, self.x_range.end) == (start, end):
+            return False
+        self.x_range.update(start=start, end=end)
+        return True
 
     def loss_points(self, client_id: str) -> int:
         return len(self.clients[client_id].loss.data["step"])

@@ -1,0 +1,126 @@
+"""The seam between client and engine: what crosses it is plain data, and an op is one row of
+the op table plus its prepare/run pair."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+import trio_widgets as trio
+import trio_widgets.backend as backend
+from trio_widgets import ops
+from trio_widgets.engine import handlers
+from trio_widgets.engine.clock import Prepared
+
+# Every class a request may contain. Decoding looks names up here only: nothing from the
+# wire is evaluated or unpickled.
+PLAIN = {cls.__name__: cls for cls in (
+    trio.Datum, trio.ModelInput, trio.EncodedTextChunk, trio.TensorData, trio.AdamParams, trio.SamplingParams,
+    backend.CreateModelRequest, backend.FromStateRequest, backend.CreateSamplerRequest, backend.ModelHandle,
+    backend.ForwardRequest, backend.OptimStepRequest, backend.SaveRequest, backend.LoadRequest,
+    backend.InspectRequest, backend.SampleRequest, backend.ComputeLogprobsRequest, backend.SamplerCreated)}
+
+
+def encode(value: Any) -> Any:
+    """JSON-able form of plain data; anything else (a tensor, a callable, an engine object) fails."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        assert all(isinstance(k, str) for k in value), f"non-string keys in {value!r}"
+        return {k: encode(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and type(value).__name__ in PLAIN:
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        return {"__type__": type(value).__name__, **fields}
+    raise TypeError(f"not plain data: {type(value).__module__}.{type(value).__name__}")
+
+
+def decode(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, dict):
+        if "__type__" in value:
+            cls = PLAIN[value["__type__"]]
+            return cls(**{k: decode(v) for k, v in value.items() if k != "__type__"})
+        return {k: decode(v) for k, v in value.items()}
+    return value
+
+
+def datum(n: int) -> trio.Datum:
+    return trio.Datum(model_input=trio.ModelInput.from_ints(list(range(3, 3 + n))),
+                      loss_fn_inputs={"target_tokens": list(range(4, 4 + n)), "weights": [0.5] * n})
+
+
+EXAMPLES = [
+    backend.CreateModelRequest(trio.DEFAULT_MODEL, rank=8, seed=3, train_mlp=False, label="run"),
+    backend.FromStateRequest("/tmp/ckpt", with_optimizer=True, label=None),
+    backend.CreateSamplerRequest(model_path=None, base_model=trio.DEFAULT_MODEL, label="s"),
+    backend.ForwardRequest([datum(5), datum(3)], "ppo", {"clip_low_threshold": 0.9}),
+    backend.OptimStepRequest(trio.AdamParams(learning_rate=3e-3, weight_decay=0.01)),
+    backend.SaveRequest("step-10", make_sampler=True, label="sampler"),
+    backend.LoadRequest("/tmp/ckpt"),
+    backend.InspectRequest(),
+    backend.SampleRequest(trio.ModelInput.from_ints([5, 6, 7]), 3,
+                          trio.SamplingParams(max_tokens=4, temperature=0.7, stop=["\n"], seed=1), True),
+    backend.ComputeLogprobsRequest(trio.ModelInput.from_ints([5, 6, 7])),
+    backend.SamplerCreated(backend.ModelHandle("sampler-1", trio.DEFAULT_MODEL, 8, 32.0, 3), path=None),
+]
+
+
+def test_every_request_type_is_in_the_examples():
+    requests = {name for name in backend.__all__ if name.endswith(("Request", "Handle", "Created"))}
+    assert requests == {type(e).__name__ for e in EXAMPLES} | {"ModelHandle"}
+
+
+@pytest.mark.parametrize("request_", EXAMPLES, ids=lambda e: type(e).__name__)
+def test_requests_round_trip_through_json(request_):
+    text = json.dumps(encode(request_))
+    assert decode(json.loads(text)) == request_
+
+
+def test_engine_objects_are_not_plain_data():
+    import torch
+
+    with pytest.raises(TypeError, match="not plain data"):
+        encode(backend.ForwardRequest([datum(2)], "cross_entropy", {"x": torch.tensor(1.0)}))
+
+
+def test_every_op_has_its_prepare_and_run():
+    for name, row in ops.OPS.items():
+        assert callable(getattr(handlers, f"prepare_{row.handler}")), name
+        assert callable(getattr(handlers, f"run_{row.handler}")), name
+    assert ops.UPDATE_OPS == {"forward_backward", "forward_backward_custom"}
+    assert [name for name, row in ops.OPS.items() if row.is_step] == ["optim_step"]
+
+
+def test_a_new_op_is_a_row_and_its_handlers(monkeypatch):
+    """What adding an op takes: a row in trio_widgets/ops.py and prepare_/run_ in
+    trio_widgets/engine/handlers.py (the client method is the only other piece)."""
+    row = ops.OpSpec("echo_norm", "state", "echo_norm", "#123456", "echo norm")
+    monkeypatch.setitem(ops.OPS, "echo_norm", row)
+
+    def prepare_echo_norm(pool, tenant, op, request):
+        return Prepared(request)
+
+    def run_echo_norm(pool, tenant, request):
+        return {"asked": request.payload, "rank": tenant.rank}
+
+    monkeypatch.setattr(handlers, "prepare_echo_norm", prepare_echo_norm, raising=False)
+    monkeypatch.setattr(handlers, "run_echo_norm", run_echo_norm, raising=False)
+    with trio.LocalPool(min_cycle_s=0.0, name="new-op") as pool:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        future = pool.submit(tc.client_id, "echo_norm", "hello")
+        assert future.result(timeout=60) == {"asked": "hello", "rank": 4}
+        record = next(r for r in pool.telemetry.requests_of(tc.client_id) if r.op == "echo_norm")
+        assert record.status == "ok" and record.cycle == future.cycle
+    assert ops.op_color("echo_norm") == "#123456"
+
+
+def test_an_op_without_handlers_is_refused_when_the_pool_is_built(monkeypatch):
+    monkeypatch.setitem(ops.OPS, "orphan", ops.OpSpec("orphan", "state", "orphan", "#000000", "orphan"))
+    with pytest.raises(RuntimeError, match="prepare_orphan"):
+        trio.LocalPool(min_cycle_s=0.0, name="orphan-op")
