@@ -15,6 +15,8 @@ from .errors import (
     UnknownModelError,
 )
 from . import data
+# Cheap (stdlib only at import). It shadows the submodule: use `from trio_widgets.doctor import ...`.
+from .doctor import doctor
 from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
 from .types import (
@@ -66,6 +68,7 @@ __all__ = [
     "TrainingClient",
     "UnknownModelError",
     "default_pool",
+    "doctor",
     "Dashboard",
     "TrainingRun",
     "run_sync",
