@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import trio_widgets as trio
-from trio_widgets.doctor import (PACKAGES, Check, DoctorReport, Status, check_checkpoint_dir, check_gil_lag,
-                                 check_versions)
+from trio_widgets.doctor import (PACKAGES, Check, DoctorReport, Status, check_checkpoint_dir,
+                                 check_frontend_extensions, check_gil_lag, check_versions)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -203,6 +203,41 @@ def test_report_shows_one_line_when_all_ok_and_a_table_otherwise():
     assert "<table" in page and "disk &lt;space&gt;" in page and "free disk space" in page
     lines = str(bad).splitlines()
     assert lines[0] == bad.summary() and any("fix: free disk space" in line for line in lines)
+
+
+def test_frontend_extensions_found_where_jupyterlab_looks():
+    rows = {r.name: r for r in check_frontend_extensions(in_kernel=True)}
+    assert rows["widgets extension"].status is Status.OK and rows["bokeh extension"].status is Status.OK
+    assert "labextensions" in rows["bokeh extension"].detail
+
+
+def test_a_stale_extension_copy_earlier_on_the_path_is_named(tmp_path, monkeypatch):
+    # JUPYTER_PATH comes first in JupyterLab's search, as an old ~/.local copy would.
+    stale = tmp_path / "labextensions" / "@bokeh" / "jupyter_bokeh"
+    stale.mkdir(parents=True)
+    (stale / "package.json").write_text(json.dumps({"name": "@bokeh/jupyter_bokeh", "version": "3.0.0"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    rows = {r.name: r for r in check_frontend_extensions(in_kernel=True)}
+    row = rows["bokeh extension"]
+    assert row.status is Status.WARN and "3.0.0" in row.detail and "shadows" in row.detail
+    assert str(stale) in row.fix
+    assert rows["widgets extension"].status is Status.OK
+
+
+def test_a_disabled_extension_fails_in_a_kernel(tmp_path, monkeypatch):
+    config = tmp_path / "labconfig"
+    config.mkdir()
+    (config / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyter-widgets/jupyterlab-manager": True, "@bokeh/jupyter_bokeh": False}}))
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path))
+    rows = {r.name: r for r in check_frontend_extensions(in_kernel=True)}
+    assert rows["widgets extension"].status is Status.FAIL and "disabled" in rows["widgets extension"].detail
+    assert rows["widgets extension"].fix.startswith("jupyter labextension enable @jupyter-widgets/jupyterlab-manager")
+    assert rows["bokeh extension"].status is Status.OK  # re-enabled: false
+    # In a script, or when JupyterLab runs from another environment, the same finding only warns.
+    assert check_frontend_extensions(in_kernel=False)[0].status is Status.WARN
+    elsewhere = check_frontend_extensions(in_kernel=True, lab_here=False)[0]
+    assert elsewhere.status is Status.WARN and "JupyterLab is not installed here" in elsewhere.detail
 
 
 # --------------------------------------------------------------------------- CLI

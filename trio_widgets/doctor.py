@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +77,8 @@ PACKAGES: dict[str, _Package] = {
     "transformers": _Package("4.56", "core"),
     "numpy": _Package("1.24", "core"),
     "pydantic": _Package(None, "optional", "not installed (optional: trio does not use it)"),
-    "ipykernel": _Package("7.0", "optional", "not installed (needed only to run notebooks: pip install 'trio-widgets[lab]')"),
+    "ipykernel": _Package("7.0", "optional",
+                          "not installed (needed only to run notebooks: pip install 'trio-widgets[lab]')"),
     "ipywidgets": _Package("8.1", "widgets"),
     "bokeh": _Package("3.4", "widgets"),
     "jupyter_bokeh": _Package("4.0", "widgets"),
@@ -89,21 +90,30 @@ PACKAGES: dict[str, _Package] = {
 @dataclasses.dataclass(frozen=True)
 class _KnownBad:
     package: str
-    matches: Callable[[Version], bool]
+    #: PEP 440 specifier the bad releases match (pre-releases included)
+    specifier: str
+    #: only pre-releases in that range are bad
+    pre_releases_only: bool
     status: Status
     problem: str
     fix: str
 
+    def matches(self, version: Version) -> bool:
+        from packaging.specifiers import SpecifierSet
+
+        in_range = SpecifierSet(self.specifier).contains(version, prereleases=True)
+        return in_range and (version.is_prerelease or not self.pre_releases_only)
+
 
 KNOWN_BAD: tuple[_KnownBad, ...] = (
-    _KnownBad("transformers", lambda v: v.release[:3] == (5, 3, 0) and not v.is_prerelease, Status.FAIL,
+    _KnownBad("transformers", "==5.3.0", False, Status.FAIL,
               "transformers 5.3.0 loads the wrong tokenizer class for saved models (ignores tokenizer_class)",
               "pip install 'transformers>=5,!=5.3.0'"),
-    _KnownBad("transformers", lambda v: v.major < 5, Status.WARN,
+    _KnownBad("transformers", "<5.0", False, Status.WARN,
               "transformers {version} (< 5.0) has the vision-language image-token bug",
               "pip install -U 'transformers>=5,!=5.3.0'"),
     # Stable 2.13+ is fine: only the betas, from 2.13.0b1 on, serialise slowly.
-    _KnownBad("pydantic", lambda v: v.is_prerelease and v >= _version("2.13.0b1"), Status.WARN,
+    _KnownBad("pydantic", ">=2.13.0b1", True, Status.WARN,
               "pydantic {version} is a beta whose serialisation is slow (2.13 betas and later pre-releases)",
               "install a final release: pip install 'pydantic!={version}'"),
 )
@@ -200,7 +210,7 @@ def _device(pool: LocalPool | None) -> Any:
 
 
 def _device_name(pool: LocalPool | None) -> str:
-    return "CUDA" if _device(pool).type == "cuda" else _device(pool).type.upper()
+    return _device(pool).type.upper()
 
 
 def check_torch_device(pool: LocalPool | None) -> Check:
@@ -226,7 +236,8 @@ def check_torch_threads(pool: LocalPool | None) -> Check:
     try:
         auto = auto_torch_threads()
     except ValueError as exc:
-        return Check("torch threads", Status.FAIL, str(exc), f"set {TORCH_THREADS_ENV} to a whole number from 1 to {usable}")
+        return Check("torch threads", Status.FAIL, str(exc),
+                     f"set {TORCH_THREADS_ENV} to a whole number from 1 to {usable}")
     current = torch.get_num_threads()
     if auto > usable:
         return Check("torch threads", Status.WARN,
@@ -302,9 +313,11 @@ def _size(n: float) -> str:
 #: An idle interpreter wakes a sleeping thread within ~0.1 ms; a thread running pure
 #: Python delays every wake-up by up to the switch interval (5 ms by default).
 GIL_LAG_WARN_S = 0.002
+GIL_PROBE_SLEEPS = 20
+GIL_PROBE_SLEEP_S = 0.005
 
 
-def measure_wakeup_lag(sleeps: int = 20, sleep_s: float = 0.005) -> tuple[list[float], float]:
+def measure_wakeup_lag(sleeps: int = GIL_PROBE_SLEEPS, sleep_s: float = GIL_PROBE_SLEEP_S) -> tuple[list[float], float]:
     """A helper thread sleeps `sleeps` times; returns how late each wake-up was (seconds)
     and the CPU time this process spent meanwhile as a share of the wall time."""
     lags: list[float] = []
@@ -326,7 +339,8 @@ def measure_wakeup_lag(sleeps: int = 20, sleep_s: float = 0.005) -> tuple[list[f
 def check_gil_lag() -> Check:
     lags, busy = measure_wakeup_lag()
     median, worst = statistics.median(lags), max(lags)
-    detail = f"a thread asked to sleep 5 ms woke {median * 1e3:.1f} ms late (median of {len(lags)}; max {worst * 1e3:.1f} ms)"
+    detail = (f"a thread asked to sleep {GIL_PROBE_SLEEP_S * 1e3:g} ms woke {median * 1e3:.1f} ms late "
+              f"(median of {len(lags)}; max {worst * 1e3:.1f} ms)")
     if median < GIL_LAG_WARN_S:
         return Check("GIL lag", Status.OK, detail)
     others = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()
@@ -345,7 +359,7 @@ def check_gil_lag() -> Check:
 
 #: (row name, lab extension, Python package that ships it, what it is for)
 FRONTEND_EXTENSIONS = (
-    ("widgets extension", "@jupyter-widgets/jupyterlab-manager", "jupyterlab_widgets", "ipywidgets"),
+    ("widgets extension", "@jupyter-widgets/jupyterlab-manager", "jupyterlab_widgets", "widgets"),
     ("bokeh extension", "@bokeh/jupyter_bokeh", "jupyter_bokeh", "BokehModel plots"),
 )
 
@@ -386,58 +400,69 @@ def shipped_labextension(name: str, distribution: str) -> Path | None:
 
 
 def disabled_labextensions() -> set[str]:
-    """Extensions turned off with `jupyter labextension disable` (labconfig/page_config.json)."""
+    """Extensions and plugins (`ext:plugin`) turned off in JupyterLab's page config.
+
+    Read as jupyterlab_server merges it (importing that costs ~2 s): the app's
+    settings/page_config.json, then labconfig/page_config.json from the lowest-priority
+    Jupyter config dir to the user's, later ones overriding earlier ones.
+    """
     from jupyter_core.paths import jupyter_config_path
 
-    disabled: set[str] = set()
-    for directory in jupyter_config_path():
-        path = Path(directory, "labconfig", "page_config.json")
+    app_dir = Path(os.environ.get("JUPYTERLAB_DIR") or Path(sys.prefix, "share", "jupyter", "lab"))
+    paths = [app_dir / "settings" / "page_config.json"]
+    paths += [Path(d, "labconfig", "page_config.json") for d in reversed(jupyter_config_path())]
+    state: dict[str, bool] = {}
+    for path in paths:
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            entries = json.loads(path.read_text(encoding="utf-8")).get("disabledExtensions", {})
+        except (OSError, ValueError, AttributeError):
             continue
-        entries = config.get("disabledExtensions", {})
-        names = entries.items() if isinstance(entries, dict) else ((e, True) for e in entries)
-        disabled.update(name.split(":")[0] for name, off in names if off)
-    return disabled
+        # Older configs list the disabled names; newer ones map name -> bool.
+        state.update(entries if isinstance(entries, dict) else dict.fromkeys(entries, True))
+    return {name for name, off in state.items() if off}
 
 
-def check_frontend_extensions(in_kernel: bool) -> list[Check]:
-    """Installed where this environment's JupyterLab looks, not stale, not disabled.
+def check_frontend_extensions(in_kernel: bool, lab_here: bool = True) -> list[Check]:
+    """Installed where JupyterLab looks (this environment's Jupyter paths), not stale, not disabled.
 
     Outside a kernel a problem is a WARN: it matters only once a notebook shows widgets.
+    Without JupyterLab in this environment the server runs from another one, which has
+    its own paths: problems found here are then only a WARN, and every row says so.
     """
-    bad = Status.FAIL if in_kernel else Status.WARN
-    dirs = labextension_dirs()
-    disabled = disabled_labextensions()
-    rows = []
-    for row, name, distribution, purpose in FRONTEND_EXTENSIONS:
-        found = find_labextension(name, dirs)
-        shipped = shipped_labextension(name, distribution)
-        if found is None:
-            if shipped is not None:
-                rows.append(Check(row, bad, f"{name} is installed in {shipped.parent}, where JupyterLab does not look",
-                                  f"install {distribution} into the environment that runs JupyterLab "
-                                  f"(or: jupyter labextension develop --overwrite {distribution})"))
-            else:
-                rows.append(Check(row, bad, f"{name} is not installed: {purpose} show nothing in JupyterLab",
-                                  f"pip install {distribution} (then reload the browser tab)"))
-            continue
-        version = _json_version(found)
-        if name in disabled:
-            rows.append(Check(row, bad, f"{name} {version} is disabled: {purpose} show nothing",
-                              f"jupyter labextension enable {name} (then reload the browser tab)"))
-            continue
-        if shipped is not None and shipped.parent != found.parent.resolve():
-            expected = _json_version(shipped)
-            if expected != version:
-                rows.append(Check(row, Status.WARN,
-                                  f"JupyterLab loads {name} {version} from {found.parent}, which shadows "
-                                  f"{distribution}'s own {expected}",
-                                  f"delete {found.parent} (a stale copy), then reload the browser tab"))
-                continue
-        rows.append(Check(row, Status.OK, f"{name} {version} in {found.parents[len(name.split('/'))]}"))
+    bad = Status.FAIL if in_kernel and lab_here else Status.WARN
+    dirs, disabled = labextension_dirs(), disabled_labextensions()
+    rows = [_frontend_extension(row, name, distribution, purpose, dirs, disabled, bad)
+            for row, name, distribution, purpose in FRONTEND_EXTENSIONS]
+    if not lab_here:
+        elsewhere = " (as seen from this environment: JupyterLab is not installed here, so check the one that runs it)"
+        rows = [dataclasses.replace(r, detail=r.detail + elsewhere) for r in rows]
     return rows
+
+
+def _frontend_extension(row: str, name: str, distribution: str, purpose: str, dirs: list[str],
+                        disabled: set[str], bad: Status) -> Check:
+    found = find_labextension(name, dirs)
+    shipped = shipped_labextension(name, distribution)
+    if found is None and shipped is not None:
+        return Check(row, bad, f"{name} is installed in {shipped.parent}, where JupyterLab does not look",
+                     f"install {distribution} into the environment that runs JupyterLab "
+                     f"(or: jupyter labextension develop --overwrite {distribution})")
+    if found is None:
+        return Check(row, bad, f"{name} is not installed: {purpose} show nothing in JupyterLab",
+                     f"pip install {distribution} (then reload the browser tab)")
+    version = _json_version(found)
+    off = sorted(d for d in disabled if d == name or d.startswith(name + ":"))
+    if off:
+        return Check(row, bad, f"{name} {version}: {', '.join(off)} disabled, so {purpose} show nothing",
+                     f"jupyter labextension enable {off[0]} (then reload the browser tab)")
+    if shipped is not None and shipped.parent != found.parent.resolve():
+        # The first directory on the path wins: an old copy there hides the installed package's.
+        expected = _json_version(shipped)
+        if expected != version:
+            return Check(row, Status.WARN, f"JupyterLab loads {name} {version} from {found.parent}, which shadows "
+                                           f"{distribution}'s own {expected}",
+                         f"delete {found.parent} (a stale copy), then reload the browser tab")
+    return Check(row, Status.OK, f"{name} {version} in {found.parents[len(name.split('/'))]}")
 
 
 def _json_version(package_json: Path) -> str:
@@ -452,8 +477,9 @@ def check_bokehjs() -> Check:
     from .widgets._bokeh_setup import bokehjs_loaded
 
     if bokehjs_loaded():
-        return Check("BokehJS", Status.OK, "sent inline to the page by trio (after reloading the browser tab, "
-                                           "call trio_widgets.widgets._bokeh_setup.ensure_bokehjs(force=True))")
+        # The flag lives in the kernel: a reloaded tab has lost BokehJS without the kernel knowing.
+        return Check("BokehJS", Status.OK, "sent inline to the page by trio; after reloading the browser tab, restart "
+                                           "the kernel (or call widgets._bokeh_setup.ensure_bokehjs(force=True))")
     return Check("BokehJS", Status.OK, "not yet loaded: trio sends it inline with the first dashboard (no CDN needed)")
 
 
@@ -476,12 +502,12 @@ def check_subshells(kernel: Any) -> Check:
         here = None
     where = f"this cell runs on subshell {here}" if here else "this cell runs on the main shell"
     if open_ids:
-        status = (f"kernel subshells supported, {len(open_ids)} open: widget comms from JupyterLab run over "
+        detail = (f"kernel subshells supported, {len(open_ids)} open: widget comms from JupyterLab run over "
                   f"subshells; {where}")
     else:
-        status = (f"kernel subshells supported, none open yet (JupyterLab opens one when a widget first talks, "
+        detail = (f"kernel subshells supported, none open yet (JupyterLab opens one when a widget first talks, "
                   f"if its commsOverSubshells setting is on); {where}")
-    return Check("subshells", Status.OK, status)
+    return Check("subshells", Status.OK, detail)
 
 
 def _kernel() -> Any | None:
@@ -568,7 +594,8 @@ def doctor(pool: LocalPool | None = None) -> DoctorReport:
     records.append(check_torch_threads(pool))
     records.extend(check_checkpoint_dir(checkpoint_root(pool)))
     records.append(check_gil_lag())
-    records.extend(check_frontend_extensions(in_kernel=kernel is not None))
+    records.extend(check_frontend_extensions(in_kernel=kernel is not None,
+                                             lab_here=versions["jupyterlab"] is not None))
     if kernel is not None:
         records.append(check_bokehjs())
         records.append(check_subshells(kernel))
