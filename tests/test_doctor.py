@@ -261,6 +261,14 @@ def test_cli_prints_the_table_and_exits_0():
     assert {"name", "status", "detail", "fix"} == set(records[0]) and all(r["status"] != "FAIL" for r in records)
 
 
+def test_cli_exits_1_on_a_fail_and_prints_its_fix():
+    env = dict(_worktree_env(), TRIO_TORCH_THREADS="two")  # a real misconfiguration the pool would reject
+    out = subprocess.run([sys.executable, "-m", "trio_widgets", "doctor"], capture_output=True, text=True,
+                         timeout=300, cwd=REPO, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAIL  torch threads" in out.stdout and "fix: set TRIO_TORCH_THREADS to a whole number" in out.stdout
+
+
 # --------------------------------------------------------------------------- a real kernel
 
 DOCTOR_CELL = """
