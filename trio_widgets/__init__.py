@@ -5,6 +5,9 @@
 
 from . import data
 from .client import SamplingClient, ServiceClient, TrainingClient, default_pool
+
+# Cheap (stdlib only at import). It shadows the submodule: use `from trio_widgets.doctor import ...`.
+from .doctor import doctor
 from .engine import DEFAULT_MODEL, LocalPool
 from .errors import (
     CheckpointError,
@@ -66,6 +69,7 @@ __all__ = [
     "UnknownModelError",
     "data",
     "default_pool",
+    "doctor",
     "Dashboard",
     "TrainingRun",
     "run_sync",

@@ -1,13 +1,17 @@
-"""`python -m trio_widgets demo`: train DEFAULT_MODEL with a pipelined loop, headless."""
+"""`python -m trio_widgets demo`: train DEFAULT_MODEL with a pipelined loop, headless.
+`python -m trio_widgets doctor`: check this environment; exit status 1 if a check FAILed."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import time
 
 from . import DEFAULT_MODEL, AdamParams, APIFuture, LocalPool, ServiceClient
 from .data import addition_batches
+from .doctor import doctor
 from .metrics import batch_weight, loss_per_token
 
 
@@ -47,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--min-cycle-s", type=float, default=0.05)
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--lr", type=float, default=3e-3)
+    check = sub.add_parser("doctor", help="check Python, torch, package versions, checkpoints and the GIL; "
+                                          "exit 1 if a check FAILed")
+    check.add_argument("--json", action="store_true", help="print the checks as a JSON list of records")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        report = doctor()
+        print(json.dumps([dataclasses.asdict(r) for r in report.records], indent=1) if args.json else report)
+        return 0 if report.ok else 1
     stats = asyncio.run(pipelined_demo(args.seconds, args.min_cycle_s, args.batch_size, args.lr))
     print(f"updates: {stats['updates']}")
     print(f"cycles per update: {stats['cycles_per_update']:.2f} (pipelined; naive would be 4)")
