@@ -24,6 +24,7 @@ from safetensors.torch import load as st_load, save as st_save
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
 from trio_widgets.engine.lora import LoRAAdapter
+from trio_widgets.engine.models import load_base_model
 
 MANIFEST, CONFIG = "trio_checkpoint.json", "adapter_config.json"
 WEIGHTS, OPTIMIZER = "adapter_model.safetensors", "optimizer.safetensors"
@@ -513,3 +514,48 @@ def test_names_are_bounded_by_their_encoded_length(saved):
     first = tc.save_state(longest).result(timeout=60).path
     assert tc.save_state(longest).result(timeout=60).path == first
     assert Path(first).name == longest and sorted(os.listdir(first)) == sorted([MANIFEST, CONFIG, WEIGHTS, OPTIMIZER])
+
+
+# -- tokenizer classes named by a local model --------------------------------------------------------------
+
+def _save_tiny_qwen2(path: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trio_widgets.engine.models import byte_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+
+
+def _set_json(path: Path, key: str, value: Any) -> None:
+    data = json.loads(path.read_text())
+    data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def test_only_tokenizer_classes_are_loaded_as_tokenizers(tmp_path):
+    model_dir = tmp_path / "qwen2"
+    _save_tiny_qwen2(model_dir)
+    cpu = torch.device("cpu")
+    base = load_base_model(str(model_dir), cpu)
+    assert type(base.tokenizer).__name__ == "ByT5Tokenizer"  # a real tokenizer class still loads
+
+    not_a_tokenizer = "transformers.AutoModelForCausalLM is not a tokenizer"
+    cases = [("tokenizer_config.json", "AutoModelForCausalLM", not_a_tokenizer),
+             # AutoTokenizer strips "Fast" and tries again: the same class by another name
+             ("tokenizer_config.json", "AutoModelForCausalLMFast", not_a_tokenizer),
+             ("tokenizer_config.json", "AutoTokenizer", "transformers.AutoTokenizer is not a tokenizer"),
+             ("tokenizer_config.json", "os.system", "which is not a class name"),
+             ("tokenizer_config.json", 123, "which is not a class name"),
+             ("config.json", "AutoModelForCausalLM", not_a_tokenizer)]  # AutoTokenizer reads this one too
+    for fname, named, message in cases:
+        forged = tmp_path / f"forged-{fname}-{named}"
+        shutil.copytree(model_dir, forged)
+        _set_json(forged / fname, "tokenizer_class", named)
+        with pytest.raises(trio.UnknownModelError, match=re.escape(message)) as info:
+            load_base_model(str(forged), cpu)
+        assert str(forged / fname) in str(info.value) and info.value.field == "base_model"
