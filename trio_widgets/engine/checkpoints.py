@@ -19,6 +19,13 @@ moves the old directory aside (`.<name>.old-*`) just before the rename and delet
 just after; a reader that finds the name missing in that instant (or after a crash in
 it) loads the set-aside copy. A crash at any point leaves the previous checkpoint
 loadable; a half-written temporary directory is never read.
+
+Reading trusts nothing in the directory. Only the layout's files are read: a manifest's
+`files` are names looked up in the checkpoint directory, never paths. Each must be a
+regular file (a symlink is never followed; a FIFO or device is refused before any read
+that could block or never end) of at most `file_limits()` bytes, checked before reading.
+Every value is checked before a client sees it: rank, alpha, seed and step in range, and
+weights and AdamW moments finite float tensors of consistent shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +47,7 @@ import torch
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
 from ..types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
 from .clock import Tenant
-from .lora import AdamState, LoRAAdapter
+from .lora import AdamState, LoRAAdapter, all_finite
 from .models import BaseModel
 
 __all__ = [
@@ -75,6 +83,12 @@ def checkpoint_root(pool: Any) -> Path:
     return Path(configured).expanduser() if configured else default_checkpoint_dir()
 
 
+# Most filesystems allow 255 bytes per path component (ext4, XFS, btrfs, APFS; NTFS allows 255
+# UTF-16 units, never more than the UTF-8 bytes). atomic_write_dir puts `.<name>.tmp-<hex>`
+# and `.<name>.old-<hex>` (secrets.token_hex(6): 12 characters) beside a checkpoint.
+MAX_NAME_BYTES = 255 - len(".") - len(".tmp-") - 12
+
+
 def validate_name(name: Any, field: str = "name") -> str:
     if not isinstance(name, str) or not name:
         raise InvalidInputError(f"must be a non-empty string, got {name!r}", field=field)
@@ -88,6 +102,14 @@ def validate_name(name: Any, field: str = "name") -> str:
         raise InvalidInputError(f"must not contain control characters or ':', got {name!r}", field=field)
     if len(name) > 200:
         raise InvalidInputError(f"must be at most 200 characters, got {len(name)}", field=field)
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeError:  # e.g. a lone surrogate
+        raise InvalidInputError(f"must be text the filesystem can store, got {name!r}", field=field) from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise InvalidInputError(f"must be at most {MAX_NAME_BYTES} bytes encoded (a file name has at most 255, "
+                                f"and saving writes `.<name>.tmp-<12 hex>` beside it), got {len(encoded)} bytes",
+                                field=field)
     return name
 
 
@@ -236,36 +258,200 @@ def resolve_path(path: Any, pool: Any = None) -> Path:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise InvalidInputError(f"must be a checkpoint directory path, got {path!r}", field="path")
     text = os.fspath(path)
+    if not isinstance(text, str) or "\0" in text:
+        raise InvalidInputError(f"must be a checkpoint directory path (text, no NUL), got {_brief(text)}",
+                                field="path")
     if "://" in text:
         raise CheckpointNotFoundError(
             f"{text!r} is a hosted-service path; local checkpoints are directories on disk "
             f"(the `path` that save_state / save_weights_for_sampler returned)", path=text)
-    p = Path(text).expanduser()
-    if not p.is_absolute() and not p.exists() and pool is not None:
-        under_root = checkpoint_root(pool) / p
-        if under_root.exists():
-            p = under_root
-    p = p.absolute()
-    if p.is_dir():
-        return p
-    if p.exists():
-        raise CheckpointError(f"{str(p)!r} is a file; a checkpoint is the directory that holds "
-                              f"{ADAPTER_WEIGHTS}", path=str(p))
-    aside = sorted(p.parent.glob(f".{p.name}.old-*"), key=lambda q: q.stat().st_mtime, reverse=True) \
-        if p.parent.is_dir() else []
+    try:
+        p = Path(text).expanduser()
+        if not p.is_absolute() and not p.exists() and pool is not None:
+            under_root = checkpoint_root(pool) / p
+            if under_root.exists():
+                p = under_root
+        p = p.absolute()
+        if p.is_dir():
+            return p
+        if p.exists():
+            raise CheckpointError(f"{str(p)!r} is a file; a checkpoint is the directory that holds "
+                                  f"{ADAPTER_WEIGHTS}", path=str(p))
+        aside = sorted(p.parent.glob(f".{p.name}.old-*"), key=lambda q: q.stat().st_mtime, reverse=True) \
+            if p.parent.is_dir() else []
+    except OSError as exc:  # e.g. a name too long for the filesystem, or a directory we may not list
+        raise CheckpointError(f"cannot look up checkpoint {text!r}: {exc.strerror or exc}", path=text) from None
     for candidate in aside:
-        if (candidate / MANIFEST).is_file() or (candidate / ADAPTER_CONFIG).is_file():
+        if os.path.lexists(candidate / MANIFEST) or os.path.lexists(candidate / ADAPTER_CONFIG):
             return candidate
     raise CheckpointNotFoundError(f"no checkpoint at {str(p)!r}", path=str(p))
 
 
-def _read_bytes(directory: Path, fname: str, shown: str) -> bytes:
-    try:
-        return (directory / fname).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {shown!r} is incomplete: {fname} is missing", path=shown) from None
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {fname} of checkpoint {shown!r}: {exc}", path=shown) from None
+# -- reading: what may be read, and how much ---------------------------------------------------
+
+# The files a checkpoint holds besides its manifest. A manifest's `files` may list only these:
+# an entry is a name looked up in the checkpoint directory, never a path.
+LAYOUT_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OPTIMIZER)
+# A manifest or PEFT config names a few hundred targets at most (~100 KB for an 8B model with
+# every target); 4 MiB is ample and bounds what json has to parse.
+MAX_JSON_BYTES = 4 << 20
+# The largest legitimate adapter is rank x sum(in + out) over its targets x 4 bytes (float32).
+# An 8B Llama-class model with every target (attention, MLP, unembedding) has a sum near
+# 2.75M; 2**22 covers it. At LocalPool's default max_rank 128 that allows 2 GiB of weights and
+# 4 GiB of optimizer moments (two per weight); a pool with a smaller max_rank reads less. A
+# pool attribute `max_checkpoint_bytes` replaces the bound for both tensor files.
+MAX_LORA_FEATURES = 1 << 22
+DEFAULT_MAX_RANK = 128  # LocalPool's default, for reads without a pool
+_HEADER_BYTES = 16 << 20  # a safetensors header: ~150 bytes of JSON per tensor
+# lora_alpha: PEFT adapters use 1 to a few times the rank; NaN, inf, 0 or a negative scale
+# is never an adapter, and 1e308 turns every LoRA product into inf.
+MAX_ALPHA = 65536.0
+MAX_STEP = 2 ** 53  # AdamW takes the step as a float: larger counts are not exact
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)  # what torch.Generator.manual_seed accepts
+
+_O_READ = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+           | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+_DIR_FD = os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd
+
+
+def _pool_max_rank(pool: Any) -> int:
+    value = getattr(pool, "max_rank", None)
+    return int(value) if isinstance(value, int) and value >= 1 else DEFAULT_MAX_RANK
+
+
+def file_limits(pool: Any = None) -> dict[str, int]:
+    """The most bytes read from each file of a checkpoint (see MAX_LORA_FEATURES)."""
+    weights = _pool_max_rank(pool) * MAX_LORA_FEATURES * 4 + _HEADER_BYTES
+    limits = {MANIFEST: MAX_JSON_BYTES, ADAPTER_CONFIG: MAX_JSON_BYTES, ADAPTER_WEIGHTS: weights,
+              OPTIMIZER: 2 * weights}
+    configured = getattr(pool, "max_checkpoint_bytes", None)
+    if configured is not None:
+        if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
+            raise ValueError(f"max_checkpoint_bytes must be a positive number of bytes, got {configured!r}")
+        limits[ADAPTER_WEIGHTS] = limits[OPTIMIZER] = configured
+    return limits
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFLNK: "a symbolic link"}
+
+
+class _CheckpointFiles:
+    """The plain files directly inside one checkpoint directory.
+
+    Read through one open handle on the directory (a concurrent replace cannot mix two
+    checkpoints), by plain name only, never following a symlink (O_NOFOLLOW), and only
+    regular files of bounded size: a FIFO would block the reader and a device never ends.
+    """
+
+    def __init__(self, directory: Path, shown: str, limits: dict[str, int]):
+        self.directory, self.shown, self.limits = directory, shown, limits
+        self.fd: int | None = None
+        if _DIR_FD:
+            try:
+                self.fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise CheckpointError(f"cannot open checkpoint {shown!r}: {exc.strerror or exc}", path=shown) from None
+
+    def __enter__(self) -> _CheckpointFiles:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _where(self, fname: str) -> Any:
+        return fname if self.fd is not None else self.directory / fname
+
+    def lstat(self, fname: str) -> os.stat_result | None:
+        """The entry itself (a symlink is not followed), or None if there is none."""
+        try:
+            return os.stat(self._where(fname), dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {fname} of checkpoint {self.shown!r}: {exc.strerror or exc}",
+                                  path=self.shown) from None
+
+    def _not_regular(self, fname: str, mode: int) -> CheckpointError:
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        return CheckpointError(f"checkpoint {self.shown!r} is invalid: {fname} is {kind}; a checkpoint holds only "
+                               f"regular files (symbolic links are not followed)", path=self.shown)
+
+    def read(self, fname: str, expected_size: int | None = None) -> bytes:
+        # only the layout's names get here; the assert guards the invariant, not user input
+        assert fname == MANIFEST or fname in LAYOUT_FILES, fname
+        shown = self.shown
+        st = self.lstat(fname)
+        if st is None:
+            raise CheckpointError(f"checkpoint {shown!r} is incomplete: {fname} is missing", path=shown)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._not_regular(fname, st.st_mode)
+        limit = self.limits[fname]
+        if st.st_size > limit:
+            raise CheckpointError(f"checkpoint {shown!r} is invalid: {fname} is {st.st_size} bytes, more than the "
+                                  f"{limit} bytes a {fname} may have", path=shown)
+        if expected_size is not None and st.st_size != expected_size:
+            raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} does not match the checksum in "
+                                  f"{MANIFEST} (it is {st.st_size} bytes, the manifest says {expected_size})",
+                                  path=shown)
+        try:
+            fd = os.open(self._where(fname), _O_READ, dir_fd=self.fd)
+        except OSError as exc:  # ELOOP: it became a symlink since the lstat
+            raise CheckpointError(f"cannot read {fname} of checkpoint {shown!r}: {exc.strerror or exc}",
+                                  path=shown) from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):  # swapped since the lstat
+                raise self._not_regular(fname, st.st_mode)
+            if st.st_size > limit:
+                raise CheckpointError(f"checkpoint {shown!r} is invalid: {fname} is {st.st_size} bytes, more "
+                                      f"than the {limit} bytes a {fname} may have", path=shown)
+            try:
+                data = f.read(st.st_size + 1)  # one byte more: a file still growing is caught
+            except OSError as exc:
+                raise CheckpointError(f"cannot read {fname} of checkpoint {shown!r}: {exc.strerror or exc}",
+                                      path=shown) from None
+        if len(data) != st.st_size:
+            raise CheckpointError(f"checkpoint {shown!r} changed while it was read ({fname}); load it again",
+                                  path=shown)
+        return data
+
+
+# -- reading: parsing and validating ---------------------------------------------------------------
+
+def _invalid(shown: str, where: str, key: str, expected: str, got: Any) -> CheckpointError:
+    return CheckpointError(f"checkpoint {shown!r} is invalid: {where} {key!r} must be {expected}, got {_brief(got)}",
+                           path=shown)
+
+
+def _int_field(value: Any, low: int, high: int, shown: str, where: str, key: str, expected: str | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _invalid(shown, where, key, expected or f"an integer from {low} to {high}", value)
+    return value
+
+
+def _alpha_field(value: Any, shown: str, where: str, key: str) -> float:
+    # comparisons are False for NaN and exact for any int, so no float() can overflow first
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_ALPHA:
+        raise _invalid(shown, where, key, f"a finite number above 0 and at most {MAX_ALPHA:g}", value)
+    return float(value)
+
+
+def _rank_field(value: Any, max_rank: int, shown: str, where: str, key: str) -> int:
+    return _int_field(value, 1, max_rank, shown, where, key,
+                      f"an integer from 1 to the pool's max_rank {max_rank}")
+
+
+def _bool_field(meta: dict, key: str, shown: str) -> None:
+    if key in meta and not isinstance(meta[key], bool):
+        raise _invalid(shown, MANIFEST, key, "true or false", meta[key])
 
 
 def _load_tensors(data: bytes, fname: str, shown: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -275,21 +461,41 @@ def _load_tensors(data: bytes, fname: str, shown: str) -> tuple[dict[str, torch.
         tensors = load(data)
         header_len = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + header_len])
+        metadata = header.get("__metadata__") or {}
+        if not isinstance(metadata, dict):
+            raise ValueError("__metadata__ is not an object")
     except Exception as exc:  # truncated or not a safetensors file at all
         raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} is not a valid safetensors file "
                               f"({type(exc).__name__}: {exc})", path=shown) from None
-    return tensors, dict(header.get("__metadata__") or {})
+    return tensors, dict(metadata)
 
 
 def _load_json(data: bytes, fname: str, shown: str) -> dict:
     try:
         value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} is not valid JSON ({exc})",
-                              path=shown) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: [[[[...
+        raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} is not valid JSON "
+                              f"({type(exc).__name__}: {_brief(str(exc))})", path=shown) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} is not a JSON object", path=shown)
     return value
+
+
+def _float_tensor(tensor: torch.Tensor, fname: str, key: str, shown: str, *, non_negative: bool = False
+                  ) -> torch.Tensor:
+    """`tensor` as float32, or a CheckpointError: weights and moments are finite floats."""
+    if not tensor.dtype.is_floating_point:
+        raise CheckpointError(f"checkpoint {shown!r} is invalid: {fname} tensor {key!r} has dtype "
+                              f"{str(tensor.dtype).removeprefix('torch.')}; LoRA weights and optimizer moments are "
+                              f"floating point", path=shown)
+    tensor = tensor.to(torch.float32)  # a float64 beyond float32's range becomes inf, caught next
+    if not all_finite(tensor):
+        raise CheckpointError(f"checkpoint {shown!r} is invalid: {fname} tensor {key!r} holds NaN or infinite "
+                              f"values (as float32)", path=shown)
+    if non_negative and tensor.numel() and float(tensor.min()) < 0:
+        raise CheckpointError(f"checkpoint {shown!r} is invalid: {fname} tensor {key!r} holds negative values; "
+                              f"AdamW's second moment is a mean of squares", path=shown)
+    return tensor
 
 
 def _weights_from_peft(tensors: dict[str, torch.Tensor], shown: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -297,16 +503,21 @@ def _weights_from_peft(tensors: dict[str, torch.Tensor], shown: str) -> dict[str
     for key, tensor in tensors.items():
         match = _PEFT_KEY.match(key)
         if match is None:
-            raise CheckpointError(f"checkpoint {shown!r} holds {key!r}, which is not a LoRA A/B weight "
+            raise CheckpointError(f"checkpoint {shown!r} holds {_brief(key)}, which is not a LoRA A/B weight "
                                   f"(only plain LoRA on linear layers is supported)", path=shown)
-        halves.setdefault(match["name"], {})[match["ab"]] = tensor.to(torch.float32)
+        pair = halves.setdefault(match["name"], {})
+        if match["ab"] in pair:  # e.g. `x.lora_A.weight` and `x.lora_A.default.weight`
+            raise CheckpointError(f"checkpoint {shown!r} holds two lora_{match['ab']} weights for "
+                                  f"{_brief(match['name'])}", path=shown)
+        pair[match["ab"]] = _float_tensor(tensor, ADAPTER_WEIGHTS, key, shown)
     weights = {}
     for name, pair in sorted(halves.items()):
         if set(pair) != {"A", "B"}:
-            raise CheckpointError(f"checkpoint {shown!r} has only lora_{''.join(pair)} for {name}", path=shown)
+            raise CheckpointError(f"checkpoint {shown!r} has only lora_{''.join(pair)} for {_brief(name)}",
+                                  path=shown)
         a, b = pair["A"], pair["B"]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise CheckpointError(f"checkpoint {shown!r}: {name} has lora_A {tuple(a.shape)} and lora_B "
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.numel() == 0 or b.numel() == 0:
+            raise CheckpointError(f"checkpoint {shown!r}: {_brief(name)} has lora_A {tuple(a.shape)} and lora_B "
                                   f"{tuple(b.shape)}, which do not make a LoRA pair", path=shown)
         weights[name] = (a, b)
     if not weights:
@@ -314,88 +525,156 @@ def _weights_from_peft(tensors: dict[str, torch.Tensor], shown: str) -> dict[str
     return weights
 
 
+def _manifest_files(meta: dict, shown: str) -> dict[str, int]:
+    """The manifest's `files`, checked before anything is read: name -> expected size."""
+    listed = meta.get("files")
+    if not isinstance(listed, dict) or ADAPTER_WEIGHTS not in listed:
+        raise CheckpointError(f"{shown!r}: {MANIFEST} lists no adapter weights", path=shown)
+    sizes = {}
+    for fname, info in listed.items():
+        if fname not in LAYOUT_FILES:
+            raise CheckpointError(f"checkpoint {shown!r} is invalid: {MANIFEST} lists the file {_brief(fname)}; a "
+                                  f"checkpoint holds only {', '.join(LAYOUT_FILES)} (names in its own directory, "
+                                  f"never paths)", path=shown)
+        if not isinstance(info, dict) or not isinstance(info.get("sha256"), str) \
+                or not re.fullmatch(r"[0-9a-f]{64}", info["sha256"]):
+            raise _invalid(shown, MANIFEST, f"files.{fname}.sha256", "a sha256 hex digest",
+                           info.get("sha256") if isinstance(info, dict) else info)
+        sizes[fname] = _int_field(info.get("bytes"), 0, 2 ** 63, shown, MANIFEST, f"files.{fname}.bytes",
+                                  "a size in bytes")
+    return sizes
+
+
+def _check_manifest(meta: dict, shown: str, max_rank: int) -> tuple[str, str, int, float, int]:
+    """kind, base_model, rank, alpha, seed: every field the load uses, checked."""
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{shown!r}: {MANIFEST} is not a trio-widgets manifest", path=shown)
+    version = meta.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise _invalid(shown, MANIFEST, "version", "a format version from 1", version)
+    if version > VERSION:
+        raise CheckpointError(f"{shown!r} was written by a newer trio-widgets (format version "
+                              f"{version}); upgrade to load it", path=shown)
+    kind = meta.get("kind")
+    if kind not in ("state", "sampler"):
+        raise _invalid(shown, MANIFEST, "kind", "'state' or 'sampler'", kind)
+    base_model = meta.get("base_model")
+    if not isinstance(base_model, str) or not base_model:
+        raise _invalid(shown, MANIFEST, "base_model", "a model name", base_model)
+    rank = _rank_field(meta.get("rank"), max_rank, shown, MANIFEST, "rank")
+    alpha = _alpha_field(meta.get("alpha"), shown, MANIFEST, "alpha")
+    seed = _int_field(meta.get("seed", 0), *SEED_RANGE, shown, MANIFEST, "seed",
+                      f"an integer from {SEED_RANGE[0]} to {SEED_RANGE[1]} (what torch takes as a seed)")
+    if "step" in meta:
+        _int_field(meta["step"], 0, MAX_STEP, shown, MANIFEST, "step")
+    targets = meta.get("targets")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets) \
+            or len(set(targets)) != len(targets):
+        raise _invalid(shown, MANIFEST, "targets", "a list of distinct module names", targets)
+    for key in ("train_attn", "train_mlp", "train_unembed"):
+        _bool_field(meta, key, shown)
+    return kind, base_model, rank, alpha, seed
+
+
+def _read_optimizer(data: bytes, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], shown: str) -> AdamState:
+    moments, header = _load_tensors(data, OPTIMIZER, shown)
+    text = header.get("step")
+    if text is None:
+        raise CheckpointError(f"checkpoint {shown!r}: {OPTIMIZER} has no step count", path=shown)
+    if not isinstance(text, str) or not re.fullmatch(r"[0-9]{1,16}", text) or int(text) > MAX_STEP:
+        raise _invalid(shown, OPTIMIZER, "step", f"a whole number from 0 to {MAX_STEP}", text)
+    step = int(text)
+    adam = AdamState(step=step)
+    used: set[str] = set()
+    for which, table in (("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
+        for name, (a, b) in weights.items():
+            ka, kb = f"{which}.{name}.lora_A", f"{which}.{name}.lora_B"
+            if ka not in moments and kb not in moments and step == 0:
+                continue
+            ma, mb = moments.get(ka), moments.get(kb)
+            if ma is None or mb is None or ma.shape != a.shape or mb.shape != b.shape:
+                raise CheckpointError(f"checkpoint {shown!r}: the optimizer state of {name} is missing or has "
+                                      f"the wrong shape", path=shown)
+            second = which == "exp_avg_sq"
+            table[name] = (_float_tensor(ma, OPTIMIZER, ka, shown, non_negative=second),
+                           _float_tensor(mb, OPTIMIZER, kb, shown, non_negative=second))
+            used.update((ka, kb))
+    extra = sorted(set(moments) - used)
+    if extra:
+        raise CheckpointError(f"checkpoint {shown!r} is invalid: {OPTIMIZER} holds {_brief(extra[0])}, which is not "
+                              f"a moment of one of its LoRA weights", path=shown)
+    return adam
+
+
 def read_checkpoint(path: Any, pool: Any = None, *, require_optimizer: bool = False) -> LoadedCheckpoint:
-    """Read and verify a checkpoint directory; every problem is a CheckpointError naming the path."""
+    """Read and verify a checkpoint directory; every problem is a CheckpointError naming the path.
+
+    Only the layout's files are read, each a regular file directly in the directory and of
+    bounded size (`file_limits`), and every value is checked: ranks, alpha, seed and step in
+    range, weights and moments finite float tensors of consistent shapes.
+    """
     directory = resolve_path(path, pool)
     shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(directory)
-    has_manifest = (directory / MANIFEST).is_file()
-    if not has_manifest and not (directory / ADAPTER_CONFIG).is_file():
-        raise CheckpointNotFoundError(f"{shown!r} is not a checkpoint: it has neither {MANIFEST} nor "
-                                      f"{ADAPTER_CONFIG}", path=shown)
-    if has_manifest:
-        meta = _load_json(_read_bytes(directory, MANIFEST, shown), MANIFEST, shown)
-        if meta.get("format") != FORMAT:
-            raise CheckpointError(f"{shown!r}: {MANIFEST} is not a trio-widgets manifest", path=shown)
-        if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
-            raise CheckpointError(f"{shown!r} was written by a newer trio-widgets (format version "
-                                  f"{meta.get('version')!r}); upgrade to load it", path=shown)
-        listed = meta.get("files")
-        if not isinstance(listed, dict) or ADAPTER_WEIGHTS not in listed:
-            raise CheckpointError(f"{shown!r}: {MANIFEST} lists no adapter weights", path=shown)
-        blobs = {}
-        for fname, info in listed.items():
-            data = _read_bytes(directory, fname, shown)
-            if not isinstance(info, dict) or _sha256(data) != info.get("sha256"):
-                raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} does not match the checksum "
-                                      f"in {MANIFEST}", path=shown)
-            blobs[fname] = data
-        kind = meta.get("kind")
-        try:
-            rank, alpha, seed = int(meta["rank"]), float(meta["alpha"]), int(meta.get("seed", 0))
-            base_model = str(meta["base_model"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{shown!r}: {MANIFEST} is missing or has a bad field ({exc})", path=shown) from None
-    else:  # a PEFT adapter directory written by another tool
-        config = _load_json(_read_bytes(directory, ADAPTER_CONFIG, shown), ADAPTER_CONFIG, shown)
-        meta = {"kind": "peft", "peft_config": config}
-        if config.get("peft_type", "LORA") != "LORA":
-            raise CheckpointError(f"{shown!r} is a {config.get('peft_type')} adapter; only LoRA is supported",
-                                  path=shown)
-        unsupported = [k for k in ("use_rslora", "use_dora") if config.get(k)]
-        unsupported += [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save") if config.get(k)]
-        if config.get("bias", "none") != "none":
-            unsupported.append("bias")
-        if unsupported:
-            raise CheckpointError(f"{shown!r} uses PEFT options this pool does not support: "
-                                  f"{', '.join(unsupported)}", path=shown)
-        blobs = {ADAPTER_WEIGHTS: _read_bytes(directory, ADAPTER_WEIGHTS, shown)}
-        kind = "peft"
-        try:
-            rank, alpha, seed = int(config["r"]), float(config.get("lora_alpha", 8)), 0
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{shown!r}: {ADAPTER_CONFIG} has no valid 'r' ({exc})", path=shown) from None
-        base_model = config.get("base_model_name_or_path")
+    max_rank = _pool_max_rank(pool)
+    with _CheckpointFiles(directory, shown, file_limits(pool)) as files:
+        base_model: str | None
+        has_manifest = files.lstat(MANIFEST) is not None
+        if not has_manifest and files.lstat(ADAPTER_CONFIG) is None:
+            raise CheckpointNotFoundError(f"{shown!r} is not a checkpoint: it has neither {MANIFEST} nor "
+                                          f"{ADAPTER_CONFIG}", path=shown)
+        if has_manifest:
+            meta = _load_json(files.read(MANIFEST), MANIFEST, shown)
+            kind, base_model, rank, alpha, seed = _check_manifest(meta, shown, max_rank)
+            blobs = {}
+            for fname, size in _manifest_files(meta, shown).items():
+                data = files.read(fname, expected_size=size)
+                if _sha256(data) != meta["files"][fname]["sha256"]:
+                    raise CheckpointError(f"checkpoint {shown!r} is corrupted: {fname} does not match the checksum "
+                                          f"in {MANIFEST}", path=shown)
+                blobs[fname] = data
+            if ADAPTER_CONFIG in blobs:  # PEFT reads this one: it must describe the same adapter
+                config = _load_json(blobs[ADAPTER_CONFIG], ADAPTER_CONFIG, shown)
+                if config.get("r") != rank or config.get("lora_alpha") != alpha:
+                    raise CheckpointError(f"checkpoint {shown!r} is invalid: {ADAPTER_CONFIG} has r="
+                                          f"{_brief(config.get('r'))}, lora_alpha={_brief(config.get('lora_alpha'))}; "
+                                          f"{MANIFEST} has rank {rank}, alpha {alpha}", path=shown)
+        else:  # a PEFT adapter directory written by another tool
+            config = _load_json(files.read(ADAPTER_CONFIG), ADAPTER_CONFIG, shown)
+            meta = {"kind": "peft", "peft_config": config}
+            if config.get("peft_type", "LORA") != "LORA":
+                raise CheckpointError(f"{shown!r} is a {_brief(config.get('peft_type'))} adapter; only LoRA is "
+                                      f"supported", path=shown)
+            unsupported = [k for k in ("use_rslora", "use_dora") if config.get(k)]
+            unsupported += [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save") if config.get(k)]
+            if config.get("bias", "none") != "none":
+                unsupported.append("bias")
+            if unsupported:
+                raise CheckpointError(f"{shown!r} uses PEFT options this pool does not support: "
+                                      f"{', '.join(unsupported)}", path=shown)
+            kind, seed = "peft", 0
+            rank = _rank_field(config.get("r"), max_rank, shown, ADAPTER_CONFIG, "r")
+            alpha = _alpha_field(config.get("lora_alpha", 8), shown, ADAPTER_CONFIG, "lora_alpha")
+            base_model = config.get("base_model_name_or_path")
+            if base_model is not None and (not isinstance(base_model, str) or not base_model):
+                raise _invalid(shown, ADAPTER_CONFIG, "base_model_name_or_path", "a model name or null", base_model)
+            blobs = {ADAPTER_WEIGHTS: files.read(ADAPTER_WEIGHTS)}
     tensors, _ = _load_tensors(blobs[ADAPTER_WEIGHTS], ADAPTER_WEIGHTS, shown)
     weights = _weights_from_peft(tensors, shown)
     for name, (a, _b) in weights.items():
         if a.shape[0] != rank:
             raise CheckpointError(f"checkpoint {shown!r}: {name} has rank {a.shape[0]}, the config says {rank}",
                                   path=shown)
-    if has_manifest and sorted(weights) != sorted(meta.get("targets", [])):
+    if has_manifest and sorted(weights) != sorted(meta["targets"]):
         raise CheckpointError(f"checkpoint {shown!r}: the weights do not match the targets in {MANIFEST}", path=shown)
-    adam = None
-    if OPTIMIZER in blobs:
-        moments, header = _load_tensors(blobs[OPTIMIZER], OPTIMIZER, shown)
-        try:
-            step = int(header["step"])
-        except (KeyError, ValueError):
-            raise CheckpointError(f"checkpoint {shown!r}: {OPTIMIZER} has no step count", path=shown) from None
-        adam = AdamState(step=step)
-        for which, table in (("exp_avg", adam.exp_avg), ("exp_avg_sq", adam.exp_avg_sq)):
-            for name, (a, b) in weights.items():
-                ka, kb = f"{which}.{name}.lora_A", f"{which}.{name}.lora_B"
-                if ka not in moments and kb not in moments and step == 0:
-                    continue
-                ma, mb = moments.get(ka), moments.get(kb)
-                if ma is None or mb is None or ma.shape != a.shape or mb.shape != b.shape:
-                    raise CheckpointError(f"checkpoint {shown!r}: the optimizer state of {name} is missing or has "
-                                          f"the wrong shape", path=shown)
-                table[name] = (ma, mb)
+    adam = _read_optimizer(blobs[OPTIMIZER], weights, shown) if OPTIMIZER in blobs else None
+    if adam is not None and kind == "state" and meta.get("step", adam.step) != adam.step:
+        raise CheckpointError(f"checkpoint {shown!r} is invalid: {MANIFEST} says step {meta['step']}, "
+                              f"{OPTIMIZER} says {adam.step}", path=shown)
     if require_optimizer and adam is None:
         what = "a sampler checkpoint (weights only)" if kind == "sampler" else "a weights-only adapter"
         raise CheckpointError(f"{shown!r} is {what}: it has no optimizer state to continue; use load_state() "
                               f"for the weights alone, or a path from save_state()", path=shown)
-    return LoadedCheckpoint(path=str(directory), kind=str(kind), base_model=base_model, rank=rank, alpha=alpha,
+    return LoadedCheckpoint(path=str(directory), kind=kind, base_model=base_model, rank=rank, alpha=alpha,
                             seed=seed, weights=weights, adam=adam, meta=meta)
 
 

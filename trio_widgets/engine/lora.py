@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from dataclasses import dataclass, field
 
@@ -46,6 +47,16 @@ def _scratch_vectors(like: torch.Tensor, count: int) -> list[torch.Tensor]:
     return cache[key]
 
 
+def _check_args(rank: int, alpha: float, seed: int) -> None:
+    """A ValueError naming the argument, not a ZeroDivisionError or a bare overflow later."""
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+        raise ValueError(f"LoRA rank must be an integer of at least 1, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha < math.inf:
+        raise ValueError(f"LoRA alpha must be a finite number above 0, got {alpha!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2 ** 63 <= seed < 2 ** 64:
+        raise ValueError(f"seed must be an integer from -2**63 to 2**64 - 1 (what torch takes), got {seed!r}")
+
+
 class LoRAAdapter:
     """A, B per wrapped linear: A [rank, in] from `seed` (PEFT's kaiming-uniform), B [out, rank] zero.
 
@@ -56,6 +67,7 @@ class LoRAAdapter:
 
     def __init__(self, targets: dict[str, tuple[int, int]], rank: int, seed: int, device: torch.device,
                  dtype: torch.dtype = torch.float32, alpha: float = LORA_ALPHA):
+        _check_args(rank, alpha, seed)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         weights = {}
         for name in sorted(targets):
@@ -87,6 +99,7 @@ class LoRAAdapter:
     def from_weights(cls, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int, alpha: float = LORA_ALPHA,
                      seed: int = 0, device: torch.device | str = "cpu") -> LoRAAdapter:
         """A frozen adapter holding copies of `weights` (A [rank, in], B [out, rank], float32)."""
+        _check_args(rank, alpha, seed)
         adapter = cls.__new__(cls)
         adapter._init(weights, rank, alpha, seed, device, torch.float32)
         return adapter
@@ -196,24 +209,32 @@ class LoRAAdapter:
         }
 
     def load_state_dict(self, state: dict, with_optimizer: bool) -> None:
+        """Everything is checked and staged before the first write: a rejected state changes nothing."""
         if set(state["weights"]) != set(self.weights):
             raise ValueError("checkpoint adapter targets do not match this client's LoRA targets")
-        with torch.no_grad():
-            for name, (a, b) in self.weights.items():
-                src_a, src_b = state["weights"][name]
-                if src_a.shape != a.shape or src_b.shape != b.shape:
-                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(src_a.shape)}, "
-                                     f"expected {tuple(a.shape)}")
-            for name, (a, b) in self.weights.items():
-                a.copy_(state["weights"][name][0])
-                b.copy_(state["weights"][name][1])
+        for name, (a, b) in self.weights.items():
+            src_a, src_b = state["weights"][name]
+            if src_a.shape != a.shape or src_b.shape != b.shape:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(src_a.shape)}, "
+                                 f"expected {tuple(a.shape)}")
         device = self.flat.device
+        adam = AdamState()
         if with_optimizer:
-            self.adam = AdamState(
-                step=int(state["adam_step"]),
+            step = state["adam_step"]
+            if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+                raise ValueError(f"the optimizer step must be a non-negative integer, got {step!r}")
+            adam = AdamState(
+                step=int(step),
                 exp_avg={n: tuple(t.to(device) for t in p) for n, p in state["exp_avg"].items()},
                 exp_avg_sq={n: tuple(t.to(device) for t in p) for n, p in state["exp_avg_sq"].items()},
             )
-        else:
-            self.adam = AdamState()
+            for table in (adam.exp_avg, adam.exp_avg_sq):
+                for name, pair in table.items():
+                    if name not in self.weights or any(m.shape != w.shape for m, w in zip(pair, self.weights[name])):
+                        raise ValueError(f"checkpoint optimizer state of {name} does not fit this adapter")
+        with torch.no_grad():
+            for name, (a, b) in self.weights.items():
+                a.copy_(state["weights"][name][0])
+                b.copy_(state["weights"][name][1])
+        self.adam = adam
         self._grad = None
