@@ -18,6 +18,7 @@ from .errors import (
     CheckpointNotFoundError,
     ClientClosedError,
     ConflictError,
+    ExperimentalWarning,
     InternalServerError,
     InvalidInputError,
     NotFoundError,
@@ -35,6 +36,7 @@ from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
 from . import types
 from .types import (
+    AdamOptimizerConfig,
     AdamParams,
     AdapterSnapshot,
     Datum,
@@ -47,6 +49,7 @@ from .types import (
     ModelID,
     ModelInput,
     ModelInputChunk,
+    OptimParams,
     OptimStepResponse,
     SampledSequence,
     SampleResponse,
@@ -64,6 +67,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_MODEL",
     "APIFuture",
+    "AdamOptimizerConfig",
     "AdamParams",
     "AdapterSnapshot",
     "CheckpointError",
@@ -81,6 +85,7 @@ __all__ = [
     "ModelID",
     "ModelInput",
     "ModelInputChunk",
+    "OptimParams",
     "OptimStepResponse",
     "PoolClosedError",
     "RequestFailedError",
@@ -108,6 +113,7 @@ __all__ = [
     "BadRequestError",
     "BillingError",
     "ConflictError",
+    "ExperimentalWarning",
     "InternalServerError",
     "NotFoundError",
     "PermissionDeniedError",

@@ -51,6 +51,7 @@ __all__ = [
     "TinkerError",
     "UnprocessableEntityError",
     # pytrio's names
+    "ExperimentalWarning",
     "EventError",
     "EventFailedError",
     "PyTrioError",
@@ -146,6 +147,11 @@ class RateLimitError(APIStatusError):
 
 class InternalServerError(APIStatusError):
     status_code = 500
+
+
+class ExperimentalWarning(FutureWarning):
+    """tinker: calling an API that may change without notice. Never emitted here; it exists
+    so that `warnings.filterwarnings(..., category=ExperimentalWarning)` keeps working."""
 
 
 class RequestErrorCategory(str, Enum):

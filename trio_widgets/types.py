@@ -19,8 +19,11 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, RequestErrorCategory
+from .futures import APIFuture
 
 __all__ = [
+    "APIFuture",
+    "AdamOptimizerConfig",
     "AdamParams",
     "AdapterSnapshot",
     "Datum",
@@ -32,12 +35,14 @@ __all__ = [
     "ImageAssetPointerChunk",
     "ImageChunk",
     "LoadWeightsResponse",
+    "LossFnOutput",
     "LossFnType",
     "ModelData",
     "ModelID",
     "ModelInput",
     "ModelInputChunk",
     "ModelOperationCapabilities",
+    "OptimParams",
     "OptimStepResponse",
     "RequestErrorCategory",
     "SampledSequence",
@@ -392,6 +397,17 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+# tinker's union of per-step optimizer parameters: AdamW is the only optimizer here.
+OptimParams = AdamParams
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """tinker: the optimizer a training client is created with; AdamW (the only one here)."""
+
+    type: Literal["adamw"] = "adamw"
+
+
 @dataclass
 class SamplingParams:
     """How `SamplingClient.sample` generates (fields in the SDKs' order).
@@ -424,6 +440,9 @@ class ForwardBackwardOutput:
     @property
     def loss(self) -> float:
         return self.metrics.get("loss:sum", math.nan)
+
+
+LossFnOutput = dict[str, TensorData]  # pytrio: one datum's entry of `loss_fn_outputs`
 
 
 @dataclass
@@ -605,6 +624,7 @@ class GetInfoResponse:
 
     model_data: ModelData
     model_id: ModelID
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
     is_lora: bool | None = None
     lora_rank: int | None = None
     model_name: str | None = None
