@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import re
 from typing import Any, Callable, Iterable
 
 _EMPTY = inspect.Parameter.empty
@@ -52,10 +53,28 @@ def _pydantic_hooks(cls: type) -> set[str]:
     return names
 
 
+_SELF_ATTR = re.compile(r"^\s*self\.([a-z]\w*)\s*(?::[^=]+)?=[^=]", re.M)
+
+
+def _init_attributes(cls: type) -> set[str]:
+    """Public instance attributes an `__init__` written in Python assigns (`self.x = ...`):
+    clients keep e.g. `model_id` there, not on the class."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass.__module__ == "builtins" or klass.__module__.startswith("pydantic"):
+            continue
+        try:
+            names |= set(_SELF_ATTR.findall(inspect.getsource(init)))
+        except (OSError, TypeError):
+            pass
+    return names
+
+
 def public_members(cls: type) -> dict[str, str]:
     """Public name -> "field" | "property" | "method" | "classmethod" | "staticmethod",
     as declared by `cls` or a base class that is not a plain builtin (or pydantic itself)."""
-    out = {name: "field" for name in _field_names(cls) if not name.startswith("_")}
+    out = {name: "field" for name in _field_names(cls) | _init_attributes(cls) if not name.startswith("_")}
     hooks = _pydantic_hooks(cls)
     for klass in reversed([k for k in cls.__mro__ if k.__module__ not in ("builtins", "abc", "typing")
                            and not k.__module__.startswith("pydantic")]):
@@ -72,6 +91,8 @@ def public_members(cls: type) -> dict[str, str]:
                 out[name] = "classmethod"
             elif callable(value):
                 out[name] = "method"
+            elif not name.startswith("_"):
+                out.setdefault(name, "field")  # a class-level attribute or default
     return out
 
 

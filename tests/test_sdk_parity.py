@@ -256,6 +256,24 @@ PENDING_CLIENT_CHANGES: dict[str, str] = {
     "tinker:SamplingClient.from_sampler_handle": _NOT_LOCAL + "samplers cannot move to another process here",
     "tinker:SamplingClient.get_telemetry": _NOT_LOCAL + "tinker's own telemetry",
     "tinker:SamplingClient.on_queue_state_change": _NOT_LOCAL + "tinker's server queue-state callback",
+    # attributes
+    "tinker:TrainingClient.model_id": "implement: the run's id (tinker: '<session>:train:<n>'; here the client id); "
+                                      "pytrio's model_id is the base model's id: see pytrio:TrainingClient.model_id",
+    "pytrio:TrainingClient.model_id": "decide: pytrio's model_id is the base model's canonical id, tinker's the run's; "
+                                      "one attribute cannot be both: suggest tinker's, and document the difference",
+    "pytrio:TrainingClient.training_run_cuid": "implement: the run's id (the client id)",
+    "pytrio:TrainingClient.model_alias": "implement: the base model's name as given",
+    "pytrio:TrainingClient.lora": "implement: rank, seed, train_mlp, train_attn, train_unembed of the run "
+                                  "(pytrio's LoraRunSpec)",
+    "pytrio:SamplingClient.model_id": "implement: the base model's id",
+    "pytrio:SamplingClient.sampling_run_cuid": "implement: the sampler's id (the client id)",
+    "tinker:TrainingClient.holder": _NOT_LOCAL + "tinker's internal connection holder",
+    "tinker:SamplingClient.holder": _NOT_LOCAL + "tinker's internal connection holder",
+    "tinker:SamplingClient.feature_gates": _NOT_LOCAL + "tinker's server feature flags",
+    "tinker:SamplingClient.retry_handler": _NOT_LOCAL + "no retries locally",
+    **{f"pytrio:ServiceClient.{name}": _NOT_LOCAL + "the hosted account's identity (or local placeholders)"
+       for name in ("display_name", "service_session_cuid", "user_cuid", "user_id", "user_info", "username",
+                    "workspace_cuid", "workspace_name")},
     # RestClient and its types
     "tinker:RestClient": _REST,
     "pytrio:RestClient": _REST,
