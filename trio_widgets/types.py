@@ -138,7 +138,7 @@ class TensorData:
 
     data: list
     dtype: TensorDtype
-    shape: list[int] | None
+    shape: list[int]
 
     def __init__(self, data: Any = None, dtype: TensorDtype | None = None, shape: Sequence[int] | None = None):
         array, self.dtype = _cast(_as_array(data), dtype)
@@ -161,15 +161,12 @@ class TensorData:
         return cls(tensor)
 
     @classmethod
-    def from_any(cls, value: Any, dtype: TensorDtype | None = None) -> "TensorData":
+    def from_any(cls, value: Any) -> "TensorData":
         """Lists, numpy arrays, torch tensors and TensorData all become TensorData."""
-        if isinstance(value, TensorData) and dtype in (None, value.dtype):
-            return value
-        return cls(value, dtype)
+        return value if isinstance(value, TensorData) else cls(value)
 
     def to_numpy(self) -> np.ndarray:
-        array = np.asarray(self.data, dtype=_NUMPY_DTYPES[self.dtype])
-        return array.reshape(self.shape) if self.shape is not None else array
+        return np.asarray(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
         return torch.from_numpy(self.to_numpy())
