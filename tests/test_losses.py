@@ -28,6 +28,8 @@ def rl_batch(seed: int, n: int = 2) -> list[trio.Datum]:
             # sampler logprobs near the model's (about -5.5 for an untrained byte model)
             "logprobs": np.array([-5.55 + rng.uniform(-0.4, 0.4) for _ in range(size)], dtype=np.float32),
             "advantages": torch.tensor([rng.uniform(-1, 1) for _ in range(size)]),
+            # gspo's ratio runs over the sampled tokens: the first third stands for the prompt
+            "sequence_ratio_mask": [0] * (size // 3) + [1] * (size - size // 3),
         }))
     return out
 
@@ -51,17 +53,36 @@ def reference_loss(name: str, logp, d: dict, config: dict):
     if name == "dro":
         beta = config.get("beta", 0.05)
         return (-(logp * adv - 0.5 * beta * (logp - target_q) ** 2)).sum()
+    if name == "gspo":  # GSPO-token: sg[s] * p / sg[p], s the geometric-mean ratio over the mask
+        marked = d["sequence_ratio_mask"] != 0
+        if lib is torch:
+            s = torch.exp((logp.detach() - target_q)[marked].mean())
+            ratio = s * torch.exp(logp - logp.detach())
+            clip = torch.clamp(ratio, lo, hi)
+        else:
+            ratio = np.full_like(logp, np.exp(np.mean((logp - target_q)[marked])))
+            clip = np.clip(ratio, lo, hi)
+        return (-lib.minimum(ratio * adv, clip * adv)).sum()
     raise AssertionError(name)
 
 
 CONFIG = tiny_config()
 
 
-def loss_magnitude(logp: np.ndarray, d: dict) -> float:
-    """Σ over tokens of |logp|·|∂loss/∂logp|, bounded for all five losses: a rounding error
-    of relative size e in each logp moves the loss by at most e times this. (∂/∂logp is w for
-    cross_entropy; ratio·adv for importance_sampling and ppo; clip·adv for cispo;
-    adv + beta·|logp − q| for dro; ratio ≤ e^|logp − q|, clip ≤ 1.2.)"""
+def loss_magnitude(logp: np.ndarray, d: dict, loss_fn: str) -> float:
+    """Σ over tokens of |logp|·|∂loss/∂logp|, bounded for all five token-wise losses: a rounding
+    error of relative size e in each logp moves the loss by at most e times this. (∂/∂logp is w
+    for cross_entropy; ratio·adv for importance_sampling and ppo; clip·adv for cispo;
+    adv + beta·|logp − q| for dro; ratio ≤ e^|logp − q|, clip ≤ 1.2.)
+
+    gspo couples the tokens: its value -Σ_t min(s·A_t, clip(s)·A_t) depends on each marked
+    logp_u only through s = exp(mean_M(logp − q)), so ∂loss/∂logp_u ≤ s·Σ|A|/|M| and the sum is
+    at most s·Σ|A|·max_M|logp|; each of its terms is at most (s + 1.2)·|A_t|, and
+    s ≤ exp(mean_M |logp − q|)."""
+    if loss_fn == "gspo":
+        marked = d["sequence_ratio_mask"] != 0
+        s = np.exp(np.mean(np.abs(logp - d["logprobs"])[marked]))
+        return float((1.2 + s) * np.sum(np.abs(d["advantages"])) * (1.0 + np.max(np.abs(logp[marked]))))
     ratio = np.exp(np.abs(logp - d["logprobs"])) if "logprobs" in d else 1.0
     w = np.abs(d.get("weights", 0.0)) + np.abs(d.get("advantages", 0.0)) * (1.2 + ratio) + 0.3 * np.abs(logp)
     return float(np.sum(np.abs(logp) * w))
@@ -69,7 +90,8 @@ def loss_magnitude(logp: np.ndarray, d: dict) -> float:
 
 CASES = [("cross_entropy", None), ("importance_sampling", None), ("ppo", None),
          ("ppo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.02}), ("cispo", None),
-         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", None), ("dro", {"beta": 0.3})]
+         ("cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}), ("dro", None), ("dro", {"beta": 0.3}),
+         ("gspo", None), ("gspo", {"clip_low_threshold": 0.99, "clip_high_threshold": 1.01})]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +132,7 @@ def test_loss_value_and_gradient(models, loss_fn, config):
         n = datum.model_input.length
         assert_fp32_close(outputs["logprobs"].to_numpy(), logp.detach().numpy(), model_terms(CONFIG, n),
                           f"{loss_fn} logprobs")
-        magnitude = loss_magnitude(logp.detach().double().numpy(), np_inputs)
+        magnitude = loss_magnitude(logp.detach().double().numpy(), np_inputs, loss_fn)
         total_magnitude += magnitude
         assert_fp32_close(float(outputs["elementwise_loss"].to_numpy().sum()), float(np_loss),
                           model_terms(CONFIG, n) + n, f"{loss_fn} loss of one datum", magnitude=magnitude)
@@ -154,3 +176,39 @@ def test_forward_has_no_side_effects(pool):
     tc = trio.ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7)
     out = tc.forward(rl_batch(4), "cross_entropy").result(timeout=60)
     assert out.metrics["loss:sum"] > 0 and tc.inspect_adapter().result(timeout=60).grad is None
+
+
+def test_gspo_sequence_ratio_properties():
+    """Properties that follow from the GSPO-token definition alone: on-policy (q = logp) the
+    ratio is 1, so the gradient is -A as for importance sampling; the sampler logprobs of
+    tokens outside the mask do not matter; an empty mask is refused before a cycle."""
+    from trio_widgets.engine.losses import LOSSES, check_loss_inputs, resolved_config
+
+    config = resolved_config("gspo", None)
+    logp = torch.tensor([-2.0, -1.0, -3.0, -0.5], requires_grad=True)
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.25])
+    mask = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    inputs = {"logprobs": logp.detach().clone(), "advantages": adv, "sequence_ratio_mask": mask}
+    LOSSES["gspo"](logp, inputs, config).sum().backward()
+    assert torch.equal(logp.grad, -adv)
+    moved = dict(inputs, logprobs=inputs["logprobs"] + torch.tensor([5.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(LOSSES["gspo"](logp, moved, config), LOSSES["gspo"](logp, inputs, config))
+    check_loss_inputs("gspo", inputs)
+    with pytest.raises(ValueError, match=r"sequence_ratio_mask'\] marks no token"):
+        check_loss_inputs("gspo", dict(inputs, sequence_ratio_mask=torch.zeros(4)))
+    assert torch.isnan(LOSSES["gspo"](logp, dict(inputs, sequence_ratio_mask=torch.zeros(4)), config)).all()
+
+
+def test_loss_names_fold_case_and_hosted_only_losses_are_refused_with_the_reason():
+    from trio_widgets.engine.losses import normalise_loss_name
+
+    assert [normalise_loss_name(n) for n in (" PPO ", "Cross_Entropy", "gspo", "DRO")] == \
+        ["ppo", "cross_entropy", "gspo", "dro"]
+    with pytest.raises(ValueError, match="objective is not published"):
+        normalise_loss_name("stable_reinforce")
+    with pytest.raises(ValueError, match="forward_backward_custom"):
+        normalise_loss_name("custom")
+    with pytest.raises(ValueError, match=r"unknown loss_fn 'mse'; choose one of cross_entropy, .*gspo"):
+        normalise_loss_name("mse")
+    with pytest.raises(ValueError, match="must be a string"):
+        normalise_loss_name(None)

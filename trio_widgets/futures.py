@@ -2,19 +2,47 @@
 
 Backed by a `concurrent.futures.Future` that the backend resolves, so it can be waited on
 from any thread and awaited on any event loop (`asyncio.wrap_future` hops threads safely).
+
+It has the union of both hosted SDKs' surfaces: tinker's `result_async()`, `future()`,
+`coroutine()` and pytrio's `done()`, `exception()`, `cancel()`, `map()`,
+`APIFuture.completed()`. Cancelling, by any route (`cancel()`, `future().cancel()`, or a
+cancelled `await`, which asyncio forwards to the Future), asks the pool: a request still
+queued is withdrawn; one already taken into a cycle runs to the end, so it is not cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
 
-__all__ = ["APIFuture"]
+__all__ = ["APIFuture", "PoolFuture"]
+
+
+class PoolFuture(concurrent.futures.Future):
+    """A Future whose cancel() first asks whoever runs the operation (`ask()`: True if it
+    withdrew the request).
+
+    A plain Future would report "cancelled" while the pool still runs the request (and,
+    for optim_step, still changes the weights), so the state must come from the pool.
+    `ask` must not hold the pool: a future the user keeps may outlive it.
+    """
+
+    def __init__(self, ask: Callable[[], bool] | None = None) -> None:
+        super().__init__()
+        self._ask = ask
+
+    def cancel(self) -> bool:
+        if self.done():
+            return self.cancelled()
+        if self._ask is None or not self._ask():
+            return False
+        return super().cancel()
 
 
 class _Scheduled(Protocol):
@@ -33,25 +61,31 @@ class APIFuture(Generic[T]):
     `cycle` is the index of the cycle the request ran in (None until it is taken).
     """
 
-    def __init__(self, future: concurrent.futures.Future, *, request_id: int, op: str,
-                 scheduled: _Scheduled | None = None, canceller: Callable[[], bool] | None = None):
+    def __init__(self, future: concurrent.futures.Future, *, request_id: int | None, op: str,
+                 scheduled: _Scheduled | None = None):
         self.request_id = request_id
         self.op = op
         self._future = future
         self._scheduled = scheduled if scheduled is not None else _NotScheduled()
-        # Must not hold the pool: a future the user keeps may outlive it (the pool passes a
-        # closure over a weak reference).
-        self._canceller = canceller
 
     @property
     def cycle(self) -> int | None:
         return self._scheduled.cycle
+
+    @staticmethod
+    def completed(value: U) -> APIFuture[U]:
+        """pytrio: a future that already holds `value`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(value)
+        return APIFuture(future, request_id=None, op="completed")
 
     # -- waiting ---------------------------------------------------------------
     def result(self, timeout: float | None = None) -> T:
         return self._future.result(timeout)
 
     async def result_async(self, timeout: float | None = None) -> T:
+        """tinker: await the result; on timeout (TimeoutError) the request is cancelled if
+        it is still queued, as tinker cancels it."""
         waiter = asyncio.wrap_future(self._future)
         if timeout is None:
             return await waiter
@@ -59,6 +93,15 @@ class APIFuture(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
+
+    async def coroutine(self) -> T:
+        """tinker: this future as a coroutine, for APIs that want one (`asyncio.create_task`)."""
+        return await self
+
+    def future(self) -> concurrent.futures.Future:
+        """tinker: the `concurrent.futures.Future` for `wait` / `as_completed` / libraries.
+        Cancelling it cancels the request, on the same terms as `cancel()`."""
+        return self._future
 
     # -- state -----------------------------------------------------------------
     def done(self) -> bool:
@@ -69,10 +112,6 @@ class APIFuture(Generic[T]):
 
     def cancel(self) -> bool:
         """Cancel a request that is still queued; one already in a cycle cannot be."""
-        if self._future.done() or self._canceller is None:
-            return False
-        if not self._canceller():
-            return False
         return self._future.cancel()
 
     def cancelled(self) -> bool:
@@ -82,26 +121,33 @@ class APIFuture(Generic[T]):
         """`fn(self)` once the result is in; it runs on the thread that delivers it (keep it short)."""
         self._future.add_done_callback(lambda _f: fn(self))
 
-    def map(self, fn: Callable[[T], U]) -> APIFuture[U]:
-        """A future of `fn(result)`, for the same request (same id, op and cycle)."""
-        mapped: concurrent.futures.Future = concurrent.futures.Future()
+    def map(self, transform: Callable[[T], U]) -> APIFuture[U]:
+        """pytrio: a future of `transform(result)`, for the same request (same id, op and cycle).
+        An exception or cancellation of this future passes through, an exception from
+        `transform` becomes the mapped future's, and cancelling the mapped future cancels this
+        one (if it is still queued). `transform` runs on the thread that completes this future
+        (the pool's clock thread): keep it cheap."""
+        source_ref = weakref.ref(self._future)  # as pytrio: the mapped one does not keep the source alive
+        target = PoolFuture(lambda: (s := source_ref()) is not None and s.cancel())
 
-        def chain(done: concurrent.futures.Future) -> None:
-            if done.cancelled():
-                mapped.cancel()
-                return
-            error = done.exception()
-            if error is not None:
-                mapped.set_exception(error)
+        def resolve(source: concurrent.futures.Future) -> None:
+            if source.cancelled():
+                concurrent.futures.Future.cancel(target)  # the base method: no round trip
                 return
             try:
-                mapped.set_result(fn(done.result()))
-            except Exception as exc:  # a failing conversion fails the mapped future, not the caller
-                mapped.set_exception(exc)
+                error = source.exception()
+                value = transform(source.result()) if error is None else None
+            except BaseException as exc:  # a Future carries whatever the transform raised
+                error = exc
+            if target.done():
+                return
+            if error is not None:
+                target.set_exception(error)
+            else:
+                target.set_result(value)
 
-        self._future.add_done_callback(chain)
-        return APIFuture(mapped, request_id=self.request_id, op=self.op, scheduled=self._scheduled,
-                         canceller=self._canceller)
+        self._future.add_done_callback(resolve)
+        return APIFuture(target, request_id=self.request_id, op=self.op, scheduled=self._scheduled)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

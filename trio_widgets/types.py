@@ -1,98 +1,186 @@
 """Data types of the client API, shaped like Tinker's / PyTRIO's so code moves by one import.
 
-Plain dataclasses (no pydantic): they are built in the user's hot loop.
+Plain dataclasses (no pydantic): they are built in the user's hot loop. Where the two SDKs
+name or shape a type differently, ours answers to both (pytrio's `SampleSequence` is
+`SampledSequence`, both `tokens` and tinker's `tokens_np`, ...); what is left over is
+listed, with the reason, in tests/test_sdk_parity.py.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 import numpy as np
 import torch
 
-from ._numbers import is_int
+from .errors import InvalidInputError, RequestErrorCategory
+from .futures import APIFuture
 
 __all__ = [
+    "APIFuture",
+    "AdamOptimizerConfig",
     "AdamParams",
     "AdapterSnapshot",
     "Datum",
+    "DmelChunk",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
+    "GetInfoResponse",
+    "GetServerCapabilitiesResponse",
+    "ImageAssetPointerChunk",
+    "ImageChunk",
     "LoadWeightsResponse",
+    "LossFnOutput",
     "LossFnType",
+    "ModelData",
+    "ModelID",
     "ModelInput",
+    "ModelInputChunk",
+    "ModelOperationCapabilities",
+    "OptimParams",
     "OptimStepResponse",
+    "RequestErrorCategory",
     "SampledSequence",
     "SampleResponse",
+    "SampleSequence",
     "SamplingParams",
     "SaveWeightsForSamplerResponse",
     "SaveWeightsResponse",
+    "StopReason",
+    "SupportedModel",
     "TensorData",
+    "TensorDtype",
+    "TopkLogprobs",
+    "check_text_only",
+    "finish_sample_response",
+    "first_non_text_chunk",
 ]
 
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+# tinker also has "stable_reinforce" (its objective is not published: see engine/losses.py)
+# and "custom" (server-side loss handles).
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
+TensorDtype = Literal["int64", "float32"]
+StopReason = Literal["stop", "length"]
+ModelID = str
 
-_DTYPES = {"int64": np.int64, "float32": np.float32}
+_NUMPY_DTYPES = {"int64": np.int64, "float32": np.float32}
+
+# tinker's Datum types list inputs by key (types/datum.py `_KEY_TO_TYPE`): integer weights
+# are still weights. Other keys take their dtype from the values, as pytrio does.
+LOSS_INPUT_DTYPES: dict[str, TensorDtype] = {
+    "target_tokens": "int64",
+    "weights": "float32",
+    "advantages": "float32",
+    "logprobs": "float32",
+    "clip_low_threshold": "float32",
+    "clip_high_threshold": "float32",
+    "sequence_ratio_mask": "float32",
+}
 
 
-@dataclass
+# -- tensors ---------------------------------------------------------------------------
+
+def _as_array(value: Any) -> np.ndarray:
+    """Any numeric list (nested: rectangular), numpy array, torch tensor or TensorData."""
+    if isinstance(value, TensorData):
+        return value.to_numpy()
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        if value.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16
+            value = value.float()
+        return value.numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    if value is None:
+        return np.empty(0, dtype=np.float32)
+    if isinstance(value, (str, bytes, dict)):
+        raise TypeError(f"expected numbers (a list, numpy array, torch tensor or TensorData), "
+                        f"got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except ValueError:  # numpy refuses ragged nesting
+        raise ValueError("must be a rectangular numeric array; ragged nested lists are not supported") from None
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"expected numbers, got values of type {array.dtype}")
+    return array
+
+
+def _cast(array: np.ndarray, dtype: TensorDtype | None) -> tuple[np.ndarray, TensorDtype]:
+    """`dtype` None infers it (floats: float32; integers, booleans: int64). Floats become
+    int64 only when every value is an integer: truncating 1.5 to 1 would be a silent bug."""
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"unsupported dtype {array.dtype}")
+    if dtype is None:
+        dtype = "float32" if array.dtype.kind == "f" else "int64"
+    if dtype not in _NUMPY_DTYPES:
+        raise ValueError(f"dtype must be 'int64' or 'float32', got {dtype!r}")
+    if dtype == "int64" and array.dtype.kind == "f":
+        bad = np.flatnonzero(~np.isfinite(array) | (array != np.round(array)))
+        if bad.size:
+            raise ValueError(f"expected integers (int64), got {float(array.reshape(-1)[bad[0]])!r} at flat "
+                             f"position {int(bad[0])}")
+    return array.astype(_NUMPY_DTYPES[dtype], copy=False), dtype
+
+
+@dataclass(init=False)
 class TensorData:
-    """A flat-or-shaped numeric array that crosses the client boundary as a list."""
+    """A flat-or-shaped numeric array that crosses the client boundary as a list.
+
+    `TensorData(data=[...])` infers `dtype` (tinker requires it, pytrio infers it from
+    lists); a given `dtype` is applied, except that floats are refused as int64 unless
+    they are whole numbers. `shape` defaults to the data's own shape; `data` is flat.
+    """
 
     data: list
-    dtype: Literal["int64", "float32"]
-    shape: list[int] | None = None
+    dtype: TensorDtype
+    shape: list[int]
+
+    def __init__(self, data: Any = None, dtype: TensorDtype | None = None, shape: Sequence[int] | None = None):
+        array, self.dtype = _cast(_as_array(data), dtype)
+        if shape is not None:
+            shape = [int(d) for d in shape]
+            if any(d < 0 for d in shape) or math.prod(shape) != array.size:
+                raise ValueError(f"shape {shape} does not fit {array.size} values")
+        self.shape = list(array.shape) if shape is None else shape
+        self.data = array.reshape(-1).tolist()
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
         array = np.asarray(array)
-        dtype: Literal["int64", "float32"]
-        if array.dtype.kind in "iub":
-            dtype = "int64"
-        elif array.dtype.kind == "f":
-            dtype = "float32"
-        else:
+        if array.dtype.kind not in "biuf":
             raise TypeError(f"TensorData: unsupported numpy dtype {array.dtype}")
-        return cls(data=array.reshape(-1).tolist(), dtype=dtype, shape=list(array.shape))
+        return cls(array)
 
     @classmethod
     def from_torch(cls, tensor: torch.Tensor) -> TensorData:
-        return cls.from_numpy(tensor.detach().cpu().numpy())
+        return cls(tensor)
 
     @classmethod
     def from_any(cls, value: Any) -> TensorData:
         """Lists, numpy arrays, torch tensors and TensorData all become TensorData."""
-        if isinstance(value, TensorData):
-            return value
-        if isinstance(value, torch.Tensor):
-            return cls.from_torch(value)
-        if isinstance(value, np.ndarray):
-            return cls.from_numpy(value)
-        if isinstance(value, (list, tuple)):
-            flat = list(value)
-            if all(is_int(v) for v in flat):
-                return cls(data=[int(v) for v in flat], dtype="int64", shape=[len(flat)])
-            return cls(data=[float(v) for v in flat], dtype="float32", shape=[len(flat)])
-        raise TypeError(
-            f"expected a list, numpy array, torch tensor or TensorData, got {type(value).__name__}"
-        )
+        return value if isinstance(value, TensorData) else cls(value)
 
     def to_numpy(self) -> np.ndarray:
-        array = np.asarray(self.data, dtype=_DTYPES[self.dtype])
-        return array.reshape(self.shape) if self.shape is not None else array
+        return np.asarray(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
         return torch.from_numpy(self.to_numpy())
 
     def tolist(self) -> list:
+        """Nested like `shape` (tinker); for the usual 1-D data, the flat list (pytrio)."""
         return self.to_numpy().tolist()
 
     def __len__(self) -> int:
         return len(self.data)
 
+
+# -- model input -------------------------------------------------------------------------
 
 @dataclass
 class EncodedTextChunk:
@@ -103,10 +191,100 @@ class EncodedTextChunk:
     def length(self) -> int:
         return len(self.tokens)
 
+    def to_ints(self) -> list[int]:
+        return list(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def _image_bytes(data: Any, where: str) -> bytes:
+    if isinstance(data, str):  # both SDKs take base64 text (their JSON form)
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidInputError("a str must be standard base64", field=where) from None
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"expected bytes (or base64 text), got {type(data).__name__}", field=where)
+    if not data:
+        raise InvalidInputError("is empty", field=where)
+    return bytes(data)
+
+
+def _check_image_fields(kind: str, fmt: Any, expected_tokens: Any) -> None:
+    if fmt not in ("png", "jpeg"):
+        raise InvalidInputError(f"must be 'png' or 'jpeg', got {fmt!r}", field=f"{kind}.format")
+    if expected_tokens is not None and (isinstance(expected_tokens, bool) or not isinstance(expected_tokens, int)
+                                        or expected_tokens <= 0):
+        raise InvalidInputError(f"must be None or an integer > 0, got {expected_tokens!r}",
+                                field=f"{kind}.expected_tokens")
+
+
+def _image_length(kind: str, expected_tokens: int | None) -> int:
+    if expected_tokens is None:
+        raise ValueError(f"{kind} expected_tokens needs to be set in order to compute the length")
+    return expected_tokens
+
+
+@dataclass
+class ImageChunk:
+    """An image in a prompt. Accepted so that multimodal code builds its inputs; the local
+    base models read text only, so a request containing one is rejected at submit
+    (`check_text_only`) with an error naming the base model."""
+
+    data: bytes
+    format: Literal["png", "jpeg"]
+    expected_tokens: int | None = None
+    type: Literal["image"] = "image"
+
+    def __post_init__(self) -> None:
+        self.data = _image_bytes(self.data, "ImageChunk.data")
+        _check_image_fields("ImageChunk", self.format, self.expected_tokens)
+
+    @property
+    def length(self) -> int:
+        return _image_length("ImageChunk", self.expected_tokens)
+
+
+@dataclass
+class ImageAssetPointerChunk:
+    """tinker: an image by path or URL. Accepted and rejected at submit, as ImageChunk."""
+
+    format: Literal["png", "jpeg"]
+    location: str
+    expected_tokens: int | None = None
+    type: Literal["image_asset_pointer"] = "image_asset_pointer"
+
+    def __post_init__(self) -> None:
+        _check_image_fields("ImageAssetPointerChunk", self.format, self.expected_tokens)
+
+    @property
+    def length(self) -> int:
+        return _image_length("ImageAssetPointerChunk", self.expected_tokens)
+
+
+@dataclass
+class DmelChunk:
+    """tinker: serialized DMel (audio) model tokens. Accepted and rejected at submit."""
+
+    dmel: bytes
+    type: Literal["dmel"] = "dmel"
+
+    def __post_init__(self) -> None:
+        self.dmel = _image_bytes(self.dmel, "DmelChunk.dmel")
+
+    @property
+    def length(self) -> int:
+        # Its length lives inside tinker's tensor container format, which nothing here reads.
+        raise ValueError("the length of a DmelChunk is unknown to the local pool (text-only models)")
+
+
+ModelInputChunk = Union[EncodedTextChunk, ImageChunk, ImageAssetPointerChunk, DmelChunk]
+
 
 @dataclass
 class ModelInput:
-    chunks: list[EncodedTextChunk] = field(default_factory=list)
+    chunks: list[ModelInputChunk] = field(default_factory=list)
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
@@ -117,22 +295,74 @@ class ModelInput:
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
-        return [t for chunk in self.chunks for t in chunk.tokens]
+        found = first_non_text_chunk(self)
+        if found is not None:
+            index, chunk = found
+            raise InvalidInputError(f"is {_a(type(chunk).__name__)}, which has no token ids",
+                                    field=f"model_input.chunks[{index}]")
+        return [t for chunk in self.chunks if isinstance(chunk, EncodedTextChunk) for t in chunk.tokens]
+
+    def tolist(self) -> list[int]:
+        return self.to_ints()
 
     @property
     def length(self) -> int:
         return sum(chunk.length for chunk in self.chunks)
 
-    def append_int(self, token: int) -> ModelInput:
-        return ModelInput.from_ints(self.to_ints() + [int(token)])
+    def __len__(self) -> int:
+        return self.length
 
+    @property
+    def has_images(self) -> bool:
+        return any(isinstance(c, (ImageChunk, ImageAssetPointerChunk)) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not any(not isinstance(c, EncodedTextChunk) or c.tokens for c in self.chunks)
+
+    def append(self, chunk: ModelInputChunk) -> ModelInput:
+        """A new ModelInput with `chunk` added (this one is unchanged, as in tinker)."""
+        return ModelInput(chunks=[*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk(tokens=[int(token)]))
+
+
+def _a(name: str) -> str:
+    return f"{'an' if name[0] in 'AEIOU' else 'a'} {name}"
+
+
+def first_non_text_chunk(model_input: ModelInput) -> tuple[int, Any] | None:
+    """(index, chunk) of the first chunk that is not token ids, or None if there is none."""
+    for index, chunk in enumerate(model_input.chunks):
+        if not isinstance(chunk, EncodedTextChunk):
+            return index, chunk
+    return None
+
+
+def check_text_only(model_input: ModelInput, base_model: str, field: str = "model_input",
+                    datum_index: int | None = None) -> None:
+    """Raise an InvalidInputError naming the base model and the chunk if `model_input`
+    holds an image (or any other non-text) chunk: the local base models read text only."""
+    found = first_non_text_chunk(model_input)
+    if found is None:
+        return
+    index, chunk = found
+    raise InvalidInputError(
+        f"is {_a(type(chunk).__name__)}, but {base_model} is a text-only model: it reads token ids "
+        f"(EncodedTextChunk) only", field=f"{field}.chunks[{index}]", datum_index=datum_index)
+
+
+# -- training ----------------------------------------------------------------------------
 
 @dataclass
 class Datum:
     """One training sequence and everything its loss needs.
 
     `loss_fn_inputs` values may be plain lists, numpy arrays, torch tensors or
-    TensorData; they are stored as TensorData.
+    TensorData; they are stored as TensorData in the dtype of their values, except that
+    integers under a float key (`LOSS_INPUT_DTYPES`: `weights`, `advantages`, ...) become
+    float32, as in tinker. Floats under `target_tokens` are kept, and rejected at submit.
     """
 
     model_input: ModelInput
@@ -141,7 +371,18 @@ class Datum:
     def __post_init__(self) -> None:
         if isinstance(self.model_input, (list, tuple)):
             self.model_input = ModelInput.from_ints(self.model_input)
-        self.loss_fn_inputs = {k: TensorData.from_any(v) for k, v in self.loss_fn_inputs.items()}
+        converted = {}
+        for key, value in self.loss_fn_inputs.items():
+            try:
+                td = TensorData.from_any(value)
+                if LOSS_INPUT_DTYPES.get(key) == "float32" and td.dtype != "float32":
+                    td = TensorData(td, "float32")
+            except (TypeError, ValueError) as exc:
+                raise InvalidInputError(str(exc), field=f"loss_fn_inputs[{key!r}]") from None
+            # Floats under an int64 key (target_tokens) stay floats: the submit check rejects
+            # them by datum index, where tinker would truncate 1.5 to 1 without a word.
+            converted[key] = td
+        self.loss_fn_inputs = converted
 
 
 @dataclass
@@ -154,35 +395,52 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+# tinker's union of per-step optimizer parameters: AdamW is the only optimizer here.
+OptimParams = AdamParams
+
+
+@dataclass(frozen=True)
+class AdamOptimizerConfig:
+    """tinker: the optimizer a training client is created with; AdamW (the only one here)."""
+
+    type: Literal["adamw"] = "adamw"
+
+
 @dataclass
 class SamplingParams:
-    """How `SamplingClient.sample` generates.
+    """How `SamplingClient.sample` generates (fields in the SDKs' order).
 
     `temperature` 0 is greedy; `top_k` -1 (or 0) and `top_p` 1.0 turn those filters off;
     `stop` is a string, a list of strings, or a list of token ids: generation ends right
     after the token that completes one (that token is kept in the output). The same
-    `seed` with the same prompt and model gives the same samples.
+    `seed` with the same prompt and model gives the same samples. `max_tokens` defaults
+    to 16 where both SDKs say None (tinker: the server decides; pytrio: an error).
     """
 
     max_tokens: int = 16
+    seed: int | None = None
+    stop: Union[str, Sequence[str], Sequence[int], None] = None
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
-    stop: Union[str, Sequence[str], Sequence[int], None] = None
-    seed: int | None = None
 
 
 @dataclass
 class ForwardBackwardOutput:
-    """Per-datum outputs (`logprobs`, `elementwise_loss`) and `name:reduction` metrics."""
+    """Per-datum outputs (`logprobs`, `elementwise_loss`) and `name:reduction` metrics.
+    `debug` is pytrio's field; nothing is put in it here."""
 
     loss_fn_output_type: str
     loss_fn_outputs: list[dict[str, TensorData]]
-    metrics: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+    debug: dict[str, object] = field(default_factory=dict)
 
     @property
     def loss(self) -> float:
         return self.metrics.get("loss:sum", math.nan)
+
+
+LossFnOutput = dict[str, TensorData]  # pytrio: one datum's entry of `loss_fn_outputs`
 
 
 @dataclass
@@ -190,21 +448,111 @@ class OptimStepResponse:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# -- sampling ------------------------------------------------------------------------------
+
+_TOPK_EMPTY = (0, -99999.0)  # tinker's sentinel for an empty top-k cell
+
+
+@dataclass(frozen=True)
+class TopkLogprobs:
+    """tinker: top-k (token id, logprob) per position as two `(length, k)` matrices
+    (int32 / float32); empty cells hold (0, -99999.0)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[tuple[int, float]] | None]) -> TopkLogprobs:
+        k = max((len(r) for r in rows if r), default=0)
+        ids = np.full((len(rows), k), _TOPK_EMPTY[0], dtype=np.int32)
+        lps = np.full((len(rows), k), _TOPK_EMPTY[1], dtype=np.float32)
+        for i, row in enumerate(rows):
+            for j, (tok, lp) in enumerate(row or ()):
+                ids[i, j], lps[i, j] = tok, lp
+        return cls(ids, lps)
+
+
+def _new_sequence_id() -> str:
+    return f"seq-{uuid.uuid4().hex}"
+
+
 @dataclass
 class SampledSequence:
-    """`logprobs[i]` is the model's log-probability of `tokens[i]` (at temperature 1, before
-    top-k / top-p), so it equals `compute_logprobs` of the same tokens."""
+    """One sampled continuation (pytrio calls the class `SampleSequence`).
+
+    `logprobs[i]` is the model's log-probability of `tokens[i]` (at temperature 1, before
+    top-k / top-p), so it equals `compute_logprobs` of the same tokens. `sequence_id` is
+    unique per sequence (tinker). `text` (pytrio) is the decoded continuation where the
+    base model has a tokenizer, else None: the sampler knows the tokenizer, so it fills
+    `text` through `finish_sample_response`. `topk_logprobs` is filled only when top-k
+    sample logprobs were asked for.
+    """
 
     tokens: list[int]
     logprobs: list[float]
-    stop_reason: Literal["stop", "length"]
+    stop_reason: StopReason
+    sequence_id: str = field(default_factory=_new_sequence_id)
+    text: str | None = None
+    topk_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def tokens_np(self) -> np.ndarray:
+        return np.asarray(self.tokens, dtype=np.int32)  # tinker's dtype
+
+    @property
+    def logprobs_np(self) -> np.ndarray:
+        return np.asarray(self.logprobs, dtype=np.float32)
+
+    @property
+    def topk_logprobs_np(self) -> TopkLogprobs | None:
+        return None if self.topk_logprobs is None else TopkLogprobs.from_lists(self.topk_logprobs)
+
+
+SampleSequence = SampledSequence
 
 
 @dataclass
 class SampleResponse:
+    """`prompt_logprobs` (and `topk_prompt_logprobs`) are None unless asked for; entry 0 is
+    None (the first token has no context). `input_tokens` (pytrio) is the prompt's length,
+    filled by the sampler through `finish_sample_response`; `output_tokens` counts the
+    generated tokens. There is no prefix cache to bill, so `prompt_cache_hit_tokens` is 0."""
+
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    input_tokens: int = 0
+    prompt_cache_hit_tokens: int = 0
 
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.sequences)
+
+    @property
+    def prompt_logprobs_np(self) -> np.ndarray | None:
+        """tinker: float32, NaN where there is no logprob."""
+        if self.prompt_logprobs is None:
+            return None
+        return np.asarray([math.nan if v is None else v for v in self.prompt_logprobs], dtype=np.float32)
+
+    @property
+    def topk_prompt_logprobs_np(self) -> TopkLogprobs | None:
+        return None if self.topk_prompt_logprobs is None else TopkLogprobs.from_lists(self.topk_prompt_logprobs)
+
+
+def finish_sample_response(response: SampleResponse, prompt_tokens: int,
+                           decode: Callable[[list[int]], str] | None = None) -> SampleResponse:
+    """What the sampler adds to a response: pytrio's `input_tokens` and, with a decoder
+    (the base model's tokenizer), each sequence's `text`. Returns `response`, so it can be
+    a future's `.map()`."""
+    response.input_tokens = prompt_tokens
+    if decode is not None:
+        for seq in response.sequences:
+            seq.text = decode(seq.tokens)
+    return response
+
+
+# -- checkpoints and info ---------------------------------------------------------------
 
 @dataclass
 class SaveWeightsResponse:
@@ -223,6 +571,61 @@ class SaveWeightsForSamplerResponse:
 @dataclass
 class LoadWeightsResponse:
     path: str
+
+
+@dataclass
+class ModelOperationCapabilities:
+    """pytrio: whether an operation is available on a model, and its limits (None: no limit)."""
+
+    available: bool
+    max_batch_size: int | None = None
+    max_tokens_per_request: int | None = None
+    max_seq_len: int | None = None
+
+
+@dataclass
+class SupportedModel:
+    """A model of `get_server_capabilities()`: tinker's fields (`trainable`, `sampleable`)
+    and pytrio's (`training`, `sampling`) next to the shared ones."""
+
+    model_name: str
+    max_context_length: int | None = None
+    trainable: bool | None = None
+    sampleable: bool | None = None
+    training: ModelOperationCapabilities | None = None
+    sampling: ModelOperationCapabilities | None = None
+
+
+@dataclass
+class GetServerCapabilitiesResponse:
+    supported_models: list[SupportedModel]
+
+
+@dataclass
+class ModelData:
+    """tinker's `arch` / `model_name` / `tokenizer_id`, and how the LoRA run was created."""
+
+    arch: str | None = None
+    model_name: str | None = None
+    tokenizer_id: str | None = None
+    base_model: str | None = None
+    lora_rank: int | None = None
+    train_attn: bool | None = None
+    train_mlp: bool | None = None
+    train_unembed: bool | None = None
+    seed: int | None = None
+
+
+@dataclass
+class GetInfoResponse:
+    """tinker's `TrainingClient.get_info()`: `model_id`, `model_data.model_name`, `lora_rank`..."""
+
+    model_data: ModelData
+    model_id: ModelID
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
 
 
 LoRAPair = tuple[torch.Tensor, torch.Tensor]

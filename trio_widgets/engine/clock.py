@@ -33,7 +33,7 @@ import torch
 
 from .._notebook import CellRegistry
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, RequestFailedError
-from ..futures import APIFuture
+from ..futures import APIFuture, PoolFuture
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from .lora import LoRAAdapter
@@ -360,11 +360,12 @@ class LocalPool:
         record = RequestRecord(request_id, client_id, op, queued_at=time.perf_counter(), tokens=prepared.tokens)
         if prepared.weight:
             record.metrics["weight:sum"] = prepared.weight
-        result: concurrent.futures.Future = concurrent.futures.Future()
         pool_ref = weakref.ref(self)
-        future: APIFuture = APIFuture(result, request_id=request_id, op=op, scheduled=record,
-                                      canceller=lambda: _cancel(pool_ref, request))
+        this: list[Request] = []  # the request, for the cancel path (weak to the pool, see PoolFuture)
+        result = PoolFuture(lambda: bool(this) and _cancel(pool_ref, this[0]))
+        future: APIFuture = APIFuture(result, request_id=request_id, op=op, scheduled=record)
         request = Request(request_id, client_id, op, prepared.payload, result, future, record, ready)
+        this.append(request)
         with self._clock.cond:
             self._check_open()
             queue = self._queues.get(client_id)
@@ -528,6 +529,8 @@ def _settle(request: Request, value: Any) -> None:
     """Resolve a request's future and let go of its payload (a batch, an adapter): the
     user's future may live long, and telemetry records outlive both."""
     request.payload = None
+    if isinstance(value, RequestFailedError) and not value.request_id:
+        value.request_id = str(request.request_id)  # tinker's RequestFailedError names its request
     if request.result.done():  # cancelled meanwhile
         return
     try:
