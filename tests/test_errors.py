@@ -118,9 +118,48 @@ BAD_FORWARD_BACKWARD = [
      "adam_params.learning_rate"),
     ("lr-inf", lambda tc: tc.optim_step(adam_params=trio.AdamParams(learning_rate=float("inf"))), "got inf",
      "adam_params.learning_rate"),
+    # odd types and values: each a clear error at submit (or at construction), never a raw
+    # TypeError/AttributeError, never a silently wrong result, never a failure inside the cycle
+    ("lr-bool", lambda tc: tc.optim_step(trio.AdamParams(learning_rate=True)), "got True",
+     "adam_params.learning_rate"),
+    ("eps-zero", lambda tc: tc.optim_step(trio.AdamParams(eps=0.0)), "must be a finite number > 0",
+     "adam_params.eps"),
+    ("beta-string", lambda tc: tc.optim_step(trio.AdamParams(beta1="0.9")), "must be in [0, 1)", "adam_params.beta1"),
+    ("config-not-a-dict", lambda tc: tc.forward_backward([datum(**RL)], "ppo", "abc"),
+     "must be a dict of numbers", "loss_fn_config"),
+    ("config-nan", lambda tc: tc.forward_backward([datum(**RL)], "ppo", {"clip_low_threshold": float("nan")}),
+     "must be a finite number, got nan", "loss_fn_config"),
+    ("config-huge-int", lambda tc: tc.forward_backward([datum(**RL)], "cispo", {"clip_high_threshold": 10 ** 400}),
+     "must be a finite number", "loss_fn_config"),
+    ("clip-low-above-high", lambda tc: tc.forward_backward(
+        [datum(**RL)], "ppo", {"clip_low_threshold": 1.5, "clip_high_threshold": 0.5}),
+     "needs 0 <= clip_low_threshold <= clip_high_threshold", "loss_fn_config"),
+    ("data-none", lambda tc: tc.forward_backward(None), "expected a list of Datum, got NoneType", "data"),
+    ("data-dict", lambda tc: tc.forward_backward({"model_input": [3, 4]}), "got dict", "data"),
+    ("data-generator", lambda tc: tc.forward_backward(d for d in [datum()]), "a generator or iterator", "data"),
+    ("float-token-ids", lambda tc: tc.forward_backward([trio.Datum(
+        model_input=trio.ModelInput.from_ints([3.5, 4.0]), loss_fn_inputs={"target_tokens": [4, 5]})]),
+     "token 0 is 3.5 (float), not an integer token id", "model_input"),
+    ("token-string", lambda tc: tc.forward_backward([trio.Datum(
+        model_input=trio.ModelInput.from_ints("abc"), loss_fn_inputs={"target_tokens": [4, 5, 6]})]),
+     "expected a sequence of token ids, got str", "model_input"),
+    ("token-none", lambda tc: tc.forward_backward([trio.Datum(
+        model_input=trio.ModelInput.from_ints([3, None]), loss_fn_inputs={"target_tokens": [4, 5]})]),
+     "token 1 is None", "model_input"),
+    ("bool-targets", lambda tc: tc.forward_backward([datum(target_tokens=[True] * 8)]),
+     "got booleans", "loss_fn_inputs['target_tokens']"),
+    ("2d-targets", lambda tc: tc.forward_backward([datum(target_tokens=np.array(tokens(8, 4)).reshape(8, 1))]),
+     "must be one value per token (1-D), got shape [8, 1]", "data[0].loss_fn_inputs['target_tokens']"),
+    ("string-weights", lambda tc: tc.forward_backward([datum(weights=["1"] * 8)]),
+     "expected numbers", "loss_fn_inputs['weights']"),
+    ("meta-tensor", lambda tc: tc.forward_backward([datum(weights=torch.empty(8, device="meta"))]),
+     "meta tensor", "loss_fn_inputs['weights']"),
+    ("weights-overflow-float32", lambda tc: tc.forward_backward([datum(weights=[1e300] * 8)]),
+     "is not finite", "data[0].loss_fn_inputs['weights']"),
 ]
 
 BAD_CLIENTS = [
+    ("label-not-a-string", dict(rank=2, user_metadata={"name": 123}), "'name' must be a string", "user_metadata"),
     ("rank-zero", dict(rank=0), "must be between 1 and the pool's max_rank 128, got 0", "rank"),
     ("rank-too-big", dict(rank=129), "got 129", "rank"),
     ("unknown-model", dict(base_model="no-such/model"), "unknown model 'no-such/model'", "base_model"),

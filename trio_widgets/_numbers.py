@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -15,3 +16,13 @@ def is_int(value: Any) -> bool:
 def is_number(value: Any) -> bool:
     """A real number that is not a bool."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real number (not a bool) that is finite as a float: 10**400 is not (it overflows)."""
+    if not is_number(value):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

@@ -51,7 +51,7 @@ from .types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
-from .validation import check_adam_params, check_batch, check_loss
+from .validation import check_adam_params, check_batch, check_loss, is_number
 
 __all__ = ["SamplingClient", "ServiceClient", "TrainingClient", "default_pool", "ServerCapabilities",
            "SupportedModel", "TrainingInfo"]
@@ -303,9 +303,12 @@ def _finish_custom_loss(forward: APIFuture, slot: Reservation, data: list[Datum]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"the loss function must return (scalar tensor, dict), got {type(loss).__name__}")
         loss.backward()
-        user_metrics = {str(k): float(v) for k, v in (metrics or {}).items()}
     except BaseException as exc:  # user code may raise anything, SystemExit included: it fails this request only
         failed(f"your loss function raised {type(exc).__name__}: {exc}")
+        return
+    user_metrics = _numeric_metrics(metrics)
+    if isinstance(user_metrics, str):
+        failed(user_metrics)
         return
     grads = [lp.grad if lp.grad is not None else torch.zeros_like(lp) for lp in leaves]
     value = float(loss.detach())
@@ -317,6 +320,23 @@ def _finish_custom_loss(forward: APIFuture, slot: Reservation, data: list[Datum]
     surrogate = [Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": (-g).tolist()})
                  for d, g in zip(data, grads)]
     slot.fill(ForwardRequest(surrogate, "cross_entropy", {}))
+
+
+def _numeric_metrics(metrics: Any) -> dict[str, float] | str:
+    """A custom loss's metrics as numbers, or what is wrong with them."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        return f"your loss function returned metrics of type {type(metrics).__name__}; return a dict of numbers"
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not is_number(value):
+            return (f"your loss function returned metric {key!r} = {value!r:.60}, which is not a number "
+                    f"(return plain numbers or one-element tensors)")
+        out[str(key)] = float(value)
+    return out
 
 
 class SamplingClient(_Client):

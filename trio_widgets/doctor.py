@@ -338,13 +338,19 @@ def measure_wakeup_lag(sleeps: int = GIL_PROBE_SLEEPS, sleep_s: float = GIL_PROB
 
 def check_gil_lag() -> Check:
     lags, busy = measure_wakeup_lag()
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()
+              and t.name != "trio-doctor-gil-probe"]
+    return explain_gil_lag(lags, busy, others)
+
+
+def explain_gil_lag(lags: list[float], busy: float, others: list[str]) -> Check:
+    """The check from what the probe measured: wake-up lags (s), this process's CPU share during
+    the probe (1.0 = one full CPU), and the names of its other threads."""
     median, worst = statistics.median(lags), max(lags)
     detail = (f"a thread asked to sleep {GIL_PROBE_SLEEP_S * 1e3:g} ms woke {median * 1e3:.1f} ms late "
               f"(median of {len(lags)}; max {worst * 1e3:.1f} ms)")
     if median < GIL_LAG_WARN_S:
         return Check("GIL lag", Status.OK, detail)
-    others = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()
-              and t.name != "trio-doctor-gil-probe"]
     if busy >= 0.5:
         why = ("Python code running in this process holds the interpreter (GIL), so the pool's clock thread "
                f"waits the same way and its cycles stretch (threads: {', '.join(others[:6]) or 'none named'})")

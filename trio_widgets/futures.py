@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+import threading
 import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Generic, Protocol, TypeVar
@@ -21,7 +23,16 @@ from typing import Any, Generic, Protocol, TypeVar
 T = TypeVar("T")
 U = TypeVar("U")
 
-__all__ = ["APIFuture", "PoolFuture"]
+__all__ = ["APIFuture", "PoolFuture", "mark_delivery_thread"]
+
+log = logging.getLogger(__name__)
+_thread = threading.local()
+
+
+def mark_delivery_thread() -> None:
+    """Called by a thread that resolves futures (a pool's clock): waiting on an unresolved
+    future there would wait for itself."""
+    _thread.delivers = True
 
 
 class PoolFuture(concurrent.futures.Future):
@@ -43,6 +54,24 @@ class PoolFuture(concurrent.futures.Future):
         if self._ask is None or not self._ask():
             return False
         return super().cancel()
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], Any]) -> None:
+        """Callbacks run on the pool's clock thread: whatever one raises — SystemExit and
+        KeyboardInterrupt included — is logged, never allowed to stop the clock."""
+        def fenced(future: concurrent.futures.Future) -> None:
+            try:
+                fn(future)
+            except BaseException:
+                log.exception("a done-callback of %r raised; it was ignored", future)
+
+        super().add_done_callback(fenced)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done() and getattr(_thread, "delivers", False):
+            raise RuntimeError("result() was called on the pool's clock thread (in a done-callback?) for a "
+                               "request that is not done: the clock delivers results, so it would wait for "
+                               "itself forever. Await the future from your own code instead.")
+        return super().result(timeout)
 
 
 class _Scheduled(Protocol):

@@ -116,7 +116,7 @@ class Telemetry:
         for callback in self._subscribers:  # a snapshot: subscribe() replaces the list
             try:
                 callback(event)
-            except Exception:  # a broken viewer must never stop the clock
+            except BaseException:  # a broken viewer (SystemExit included) must never stop the clock
                 log.exception("telemetry subscriber failed")
 
     # -- writers (pool side) ---------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any, Literal, Union
 import numpy as np
 import torch
 
+from ._numbers import is_int
 from .errors import InvalidInputError, RequestErrorCategory
 from .futures import APIFuture
 
@@ -288,7 +289,16 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in tokens])])
+        """Token ids must be integers: 1.5 or "7" is a bug upstream, not a token to guess."""
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+            raise InvalidInputError(f"expected a sequence of token ids, got {type(tokens).__name__}",
+                                    field="model_input")
+        ids = list(tokens)
+        for pos, t in enumerate(ids):
+            if not is_int(t):
+                raise InvalidInputError(f"token {pos} is {t!r} ({type(t).__name__}), not an integer token id",
+                                        field="model_input")
+        return cls(chunks=[EncodedTextChunk(tokens=[int(t) for t in ids])])
 
     @classmethod
     def empty(cls) -> ModelInput:
@@ -371,14 +381,20 @@ class Datum:
     def __post_init__(self) -> None:
         if isinstance(self.model_input, (list, tuple)):
             self.model_input = ModelInput.from_ints(self.model_input)
+        if not isinstance(self.loss_fn_inputs, dict):
+            raise InvalidInputError(f"must be a dict of arrays, got {type(self.loss_fn_inputs).__name__}",
+                                    field="loss_fn_inputs")
         converted = {}
         for key, value in self.loss_fn_inputs.items():
             try:
+                if key == "target_tokens" and not isinstance(value, TensorData) and _as_array(value).dtype.kind == "b":
+                    raise TypeError("target tokens must be token ids, got booleans")
                 td = TensorData.from_any(value)
                 if LOSS_INPUT_DTYPES.get(key) == "float32" and td.dtype != "float32":
                     td = TensorData(td, "float32")
-            except (TypeError, ValueError) as exc:
-                raise InvalidInputError(str(exc), field=f"loss_fn_inputs[{key!r}]") from None
+            except (TypeError, ValueError, OverflowError, NotImplementedError, RuntimeError) as exc:
+                # (meta tensors raise NotImplementedError, odd tensors RuntimeError: all mean "not data")
+                raise InvalidInputError(f"{exc}", field=f"loss_fn_inputs[{key!r}]") from None
             # Floats under an int64 key (target_tokens) stay floats: the submit check rejects
             # them by datum index, where tinker would truncate 1.5 to 1 without a word.
             converted[key] = td

@@ -9,7 +9,6 @@ datum, and nothing is queued or changed.
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -17,12 +16,24 @@ from typing import Any
 
 import numpy as np
 
-from ._numbers import is_int, is_number
+from ._numbers import is_finite_number, is_int, is_number
 from .errors import InvalidInputError
 from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
-__all__ = ["CheckedDatum", "ModelLimits", "SampleSpec", "check_adam_params", "check_batch", "check_loss",
-           "check_sample", "check_prompt", "is_int", "is_number"]
+__all__ = ["CheckedDatum", "ModelLimits", "RequestLimits", "SampleSpec", "check_adam_params", "check_batch",
+           "check_loss", "check_sample", "check_prompt", "is_int", "is_number"]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much one request may ask of a pool (LocalPool's `max_request_*` settings): bounds
+    that keep one client's request from holding the clock (and its neighbours) for minutes or
+    exhausting memory. Checked at submit."""
+
+    max_request_tokens: int = 16_384  # tokens of one forward request, all its data together
+    max_request_data: int = 1024  # data (sequences) of one forward request
+    max_num_samples: int = 128  # samples of one sample request
+    max_sampled_tokens: int = 32_768  # num_samples × max_tokens of one sample request
 
 
 @dataclass(frozen=True)
@@ -57,15 +68,29 @@ class CheckedDatum:
 
 
 def check_loss(loss_fn: Any, loss_fn_config: Any) -> tuple[str, dict[str, float]]:
-    """A known loss name and its config with defaults filled in."""
+    """A known loss name and its config with defaults filled in, every value a finite number
+    in its range (a NaN clip bound would only fail later, inside the cycle)."""
     from .engine.losses import LOSSES, resolved_config
 
     if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
         raise InvalidInputError(f"unknown loss_fn {loss_fn!r}; choose one of {', '.join(LOSSES)}", field="loss_fn")
+    if loss_fn_config is not None and not isinstance(loss_fn_config, dict):
+        raise InvalidInputError(f"must be a dict of numbers (or None), got {type(loss_fn_config).__name__}",
+                                field="loss_fn_config")
+    for key, value in (loss_fn_config or {}).items():
+        if not is_finite_number(value):
+            raise InvalidInputError(f"{key!r} must be a finite number, got {value!r:.40}", field="loss_fn_config")
     try:
-        return loss_fn, resolved_config(loss_fn, loss_fn_config)
+        config = resolved_config(loss_fn, loss_fn_config)
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidInputError(str(exc).strip('"'), field="loss_fn_config") from None
+    low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if low is not None and high is not None and not (0 <= low <= high):
+        raise InvalidInputError(f"needs 0 <= clip_low_threshold <= clip_high_threshold, got {low} and {high}",
+                                field="loss_fn_config")
+    if config.get("beta", 0.0) < 0:
+        raise InvalidInputError(f"beta must be >= 0, got {config['beta']}", field="loss_fn_config")
+    return loss_fn, config
 
 
 def _check_tokens(tokens: Sequence[int], vocab: int, where: str, index: int | None) -> None:
@@ -75,14 +100,23 @@ def _check_tokens(tokens: Sequence[int], vocab: int, where: str, index: int | No
                                     field=where, datum_index=index)
 
 
-def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None) -> list[CheckedDatum]:
-    """A batch against the loss (and, given `limits`, the model): the checked data, in order."""
+def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
+                request_limits: RequestLimits | None = None) -> list[CheckedDatum]:
+    """A batch against the loss (and, given `limits`, the model; given `request_limits`, the
+    pool's bounds): the checked data, in order."""
     from .engine.losses import FLOAT_INPUTS, REQUIRED_INPUTS
 
     if isinstance(data, Datum):
         raise InvalidInputError("expected a list of Datum, got a single Datum (wrap it in a list)", field="data")
-    if not isinstance(data, (list, tuple)) or len(data) == 0:
+    if not isinstance(data, (list, tuple)):
+        what = "a generator or iterator (pass a list)" if hasattr(data, "__next__") else type(data).__name__
+        raise InvalidInputError(f"expected a list of Datum, got {what}", field="data")
+    if len(data) == 0:
         raise InvalidInputError("the batch is empty: pass at least one Datum", field="data")
+    if request_limits is not None and len(data) > request_limits.max_request_data:
+        raise InvalidInputError(f"has {len(data)} data, more than this pool's limit of "
+                                f"{request_limits.max_request_data} per request (LocalPool(max_request_data=...)); "
+                                f"split it into several requests", field="data")
     needed = REQUIRED_INPUTS.get(loss_fn, ("target_tokens",))
     checked = []
     for i, datum in enumerate(data):
@@ -95,6 +129,10 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None) -> l
         length = len(tokens)
         if length == 0:
             raise InvalidInputError("model_input is empty", field=f"{where}.model_input", datum_index=i)
+        for pos, tok in enumerate(tokens):
+            if not is_int(tok):
+                raise InvalidInputError(f"token {pos} is {tok!r}, not an integer token id",
+                                        field=f"{where}.model_input", datum_index=i)
         if limits is not None:
             if length > limits.context_length:
                 raise InvalidInputError(f"model_input has {length} tokens, more than the context of {limits.name} "
@@ -113,6 +151,9 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None) -> l
                 td = TensorData.from_any(raw)
             except TypeError as exc:
                 raise InvalidInputError(str(exc), field=field_name, datum_index=i) from None
+            if td.shape is not None and len(td.shape) != 1:
+                raise InvalidInputError(f"must be one value per token (1-D), got shape {list(td.shape)}",
+                                        field=field_name, datum_index=i)
             if len(td.data) != length:
                 raise InvalidInputError(f"has length {len(td.data)} but model_input has length {length}",
                                         field=field_name, datum_index=i)
@@ -132,6 +173,11 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None) -> l
                         field=field_name, datum_index=i)
                 floats[key] = [float(v) for v in td.data]
         checked.append(CheckedDatum(tokens, target, floats))
+    total = sum(d.length for d in checked)
+    if request_limits is not None and total > request_limits.max_request_tokens:
+        raise InvalidInputError(f"has {total} tokens, more than this pool's limit of "
+                                f"{request_limits.max_request_tokens} per request "
+                                f"(LocalPool(max_request_tokens=...)); split it into several requests", field="data")
     return checked
 
 
@@ -140,17 +186,22 @@ def check_adam_params(params: Any) -> AdamParams:
     if not isinstance(params, AdamParams):
         raise InvalidInputError(f"expected AdamParams, got {type(params).__name__}", field="adam_params")
     lr = params.learning_rate
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+    if not is_finite_number(lr) or lr <= 0:
         raise InvalidInputError(f"must be a finite number > 0, got {lr!r}", field="adam_params.learning_rate")
     for name in ("beta1", "beta2"):
         value = getattr(params, name)
-        if not (isinstance(value, (int, float)) and 0 <= value < 1):
+        if not (is_number(value) and 0 <= value < 1):
             raise InvalidInputError(f"must be in [0, 1), got {value!r}", field=f"adam_params.{name}")
-    for name in ("eps", "weight_decay", "grad_clip_norm"):
+    # eps divides: 0 turns an entry with no gradient history into 0/0
+    if not (is_finite_number(params.eps) and params.eps > 0):
+        raise InvalidInputError(f"must be a finite number > 0, got {params.eps!r}", field="adam_params.eps")
+    for name in ("weight_decay", "grad_clip_norm"):
         value = getattr(params, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-            raise InvalidInputError(f"must be a finite number >= 0, got {value!r}", field=f"adam_params.{name}")
-    return replace(params)
+        if not (is_finite_number(value) and value >= 0):
+            raise InvalidInputError(f"must be a finite number >= 0, got {value!r:.40}", field=f"adam_params.{name}")
+    # plain floats: numpy scalars are fine to give, and the step kernel wants Python numbers
+    return replace(params, **{name: float(getattr(params, name)) for name in
+                              ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")})
 
 
 # -- sampling --------------------------------------------------------------------------------
@@ -204,6 +255,10 @@ def _stops(stop: Any, limits: ModelLimits | None) -> tuple[frozenset[int], tuple
         if isinstance(item, str):
             if not item:
                 raise InvalidInputError("an empty stop string would stop at once", field=where)
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no text can ever contain it
+                raise InvalidInputError(f"stop string {item!r} is not valid text ({exc.reason})", field=where) from None
             strings.append(item)
         elif is_int(item):
             if limits is not None and not (0 <= item < limits.vocab_size):
@@ -220,10 +275,13 @@ def _stops(stop: Any, limits: ModelLimits | None) -> tuple[frozenset[int], tuple
 
 
 def check_sample(prompt: Any, num_samples: Any, params: Any, include_prompt_logprobs: bool,
-                 limits: ModelLimits | None = None) -> SampleSpec:
+                 limits: ModelLimits | None = None, request_limits: RequestLimits | None = None) -> SampleSpec:
     tokens = check_prompt(prompt, limits)
     if not is_int(num_samples) or num_samples < 1:
         raise InvalidInputError(f"must be an integer >= 1, got {num_samples!r}", field="num_samples")
+    if request_limits is not None and num_samples > request_limits.max_num_samples:
+        raise InvalidInputError(f"{num_samples} is more than this pool's limit of {request_limits.max_num_samples} "
+                                f"samples per request (LocalPool(max_num_samples=...))", field="num_samples")
     if params is None:
         params = SamplingParams()
     if not isinstance(params, SamplingParams):
@@ -231,16 +289,22 @@ def check_sample(prompt: Any, num_samples: Any, params: Any, include_prompt_logp
     mt = params.max_tokens
     if not is_int(mt) or mt < 1:
         raise InvalidInputError(f"must be an integer >= 1, got {mt!r}", field="sampling_params.max_tokens")
+    if request_limits is not None and num_samples * mt > request_limits.max_sampled_tokens:
+        raise InvalidInputError(f"num_samples × max_tokens = {num_samples * mt} is more than this pool's limit of "
+                                f"{request_limits.max_sampled_tokens} sampled tokens per request "
+                                f"(LocalPool(max_sampled_tokens=...))", field="sampling_params.max_tokens")
     if limits is not None and len(tokens) + mt > limits.context_length:
         raise InvalidInputError(f"prompt ({len(tokens)} tokens) + max_tokens ({mt}) is more than the context of "
                                 f"{limits.name} ({limits.context_length})", field="sampling_params.max_tokens")
     temp = params.temperature
-    if not is_number(temp) or not math.isfinite(temp) or temp < 0:
+    if not is_finite_number(temp) or temp < 0:
         raise InvalidInputError(f"must be a finite number >= 0 (0 is greedy), got {temp!r}",
                                 field="sampling_params.temperature")
     top_k = params.top_k
     if not is_int(top_k) or top_k < -1:
         raise InvalidInputError(f"must be -1 (off) or an integer >= 1, got {top_k!r}", field="sampling_params.top_k")
+    if limits is not None:
+        top_k = min(int(top_k), limits.vocab_size)  # more than the vocabulary keeps every token
     top_p = params.top_p
     if not is_number(top_p) or not (0 < top_p <= 1):
         raise InvalidInputError(f"must be in (0, 1], got {top_p!r}", field="sampling_params.top_p")

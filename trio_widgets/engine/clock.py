@@ -21,6 +21,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -32,10 +33,12 @@ from typing import Any, Literal
 import torch
 
 from .._notebook import CellRegistry
+from .._numbers import is_int, is_number
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, RequestFailedError
-from ..futures import APIFuture, PoolFuture
+from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
+from ..validation import RequestLimits
 from .lora import LoRAAdapter
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 
@@ -146,6 +149,11 @@ class _Clock:
         self.thread: threading.Thread | None = None
         self.queues: dict[str, deque[Request]] = {}
         self.telemetry = telemetry
+        self.pending: list[tuple[Request, Any]] = []  # ran in pending_cycle, delivered at the next boundary
+        self.pending_cycle = -1
+        self.running: list[Request] = []  # taken into the cycle that runs now
+        self.activity = "starting"  # what the thread does now, for close() to say if it hangs
+        self.failure: BaseException | None = None  # set if the thread died
 
     def fail_queued(self, why: str) -> None:
         """Fail every request still queued with PoolClosedError (the clock has stopped)."""
@@ -199,12 +207,24 @@ class LocalPool:
 
     def __init__(self, min_cycle_s: float = 0.05, device: str | torch.device = "auto", *,
                  max_tokens_per_pass: int = 4096, max_rank: int = 128, max_samples_per_cycle: int = 64,
-                 telemetry_capacity: int = 4096, checkpoint_dir: str | None = None, name: str | None = None,
+                 max_request_tokens: int = 16_384, max_request_data: int = 1024, max_num_samples: int = 128,
+                 max_sampled_tokens: int = 32_768, telemetry_capacity: int = 4096,
+                 checkpoint_dir: str | os.PathLike | None = None, name: str | None = None,
                  torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True):
-        if not (min_cycle_s >= 0):
-            raise ValueError(f"min_cycle_s must be >= 0, got {min_cycle_s!r}")
-        if max_tokens_per_pass < 1:
-            raise ValueError(f"max_tokens_per_pass must be >= 1, got {max_tokens_per_pass!r}")
+        if not is_number(min_cycle_s) or not (0 <= min_cycle_s <= _MAX_CYCLE_S):
+            raise ValueError(f"min_cycle_s must be a number of seconds from 0 to {_MAX_CYCLE_S:.0f}, "
+                             f"got {min_cycle_s!r}")
+        counts = {"max_tokens_per_pass": max_tokens_per_pass, "max_rank": max_rank,
+                  "max_samples_per_cycle": max_samples_per_cycle, "max_request_tokens": max_request_tokens,
+                  "max_request_data": max_request_data, "max_num_samples": max_num_samples,
+                  "max_sampled_tokens": max_sampled_tokens, "telemetry_capacity": telemetry_capacity}
+        for key, value in counts.items():
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        if torch_threads not in (None, "auto") and (not is_int(torch_threads) or int(torch_threads) < 1):
+            raise ValueError(f'torch_threads must be "auto", None or an integer >= 1, got {torch_threads!r}')
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"name must be a string, got {type(name).__name__}")
         self.min_cycle_s = float(min_cycle_s)
         self.device = resolve_device(device)
         if self.device.type == "cpu" and torch_threads is not None:
@@ -212,7 +232,9 @@ class LocalPool:
         self.max_tokens_per_pass = int(max_tokens_per_pass)
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)
-        self.checkpoint_dir = checkpoint_dir
+        self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
+                                    int(max_sampled_tokens))
+        self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
         self.name = name or f"pool-{next(_POOL_IDS)}"
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
@@ -220,7 +242,8 @@ class LocalPool:
         self._ops = _resolve_ops()
         self._kinds: dict[str, OpKind] = {name: op.spec.kind for name, op in self._ops.items()}
         self._clock = _Clock(self.name, self.telemetry)
-        self._boundary_gate = threading.Lock()  # held by hold(): no boundary is taken meanwhile
+        # held by hold() (reentrant: nested holds on one thread) and by the clock at a boundary
+        self._boundary_gate = threading.RLock()
         self._queues = self._clock.queues
         self._tenants: dict[str, Tenant] = {}
         self._retired: set[str] = set()  # clients whose objects are gone: dropped once their queue is empty
@@ -245,10 +268,21 @@ class LocalPool:
     # -- lifecycle -------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self._closed
+        """Closed, or its clock stopped (see `LocalPool.failure`): it takes no more requests."""
+        return self._closed or self._clock.failure is not None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the clock thread, if it died (an engine bug; user code cannot stop it)."""
+        return self._clock.failure
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the clock, join its thread, and fail every request still queued."""
+        """Stop the clock, join its thread, and fail every request still queued.
+
+        What already ran is delivered. If the thread does not stop within `timeout` seconds
+        (a cycle still computing, or a done-callback of yours that blocks), raises
+        TimeoutError saying what it is doing; the pool is closed either way.
+        """
         if self._closed:
             return
         self._closed = True
@@ -262,6 +296,11 @@ class LocalPool:
                 hook()
             except Exception:
                 log.exception("a close hook of pool %s failed", self.name)
+        thread = self._clock.thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            raise TimeoutError(f"pool {self.name!r}: its clock thread is still {self._clock.activity} after "
+                               f"{timeout:g} s; it stops when that returns (results of the cycle that ran "
+                               f"are still delivered)")
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Call `hook()` when the pool closes (backends stop their client-side threads so)."""
@@ -408,6 +447,10 @@ class LocalPool:
             return {cid: len(q) for cid, q in self._queues.items()}
 
     def _check_open(self) -> None:
+        failure = self._clock.failure
+        if failure is not None:
+            raise PoolClosedError(f"the pool {self.name!r} stopped: its clock thread died "
+                                  f"({type(failure).__name__}: {failure}); create a new pool")
         if self._closed:
             raise PoolClosedError(f"the pool {self.name!r} is closed")
 
@@ -560,6 +603,8 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
 
 _POOL_IDS = itertools.count(1)
 _IDLE_TICK_S = 0.001
+_MAX_CYCLE_S = 3600.0  # a cycle longer than an hour is a typo (and time_t overflows at inf)
+_GATE_POLL_S = 0.05  # how often a clock waiting on hold() looks whether the pool is closing
 
 
 def _register_atexit() -> None:
@@ -587,39 +632,61 @@ def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
 
 
 def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
-    pending: list[tuple[Request, Any]] = []
-    pending_cycle = -1
+    mark_delivery_thread()  # APIFuture.result() called here (in a done-callback) raises, not deadlocks
+    try:
+        _clock_loop(pool_ref, clock)
+    except BaseException as exc:  # only an engine bug gets here: user code is fenced off below
+        clock.failure = exc
+        log.critical("the clock of pool %s stopped: %s: %s", clock.name, type(exc).__name__, exc, exc_info=True)
+        _deliver(clock.telemetry, clock.pending, clock.pending_cycle)
+        why = PoolClosedError(f"the clock of pool {clock.name!r} died while running this request "
+                              f"({type(exc).__name__}: {exc}); the client's state may be part-updated")
+        _deliver(clock.telemetry, [(r, why) for r in clock.running], clock.pending_cycle + 1)
+        clock.fail_queued(f"stopped: its clock thread died ({type(exc).__name__}: {exc})")
+
+
+def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
     last: CycleRecord | None = None
     while True:
         pool = pool_ref()
         if pool is None:  # dropped: what already ran is reported, not lost
-            _deliver(clock.telemetry, pending, pending_cycle)
+            _deliver(clock.telemetry, clock.pending, clock.pending_cycle)
             return
         boundary = time.perf_counter()
         if clock.closing:
-            pool._deliver(pending, pending_cycle)  # what already ran is reported, not lost
+            pool._deliver(clock.pending, clock.pending_cycle)  # what already ran is reported, not lost
             if last is not None:
                 last.ended_at = boundary
                 pool.telemetry.add_cycle(last)
             return
-        with pool._boundary_gate:
+        # hold() may keep the gate; look now and then whether the pool is closing meanwhile
+        if not pool._boundary_gate.acquire(timeout=_GATE_POLL_S):
+            continue
+        try:
             boundary = time.perf_counter()
             index, taken = pool._take_boundary(boundary)
+        finally:
+            pool._boundary_gate.release()
         if last is not None:
             last.ended_at = boundary
             pool.telemetry.add_cycle(last)
-        pool._deliver(pending, pending_cycle)
+        clock.activity = f"delivering the results of cycle {clock.pending_cycle} (running your done-callbacks)"
+        pool._deliver(clock.pending, clock.pending_cycle)
         requests = [r for rs in taken.values() for r in rs]
+        ops = dict(Counter(r.op for r in requests))
+        clock.activity = f"running cycle {index} ({', '.join(f'{n} {op}' for op, n in ops.items()) or 'idle'})"
+        clock.running = requests
         try:
-            pending = pool._execute(index, taken)
+            clock.pending = pool._execute(index, taken)
         except Exception as exc:  # a bug in the engine: fail this cycle's requests, keep ticking
             log.exception("cycle %d failed", index)
-            pending = [(r, RequestFailedError(f"internal error in cycle {index}: {exc}", client_id=r.client_id))
-                       for r in requests]
+            clock.pending = [(r, RequestFailedError(f"internal error in cycle {index}: {exc}",
+                                                    client_id=r.client_id)) for r in requests]
+        clock.running = []
+        clock.activity = "waiting for the next boundary"
         pool._cycle_tenants = {}
-        pending_cycle = index
+        clock.pending_cycle = index
         busy = time.perf_counter() - boundary
-        ops = dict(Counter(r.op for r in requests))
         last = CycleRecord(index=index, started_at=boundary, ended_at=boundary, busy_s=busy,
                            n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops)
         min_cycle_s = pool.min_cycle_s

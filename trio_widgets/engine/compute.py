@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..errors import RequestFailedError
 from ..types import ForwardBackwardOutput, TensorData
-from ..validation import check_batch
+from ..validation import RequestLimits, check_batch
 from .lora import LoRAAdapter, all_finite
 from .losses import LOSSES
 from .models import BaseModel
@@ -50,10 +50,10 @@ class ForwardJob:
         return sum(d.length for d in self.data)
 
 
-def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str, float], backward: bool
-                     ) -> tuple[ForwardJob, float]:
+def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str, float], backward: bool,
+                     request_limits: RequestLimits | None = None) -> tuple[ForwardJob, float]:
     """Check a batch against the loss and `base`, and turn it into a job; also its loss weight."""
-    checked = check_batch(data, loss_fn, base.limits)
+    checked = check_batch(data, loss_fn, base.limits, request_limits)
     tensors = [PreparedDatum(torch.tensor(d.tokens, dtype=torch.long), torch.tensor(d.target_tokens, dtype=torch.long),
                              {k: torch.tensor(v, dtype=torch.float32) for k, v in d.floats.items()}) for d in checked]
     return ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward), sum(d.weight for d in checked)

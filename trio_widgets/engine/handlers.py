@@ -74,7 +74,8 @@ def prepare_forward(pool: LocalPool, tenant: Tenant, op: str, request: ForwardRe
     if op != "forward":
         _trained(tenant, op)
     loss_fn, config = check_loss(request.loss_fn, request.loss_fn_config)
-    job, weight = make_forward_job(tenant.base, request.data, loss_fn, config, backward=op != "forward")
+    job, weight = make_forward_job(tenant.base, request.data, loss_fn, config, backward=op != "forward",
+                                   request_limits=pool.limits)
     # a custom loss's weights are its gradient, not a count of tokens: no loss per token then
     return Prepared(job, tokens=job.tokens, weight=0.0 if op == "forward_backward_custom" else weight)
 
@@ -190,7 +191,7 @@ def run_inspect(pool: LocalPool, tenant: Tenant, request: Request) -> AdapterSna
 def prepare_sample(pool: LocalPool, tenant: Tenant, op: str, request: SampleRequest) -> Prepared:
     _expect(request, SampleRequest, op)
     spec = check_sample(request.prompt, request.num_samples, request.sampling_params,
-                        request.include_prompt_logprobs, tenant.base.limits)
+                        request.include_prompt_logprobs, tenant.base.limits, pool.limits)
     return Prepared(spec, tokens=len(spec.prompt))
 
 
