@@ -171,7 +171,7 @@ class LocalPool:
     def __init__(self, min_cycle_s: float = 0.05, device: str | torch.device = "auto", *,
                  max_tokens_per_pass: int = 4096, max_rank: int = 128, max_samples_per_cycle: int = 64,
                  telemetry_capacity: int = 4096, checkpoint_dir: str | None = None, name: str | None = None,
-                 torch_threads: int | Literal["auto"] | None = "auto"):
+                 torch_threads: int | Literal["auto"] | None = "auto", allow_download: bool | None = None):
         if not (min_cycle_s >= 0):
             raise ValueError(f"min_cycle_s must be >= 0, got {min_cycle_s!r}")
         if max_tokens_per_pass < 1:
@@ -184,6 +184,8 @@ class LocalPool:
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)
         self.checkpoint_dir = checkpoint_dir
+        # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
+        self.allow_download = allow_download
         self.name = name or f"pool-{next(_POOL_IDS)}"
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
@@ -249,7 +251,7 @@ class LocalPool:
     def get_base_model(self, name: str) -> BaseModel:
         with self._models_lock:
             if name not in self._models:
-                self._models[name] = load_base_model(name, self.device)
+                self._models[name] = load_base_model(name, self.device, self.allow_download)
             return self._models[name]
 
     def supported_models(self) -> list[str]:
