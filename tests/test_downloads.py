@@ -113,7 +113,8 @@ def test_a_real_download_trains(tmp_path):
     code = """
 import trio_widgets as trio
 with trio.LocalPool(min_cycle_s=0, allow_download=True) as pool:
-    tc = trio.ServiceClient(pool).create_lora_training_client("hf-internal-testing/tiny-random-LlamaForCausalLM", rank=2)
+    tc = trio.ServiceClient(pool).create_lora_training_client(
+        "hf-internal-testing/tiny-random-LlamaForCausalLM", rank=2)
     datum = trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8]), {"target_tokens": [6, 7, 8, 9]})
     losses = []
     for _ in range(5):

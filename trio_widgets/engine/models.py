@@ -227,8 +227,8 @@ def _download(name: str) -> str:
             f"(`hf auth login` or $HF_TOKEN), then try again", field="base_model") from exc
     except RepositoryNotFoundError as exc:
         raise ModelDownloadError(
-            f"unknown model {name!r}: there is none on the Hugging Face Hub at {endpoint} (or it is private: log in with "
-            f"`hf auth login` or set $HF_TOKEN); check the id", field="base_model") from exc
+            f"unknown model {name!r}: there is none on the Hugging Face Hub at {endpoint} (or it is private: "
+            f"log in with `hf auth login` or set $HF_TOKEN); check the id", field="base_model") from exc
     except RevisionNotFoundError as exc:
         raise ModelDownloadError(f"{name!r} has no 'main' revision on the Hugging Face Hub at {endpoint}",
                                  field="base_model") from exc
