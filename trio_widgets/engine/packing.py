@@ -202,8 +202,11 @@ class MultiLoRALinear(nn.Module):
                 return fused.view(out.shape).to(out.dtype)
             delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, scale)
             for i, d in zip(members, delta.unbind(0)):
-                pieces[i] = d.to(out.dtype)
+                pieces[i] = d
         for i, seg in enumerate(plan.segments):
             if pieces[i] is None:
-                pieces[i] = out.new_zeros(seg.end - seg.start, out.shape[-1])
-        return out + torch.cat(pieces, dim=0).view_as(out)
+                pieces[i] = out.new_zeros(seg.end - seg.start, out.shape[-1], dtype=delta.dtype)
+        # Added in the LoRA dtype and rounded once, as the whole-row path does: a bf16 base would
+        # otherwise round each delta to bf16 before adding it (and a tenant's result would depend
+        # on whether its neighbours share its rank and length, by up to a bf16 rounding).
+        return (out.to(delta.dtype) + torch.cat(pieces, dim=0).view_as(out)).to(out.dtype)
