@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import tempfile
 import time
@@ -269,7 +268,7 @@ def report(arms: Arms, args, device: torch.device) -> None:
           f"{ms('peft_fused')} ({rate('peft_fused')}) | ratio {c:.2f}x {target_c}")
     if arms.peak_bytes is not None:
         peak = {k: v / 2**20 for k, v in arms.peak_bytes.items()}
-        print(f"    peak memory of one call above what was allocated before it (MiB): "
+        print("    peak memory of one call above what was allocated before it (MiB): "
               + ", ".join(f"{k} {v:,.0f}" for k, v in peak.items()))
 
 
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=9, help="interleaved repetitions per arm (medians)")
     parser.add_argument("--models", default="builtin,local", help="comma-separated: builtin, local")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu", help="the local random-init Llama's shape")
-    for flag, i in (("layers", 0), ("hidden", 1), ("intermediate", 2), ("heads", 3), ("kv-heads", 4), ("vocab", 5)):
+    for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads", "vocab"):
         parser.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
     parser.add_argument("--threads", default="auto,all", help=THREADS_HELP + " (CPU only)")
     parser.add_argument("--tenants", type=int, default=8)
