@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -38,9 +39,12 @@ def pytest_configure(config):
     """Numeric tests must hold at any thread count (sums split across threads add in another
     order): `make test` runs them at TRIO_TORCH_THREADS=1 and again at 2. Pools read the
     variable too (torch_threads="auto"); tests that drive the engine directly get it here."""
-    from trio_widgets.engine.models import auto_torch_threads
+    from trio_widgets.engine.models import ALLOW_DOWNLOAD_ENV, auto_torch_threads
 
     torch.set_num_threads(auto_torch_threads())
+    # Tests never reach the Hugging Face Hub because of a developer's shell setting; the ones
+    # about downloads set it themselves (tests/test_downloads.py).
+    os.environ.pop(ALLOW_DOWNLOAD_ENV, None)
 
 
 @pytest.fixture

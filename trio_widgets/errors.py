@@ -30,7 +30,10 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "ClientClosedError",
+    "DownloadFailedError",
+    "DownloadNotAllowedError",
     "InvalidInputError",
+    "ModelDownloadError",
     "PoolClosedError",
     "RequestFailedError",
     "UnknownModelError",
@@ -255,6 +258,21 @@ class InvalidInputError(ValueError, BadRequestError, ValidationError):
 
 class UnknownModelError(InvalidInputError):
     """The base model is neither built in nor a local Hugging Face model."""
+
+
+class ModelDownloadError(UnknownModelError):
+    """A Hugging Face Hub model is not on this machine and was not downloaded (the message says
+    why: not allowed, unreachable, no such model, gated)."""
+
+
+class DownloadNotAllowedError(ModelDownloadError):
+    """The model would have to be downloaded, and the user has not allowed downloads:
+    `LocalPool(allow_download=True)` or `TRIO_ALLOW_DOWNLOAD=1`."""
+
+
+class DownloadFailedError(ModelDownloadError):
+    """Downloads are allowed, but the Hub could not be reached (offline, HF_HUB_OFFLINE, a
+    wrong HF_ENDPOINT, a refused connection)."""
 
 
 class CheckpointError(InvalidInputError):

@@ -210,7 +210,8 @@ class LocalPool:
                  max_request_tokens: int = 16_384, max_request_data: int = 1024, max_num_samples: int = 128,
                  max_sampled_tokens: int = 32_768, telemetry_capacity: int = 4096,
                  checkpoint_dir: str | os.PathLike | None = None, name: str | None = None,
-                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True):
+                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True,
+                 allow_download: bool | None = None):
         if not is_number(min_cycle_s) or not (0 <= min_cycle_s <= _MAX_CYCLE_S):
             raise ValueError(f"min_cycle_s must be a number of seconds from 0 to {_MAX_CYCLE_S:.0f}, "
                              f"got {min_cycle_s!r}")
@@ -225,6 +226,8 @@ class LocalPool:
             raise ValueError(f'torch_threads must be "auto", None or an integer >= 1, got {torch_threads!r}')
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string, got {type(name).__name__}")
+        if allow_download not in (None, True, False):
+            raise ValueError(f"allow_download must be True, False or None, got {allow_download!r}")
         self.min_cycle_s = float(min_cycle_s)
         self.device = resolve_device(device)
         if self.device.type == "cpu" and torch_threads is not None:
@@ -235,6 +238,8 @@ class LocalPool:
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
+        self.allow_download = allow_download
         self.name = name or f"pool-{next(_POOL_IDS)}"
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
@@ -332,7 +337,7 @@ class LocalPool:
     def get_base_model(self, name: str) -> BaseModel:
         with self._models_lock:
             if name not in self._models:
-                self._models[name] = load_base_model(name, self.device)
+                self._models[name] = load_base_model(name, self.device, self.allow_download)
             return self._models[name]
 
     def supported_models(self) -> list[str]:

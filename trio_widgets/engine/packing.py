@@ -182,6 +182,7 @@ class MultiLoRALinear(nn.Module):
         if not groups:
             return out
         pieces: list[torch.Tensor | None] = [None] * len(plan.segments)
+        lora_dtype = out.dtype
         for (length, _rank), group in groups.items():
             members = [i for i, _, _ in group]
             segs = [seg for _, seg, _ in group]
@@ -207,8 +208,12 @@ class MultiLoRALinear(nn.Module):
                                    xs.to(lora_a.dtype), lora_a, lora_b, scale)
                 return fused.view(out.shape).to(out.dtype)
             delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, scale)
+            lora_dtype = delta.dtype
             for i, d in zip(members, delta.unbind(0)):
-                pieces[i] = d.to(out.dtype)
-        filled = [p if p is not None else out.new_zeros(seg.end - seg.start, out.shape[-1])
+                pieces[i] = d
+        # Added in the LoRA dtype and rounded once, as the whole-row path does: a bf16 base would
+        # otherwise round each delta to bf16 before adding it (and a tenant's result would depend
+        # on whether its neighbours share its rank and length, by up to a bf16 rounding).
+        filled = [p if p is not None else out.new_zeros(seg.end - seg.start, out.shape[-1], dtype=lora_dtype)
                   for p, seg in zip(pieces, plan.segments)]
-        return out + torch.cat(filled, dim=0).view_as(out)
+        return (out.to(lora_dtype) + torch.cat(filled, dim=0).view_as(out)).to(out.dtype)
