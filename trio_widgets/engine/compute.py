@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..errors import RequestFailedError
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import RequestLimits, check_batch
-from .lora import LoRAAdapter, all_finite
+from .lora import LoRAAdapter, finite_flags
 from .losses import LOSSES
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
@@ -132,6 +132,12 @@ class _PassResult:
 
 def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: bool) -> list[_PassResult]:
     results = [_PassResult(0.0, [None] * len(w.job.data), [None] * len(w.job.data), None) for w in jobs]
+    # What the outputs need stays on the device until the pass is over, then crosses in one
+    # transfer: a float() or .cpu() per datum would wait for a GPU once per datum.
+    order: list[tuple[int, int]] = []
+    losses: list[torch.Tensor] = []
+    logps_out: list[torch.Tensor] = []
+    elementwise_out: list[torch.Tensor] = []
     if backward:
         for work in jobs:
             work.trained.begin_pass()
@@ -143,9 +149,10 @@ def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: b
                 for (j, d), logp in zip(batch, logps):
                     elementwise = _datum_loss(jobs[j].job, d, logp, base.device)
                     datum_loss = elementwise.sum()
-                    results[j].loss_sum += float(datum_loss.detach())
-                    results[j].logprobs[d] = logp.detach().float().cpu()
-                    results[j].elementwise[d] = elementwise.detach().float().cpu()
+                    order.append((j, d))
+                    losses.append(datum_loss.detach())
+                    logps_out.append(logp.detach())
+                    elementwise_out.append(elementwise.detach())
                     total = datum_loss if total is None else total + datum_loss
                 if backward and total is not None and total.requires_grad:
                     total.backward()
@@ -154,13 +161,20 @@ def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: b
         if backward:
             for work, result in zip(jobs, results):
                 result.grads = work.trained.end_pass()
+    if order:
+        lengths = [lp.shape[0] for lp in logps_out]
+        for (j, _d), loss in zip(order, torch.stack(losses).float().tolist()):
+            results[j].loss_sum += loss  # in datum order, in float64, as the loss was always summed
+        for (j, d), lp, el in zip(order, torch.cat(logps_out).float().cpu().split(lengths),
+                                  torch.cat(elementwise_out).float().cpu().split(lengths)):
+            results[j].logprobs[d], results[j].elementwise[d] = lp, el
     return results
 
 
-def _finite(result: _PassResult) -> bool:
-    if not math.isfinite(result.loss_sum):
-        return False
-    return result.grads is None or all_finite(result.grads)
+def _finite(results: list[_PassResult]) -> list[bool]:
+    """Whether each pass result is usable: a finite loss and gradient (one sync for all)."""
+    grads = finite_flags([r.grads for r in results])
+    return [math.isfinite(r.loss_sum) and ok for r, ok in zip(results, grads)]
 
 
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:
@@ -191,7 +205,7 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
                                                      client_id=jobs[i].client_id)
                     outcomes[i].__cause__ = exc
                 break
-            bad = [i for i, r in zip(alive, results) if not _finite(r)]
+            bad = [i for i, ok in zip(alive, _finite(results)) if not ok]
             if not bad:
                 for i, result in zip(alive, results):
                     if backward and result.grads is not None:
