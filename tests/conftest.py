@@ -47,6 +47,32 @@ def pytest_configure(config):
     os.environ.pop(ALLOW_DOWNLOAD_ENV, None)
 
 
+def write_peft_adapter(path, target_modules: list[str], rank: int, alpha: float, seed: int,
+                       b_scale: float) -> str:
+    """A LoRA adapter for DEFAULT_MODEL written by the peft library itself, with random non-zero
+    B (so alpha matters and every A gets a gradient from the first step)."""
+    import json
+
+    import peft
+
+    from trio_widgets.engine.models import _build_builtin
+
+    plain, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=target_modules)
+    model = peft.get_peft_model(plain, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * b_scale)
+    model.save_pretrained(path, save_embedding_layers=False)  # only the LoRA pairs
+    config_file = path / "adapter_config.json"
+    saved = json.loads(config_file.read_text())
+    saved["base_model_name_or_path"] = trio.DEFAULT_MODEL  # the pool resolves the base by this name
+    config_file.write_text(json.dumps(saved))
+    return str(path)
+
+
 @pytest.fixture
 def pool():
     with trio.LocalPool(min_cycle_s=0.0, name="test") as p:

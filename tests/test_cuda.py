@@ -13,13 +13,11 @@ runs them on CPU, over the fp32 base a CPU pool uses, to prove the plumbing.
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 
 import pytest
 import torch
-from conftest import random_batch
+from conftest import random_batch, write_peft_adapter
 from numerics import assert_close, model_roundings, model_terms, tiny_config, tolerance
 
 import trio_widgets as trio
@@ -51,24 +49,8 @@ def adapters(tmp_path_factory) -> list[str]:
     """PEFT-written adapters with random non-zero B (so every A gets a gradient and each
     tenant's delta is large enough that a leak would show)."""
     directory = tmp_path_factory.mktemp("adapters")
-    plain, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
-    paths = []
-    for t, spec in enumerate(TENANTS):
-        config = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=0.0, bias="none",
-                                 target_modules=NAMES)
-        model = peft.get_peft_model(copy.deepcopy(plain), config)
-        g = torch.Generator().manual_seed(t)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.copy_(torch.randn(param.shape, generator=g) * 0.2)
-        path = directory / f"tenant-{t}"
-        model.save_pretrained(path, save_embedding_layers=False)
-        cfg = json.loads((path / "adapter_config.json").read_text())
-        cfg["base_model_name_or_path"] = trio.DEFAULT_MODEL
-        (path / "adapter_config.json").write_text(json.dumps(cfg))
-        paths.append(str(path))
-    return paths
+    return [write_peft_adapter(directory / f"tenant-{t}", NAMES, spec["rank"], spec["alpha"], seed=t, b_scale=0.2)
+            for t, spec in enumerate(TENANTS)]
 
 
 @pytest.fixture(scope="module")
