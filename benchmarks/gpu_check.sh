@@ -63,6 +63,17 @@ fi
 command -v nvidia-smi >/dev/null && [[ $DRY_RUN -eq 0 ]] && \
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,utilization.gpu --format=csv
 
+echo "== packed attention kernel =="
+"$PYTHON" - <<'EOF'
+import torch
+from trio_widgets.engine.packing import _varlen_works
+for device in (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]:
+    for dtype in (torch.bfloat16, torch.float32):
+        used = device == "cuda" and _varlen_works(torch.device(device), dtype)
+        print(f"{device} {str(dtype).removeprefix('torch.')}: "
+              f"{'varlen FlashAttention (self-check passed)' if used else 'grouped SDPA'}")
+EOF
+
 if [[ $DRY_RUN -eq 1 ]]; then
   echo "(dry run: CPU, tiny shapes, one repetition; the figures mean nothing)"
   TRIO_CUDA_TESTS_ON_CPU=1 TRIO_TORCH_THREADS=1 \
