@@ -4,7 +4,17 @@
 """
 
 from . import data, types
-from .client import SamplingClient, ServiceClient, TrainingClient, default_pool
+from .client import (
+    BackcompatSamplingClientFuture,
+    BackcompatTrainingClientFuture,
+    SamplingClient,
+    ServiceClient,
+    TrainingClient,
+    configure,
+    configure_observability,
+    default_pool,
+    shutdown_observability,
+)
 
 # Cheap (stdlib only at import). It shadows the submodule: use `from trio_widgets.doctor import ...`.
 from .doctor import doctor
@@ -19,6 +29,7 @@ from .errors import (
     BadRequestError,
     BillingError,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ClientClosedError,
     ConflictError,
@@ -37,10 +48,13 @@ from .errors import (
 )
 from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
+from .rest import RestClient
 from .types import (
     AdamOptimizerConfig,
     AdamParams,
     AdapterSnapshot,
+    Checkpoint,
+    CheckpointType,
     Datum,
     DmelChunk,
     EncodedTextChunk,
@@ -48,11 +62,14 @@ from .types import (
     ImageAssetPointerChunk,
     ImageChunk,
     LoadWeightsResponse,
+    LossHandle,
     ModelID,
     ModelInput,
     ModelInputChunk,
     OptimParams,
     OptimStepResponse,
+    ParsedCheckpointTinkerPath,
+    PerDatumLossFn,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -71,8 +88,13 @@ __all__ = [
     "AdamOptimizerConfig",
     "AdamParams",
     "AdapterSnapshot",
+    "BackcompatSamplingClientFuture",
+    "BackcompatTrainingClientFuture",
+    "Checkpoint",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointType",
     "ClientClosedError",
     "Datum",
     "DmelChunk",
@@ -83,13 +105,17 @@ __all__ = [
     "InvalidInputError",
     "LoadWeightsResponse",
     "LocalPool",
+    "LossHandle",
     "ModelID",
     "ModelInput",
     "ModelInputChunk",
     "OptimParams",
     "OptimStepResponse",
+    "ParsedCheckpointTinkerPath",
+    "PerDatumLossFn",
     "PoolClosedError",
     "RequestFailedError",
+    "RestClient",
     "SampleResponse",
     "SampledSequence",
     "SamplingClient",
@@ -102,9 +128,12 @@ __all__ = [
     "TensorDtype",
     "TrainingClient",
     "UnknownModelError",
+    "configure",
+    "configure_observability",
     "data",
     "default_pool",
     "doctor",
+    "shutdown_observability",
     "types",
     # the hosted SDKs' exception names (see errors.py for which of ours each one catches)
     "APIConnectionError",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import RequestFailedError
+from ..errors import RequestErrorCategory, RequestFailedError
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import check_batch
 from .lora import LoRAAdapter, all_finite
@@ -163,11 +163,23 @@ def _finite(result: _PassResult) -> bool:
     return result.grads is None or all_finite(result.grads)
 
 
+def token_count(job: ForwardJob) -> int:
+    """pytrio's `token_count`: the tokens the loss reads, i.e. those with a weight other than 0
+    for cross_entropy (all of them without `weights`), every target token for the others."""
+    if job.loss_fn != "cross_entropy":
+        return job.tokens
+    return sum(int((d.inputs["weights"] != 0).sum()) if "weights" in d.inputs else d.length for d in job.data)
+
+
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:
     outputs = [{"logprobs": TensorData.from_torch(lp), "elementwise_loss": TensorData.from_torch(el)}
                for lp, el in zip(result.logprobs, result.elementwise)]
-    return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs,
-                                 metrics={"loss:sum": result.loss_sum})
+    # tinker's `name:reduction` key, and pytrio's three (the loss is a sum in both: loss_mean
+    # is a metric only)
+    tokens = token_count(job)
+    metrics = {"loss:sum": result.loss_sum, "loss_sum": result.loss_sum, "token_count": tokens,
+               "loss_mean": result.loss_sum / tokens if tokens else 0.0}
+    return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs, metrics=metrics)
 
 
 def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, ForwardJob, str]],
@@ -188,7 +200,7 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             except Exception as exc:  # the shared pass itself broke (e.g. out of memory): all fail
                 for i in alive:
                     outcomes[i] = RequestFailedError(f"the cycle's packed pass failed: {type(exc).__name__}: {exc}",
-                                                     client_id=jobs[i].client_id)
+                                                     client_id=jobs[i].client_id, category=RequestErrorCategory.Server)
                     outcomes[i].__cause__ = exc
                 break
             bad = [i for i, r in zip(alive, results) if not _finite(r)]
@@ -201,6 +213,7 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             for i in bad:
                 outcomes[i] = RequestFailedError(
                     f"{'forward_backward' if backward else 'forward'}: the loss or the gradient is not finite "
-                    f"(NaN or infinite); this request changed nothing", client_id=jobs[i].client_id)
+                    f"(NaN or infinite); this request changed nothing", client_id=jobs[i].client_id,
+                    category=RequestErrorCategory.User)
             alive = [i for i in alive if i not in bad]
     return outcomes
