@@ -185,6 +185,30 @@ def test_topk_prompt_and_sample_logprobs_equal_the_reference_top_k(trained, refe
     assert plain.topk_prompt_logprobs is None and plain.sequences[0].topk_logprobs is None
 
 
+def test_prompt_options_of_requests_batched_in_one_cycle(pool, trained, reference):
+    """Each request of a shared prefill (left-padded, other prompts beside it) gets its own rows."""
+    _, sc = trained
+    prompts = [PROMPT, [3 + b for b in b"A longer prompt here"], [3 + b for b in b"Hi"]]
+    with pool.hold():
+        futures = [sc.sample(p, 1, trio.SamplingParams(max_tokens=2, seed=i), include_prompt_logprobs=True,
+                             topk_prompt_logprobs=2) for i, p in enumerate(prompts)]
+        scored = sc.compute_logprobs(prompts[1], prompt_logprobs_last_n=4)
+    assert len({f.cycle for f in futures} | {scored.cycle}) == 1
+    for prompt, future in zip(prompts, futures):
+        res = future.result()
+        ref = _ref_logprobs(reference, prompt)
+        terms = model_terms(tiny_config(), len(prompt))
+        expected = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+        assert_fp32_close(res.prompt_logprobs[1:], expected, terms, f"prompt logprobs of {len(prompt)} tokens")
+        for i in range(1, len(prompt)):
+            _assert_topk(res.topk_prompt_logprobs[i], ref[i - 1], 2, terms, f"position {i} of {len(prompt)}")
+    last4 = scored.result()
+    ref = _ref_logprobs(reference, prompts[1])
+    assert last4[:-4] == [None] * (len(prompts[1]) - 4)
+    assert_fp32_close(last4[-4:], ref[-5:-1].gather(1, torch.tensor(prompts[1][-4:])[:, None]).squeeze(1),
+                      model_terms(tiny_config(), len(prompts[1])), "last 4 in a shared prefill")
+
+
 def test_topk_with_prompt_logprobs_last_n(trained, reference):
     _, sc = trained
     res = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=1), include_prompt_logprobs=True,

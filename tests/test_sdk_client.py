@@ -355,6 +355,21 @@ def test_loss_names_ignore_case(sc):
         tc.forward_backward(batch, "Stable_Reinforce")
 
 
+def test_loss_input_checks_and_failure_categories(sc):
+    tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    tokens = list(range(10, 19))
+    inputs = {"target_tokens": tokens[1:], "logprobs": [-1.0] * 8, "advantages": [1.0] * 8}
+    unmarked = trio.Datum(trio.ModelInput.from_ints(tokens[:-1]), {**inputs, "sequence_ratio_mask": [0] * 8})
+    with pytest.raises(trio.InvalidInputError, match="sequence_ratio_mask'\\] marks no token") as info:
+        tc.forward_backward([unmarked], "gspo")  # refused at submit, not NaN inside the cycle
+    assert info.value.datum_index == 0
+    # a loss that overflows is the tenant's own failure: tinker's category User
+    overflowing = trio.Datum(trio.ModelInput.from_ints(tokens[:-1]), {**inputs, "logprobs": [-1e30] * 8})
+    failed = tc.forward_backward([overflowing], "importance_sampling").exception(timeout=60)
+    assert isinstance(failed, trio.RequestFailedError) and "not finite" in str(failed)
+    assert failed.category == trio.errors.RequestErrorCategory.User
+
+
 def test_custom_loss_config_and_handles(sc):
     batch = random_batch(6, n=2, length=9)
     seen = {}

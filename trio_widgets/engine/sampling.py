@@ -193,7 +193,8 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec
     cache = _new_cache(model) if rows else None
     logits = _forward(model, ids, _prefill_mask(valid), positions, adapters, cache)
 
-    prompt_side = [_prompt_side(logits[j, length - len(job.prompt):length - 1], job) for _, job in items]
+    prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1], job)
+                   for i, (_, job) in enumerate(items)]
 
     if rows and cache is not None:
         index = torch.tensor([r.job for r in rows], device=device)
