@@ -44,6 +44,7 @@ class ForwardJob:
     loss_fn: str  # a built-in loss name
     config: dict[str, float]
     backward: bool
+    token_count: int = 0  # pytrio's: the tokens the loss reads (counted at submit, off the clock)
 
     @property
     def tokens(self) -> int:
@@ -56,7 +57,17 @@ def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str,
     checked = check_batch(data, loss_fn, base.limits)
     tensors = [PreparedDatum(torch.tensor(d.tokens, dtype=torch.long), torch.tensor(d.target_tokens, dtype=torch.long),
                              {k: torch.tensor(v, dtype=torch.float32) for k, v in d.floats.items()}) for d in checked]
-    return ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward), sum(d.weight for d in checked)
+    job = ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward,
+                     token_count=sum(_tokens_read(loss_fn, d.length, d.floats.get("weights")) for d in checked))
+    return job, sum(d.weight for d in checked)
+
+
+def _tokens_read(loss_fn: str, length: int, weights: list[float] | None) -> int:
+    """pytrio's `token_count` of one datum: the tokens with a weight other than 0 for
+    cross_entropy (all of them without `weights`), every target token for the other losses."""
+    if loss_fn != "cross_entropy" or weights is None:
+        return length
+    return sum(1 for w in weights if w != 0)
 
 
 @dataclass
@@ -163,20 +174,12 @@ def _finite(result: _PassResult) -> bool:
     return result.grads is None or all_finite(result.grads)
 
 
-def token_count(job: ForwardJob) -> int:
-    """pytrio's `token_count`: the tokens the loss reads, i.e. those with a weight other than 0
-    for cross_entropy (all of them without `weights`), every target token for the others."""
-    if job.loss_fn != "cross_entropy":
-        return job.tokens
-    return sum(int((d.inputs["weights"] != 0).sum()) if "weights" in d.inputs else d.length for d in job.data)
-
-
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:
     outputs = [{"logprobs": TensorData.from_torch(lp), "elementwise_loss": TensorData.from_torch(el)}
                for lp, el in zip(result.logprobs, result.elementwise)]
     # tinker's `name:reduction` key, and pytrio's three (the loss is a sum in both: loss_mean
     # is a metric only)
-    tokens = token_count(job)
+    tokens = job.token_count
     metrics = {"loss:sum": result.loss_sum, "loss_sum": result.loss_sum, "token_count": tokens,
                "loss_mean": result.loss_sum / tokens if tokens else 0.0}
     return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs, metrics=metrics)
