@@ -71,6 +71,7 @@ from .types import (
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    SupportedModel,
     TensorData,
     check_text_only,
     finish_sample_response,
@@ -888,7 +889,10 @@ class ServiceClient:
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """Each model with its context length and limits (tinker's and pytrio's fields). tinker
         0.38 prefers `RestClient().get_server_capabilities()`, which works here too."""
-        return self.backend.capabilities()
+        capabilities = getattr(self.backend, "capabilities", None)
+        if capabilities is None:  # a backend that only names its models
+            return GetServerCapabilitiesResponse([SupportedModel(n) for n in self.backend.supported_models()])
+        return capabilities()
 
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         return self.get_server_capabilities()
