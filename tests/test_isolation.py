@@ -163,8 +163,9 @@ def compare_sampling(joint: dict, solo: dict, solo_pools: dict, joint_pool: trio
     for t, c in solo.items():
         path = joint[t].save_state("final").result(timeout=60).path
         c.load_state_with_optimizer(path).result(timeout=60)
-    joint_samplers = {t: c.save_weights_and_get_sampling_client() for t, c in joint.items()}
-    solo_samplers = {t: c.save_weights_and_get_sampling_client() for t, c in solo.items()}
+    # .result(): a snapshot's sampler exists after its cycle, and no cycle runs inside hold()
+    joint_samplers = {t: c.save_weights_and_get_sampling_client().result() for t, c in joint.items()}
+    solo_samplers = {t: c.save_weights_and_get_sampling_client().result() for t, c in solo.items()}
     prompts = {t: trio.ModelInput.from_ints([5 + t, 40, 41, 42 + t, 7]) for t in joint}
     greedy = trio.SamplingParams(max_tokens=6, temperature=0.0)
     seeded = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=5)

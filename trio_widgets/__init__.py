@@ -4,7 +4,17 @@
 """
 
 from . import data, types
-from .client import SamplingClient, ServiceClient, TrainingClient, default_pool
+from .client import (
+    BackcompatSamplingClientFuture,
+    BackcompatTrainingClientFuture,
+    SamplingClient,
+    ServiceClient,
+    TrainingClient,
+    configure,
+    configure_observability,
+    default_pool,
+    shutdown_observability,
+)
 
 # Cheap (stdlib only at import). It shadows the submodule: use `from trio_widgets.doctor import ...`.
 from .doctor import doctor
@@ -19,6 +29,7 @@ from .errors import (
     BadRequestError,
     BillingError,
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ClientClosedError,
     ConflictError,
@@ -40,10 +51,13 @@ from .errors import (
 )
 from .futures import APIFuture
 from .loop import TrainingRun, run_sync, train
+from .rest import RestClient
 from .types import (
     AdamOptimizerConfig,
     AdamParams,
     AdapterSnapshot,
+    Checkpoint,
+    CheckpointType,
     Datum,
     DmelChunk,
     EncodedTextChunk,
@@ -51,11 +65,14 @@ from .types import (
     ImageAssetPointerChunk,
     ImageChunk,
     LoadWeightsResponse,
+    LossHandle,
     ModelID,
     ModelInput,
     ModelInputChunk,
     OptimParams,
     OptimStepResponse,
+    ParsedCheckpointTinkerPath,
+    PerDatumLossFn,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -74,8 +91,13 @@ __all__ = [
     "AdamOptimizerConfig",
     "AdamParams",
     "AdapterSnapshot",
+    "BackcompatSamplingClientFuture",
+    "BackcompatTrainingClientFuture",
+    "Checkpoint",
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointType",
     "ClientClosedError",
     "Datum",
     "DmelChunk",
@@ -88,14 +110,18 @@ __all__ = [
     "InvalidInputError",
     "LoadWeightsResponse",
     "LocalPool",
+    "LossHandle",
     "ModelID",
     "ModelDownloadError",
     "ModelInput",
     "ModelInputChunk",
     "OptimParams",
     "OptimStepResponse",
+    "ParsedCheckpointTinkerPath",
+    "PerDatumLossFn",
     "PoolClosedError",
     "RequestFailedError",
+    "RestClient",
     "SampleResponse",
     "SampledSequence",
     "SamplingClient",
@@ -108,9 +134,12 @@ __all__ = [
     "TensorDtype",
     "TrainingClient",
     "UnknownModelError",
+    "configure",
+    "configure_observability",
     "data",
     "default_pool",
     "doctor",
+    "shutdown_observability",
     "types",
     # the hosted SDKs' exception names (see errors.py for which of ours each one catches)
     "APIConnectionError",

@@ -8,6 +8,7 @@ also an instance of the SDK class that means the same thing, and nothing else:
 | every error below | `TinkerError` | `PyTrioError` |
 | `InvalidInputError` (rejected at submit, nothing changed) | `BadRequestError` (HTTP 400; tinker raises it e.g. for a prompt longer than the context) | `ValidationError` (SDK-side input check) |
 | `CheckpointNotFoundError` | `NotFoundError` (HTTP 404) | — |
+| `CheckpointExistsError` (`save_state` of a saved name without `overwrite=True`) | `ConflictError` (HTTP 409) | — |
 | `RequestFailedError` (failed inside a cycle) | `RequestFailedError` (same name, same meaning) | `EventFailedError` (a submitted event ended failed) |
 | `PoolClosedError`, `ClientClosedError` | — (tinker's poisoned client raises a bare `RuntimeError`; ours are RuntimeErrors too) | — |
 
@@ -28,6 +29,7 @@ from typing import Any
 __all__ = [
     # ours
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ClientClosedError",
     "DownloadFailedError",
@@ -299,6 +301,16 @@ class CheckpointNotFoundError(CheckpointError, NotFoundError, FileNotFoundError)
 
     def __str__(self) -> str:  # not OSError's "[Errno None] ..." form
         return self._text
+
+
+class CheckpointExistsError(CheckpointError, ConflictError):
+    """`save_state(name)` where a checkpoint of that name exists and `overwrite` is False.
+    Also tinker's ConflictError (409)."""
+
+    status_code = 409
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = "name"):
+        super().__init__(message, path=path, field=field)
 
 
 class RequestFailedError(RuntimeError, TinkerError, EventFailedError):

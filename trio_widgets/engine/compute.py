@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import RequestFailedError
+from ..errors import RequestErrorCategory, RequestFailedError
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import RequestLimits, check_batch
 from .lora import LoRAAdapter, finite_flags
@@ -44,6 +44,7 @@ class ForwardJob:
     loss_fn: str  # a built-in loss name
     config: dict[str, float]
     backward: bool
+    token_count: int = 0  # pytrio's: the tokens the loss reads (counted at submit, off the clock)
 
     @property
     def tokens(self) -> int:
@@ -56,7 +57,17 @@ def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str,
     checked = check_batch(data, loss_fn, base.limits, request_limits)
     tensors = [PreparedDatum(torch.tensor(d.tokens, dtype=torch.long), torch.tensor(d.target_tokens, dtype=torch.long),
                              {k: torch.tensor(v, dtype=torch.float32) for k, v in d.floats.items()}) for d in checked]
-    return ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward), sum(d.weight for d in checked)
+    job = ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward,
+                     token_count=sum(_tokens_read(loss_fn, d.length, d.floats.get("weights")) for d in checked))
+    return job, sum(d.weight for d in checked)
+
+
+def _tokens_read(loss_fn: str, length: int, weights: list[float] | None) -> int:
+    """pytrio's `token_count` of one datum: the tokens with a weight other than 0 for
+    cross_entropy (all of them without `weights`), every target token for the other losses."""
+    if loss_fn != "cross_entropy" or weights is None:
+        return length
+    return sum(1 for w in weights if w != 0)
 
 
 @dataclass
@@ -180,8 +191,12 @@ def _finite(results: list[_PassResult]) -> list[bool]:
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:
     outputs = [{"logprobs": TensorData.from_torch(lp), "elementwise_loss": TensorData.from_torch(el)}
                for lp, el in zip(result.logprobs, result.elementwise)]
-    return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs,
-                                 metrics={"loss:sum": result.loss_sum})
+    # tinker's `name:reduction` key, and pytrio's three (the loss is a sum in both: loss_mean
+    # is a metric only)
+    tokens = job.token_count
+    metrics = {"loss:sum": result.loss_sum, "loss_sum": result.loss_sum, "token_count": tokens,
+               "loss_mean": result.loss_sum / tokens if tokens else 0.0}
+    return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs, metrics=metrics)
 
 
 def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, ForwardJob, str]],
@@ -202,7 +217,7 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             except Exception as exc:  # the shared pass itself broke (e.g. out of memory): all fail
                 for i in alive:
                     outcomes[i] = RequestFailedError(f"the cycle's packed pass failed: {type(exc).__name__}: {exc}",
-                                                     client_id=jobs[i].client_id)
+                                                     client_id=jobs[i].client_id, category=RequestErrorCategory.Server)
                     outcomes[i].__cause__ = exc
                 break
             bad = [i for i, ok in zip(alive, _finite(results)) if not ok]
@@ -215,6 +230,7 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             for i in bad:
                 outcomes[i] = RequestFailedError(
                     f"{'forward_backward' if backward else 'forward'}: the loss or the gradient is not finite "
-                    f"(NaN or infinite); this request changed nothing", client_id=jobs[i].client_id)
+                    f"(NaN or infinite); this request changed nothing", client_id=jobs[i].client_id,
+                    category=RequestErrorCategory.User)
             alive = [i for i in alive if i not in bad]
     return outcomes

@@ -8,6 +8,7 @@ tenant of that base then shares it.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -380,3 +381,31 @@ def load_base_model(name: str, device: torch.device, allow_download: bool | None
     vocab = int(model.get_input_embeddings().num_embeddings)
     return BaseModel(name=name, model=model, tokenizer=tokenizer, vocab_size=vocab, context_length=context,
                      device=device, dtype=dtype, lora_targets=targets, source=source)
+
+
+def is_base_model_name(name: object) -> bool:
+    """Whether `name` names a base model this machine has (built in, a local model directory,
+    or an id in the local HF cache), without loading it."""
+    if not isinstance(name, str) or not name:
+        return False
+    if name in BUILTIN_MODELS:
+        return True
+    path = _local_model_dir(name)
+    return path is not None and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def context_length_of(name: str) -> int | None:
+    """A base model's context length from its config, without loading its weights (None if
+    it cannot be read). The same number `load_base_model` uses."""
+    if name in BUILTIN_MODELS:
+        return int(_tiny_llama_config().max_position_embeddings)
+    path = _local_model_dir(name)
+    if path is None:
+        return None
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings", 2048) if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 2048
