@@ -36,6 +36,7 @@ from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, Requ
 from ..futures import APIFuture, PoolFuture
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
+from .gil import GilWatchdog, RunMeter
 from .lora import LoRAAdapter
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 
@@ -146,6 +147,7 @@ class _Clock:
         self.thread: threading.Thread | None = None
         self.queues: dict[str, deque[Request]] = {}
         self.telemetry = telemetry
+        self.watchdog: GilWatchdog | None = None  # stopped with the clock
 
     def fail_queued(self, why: str) -> None:
         """Fail every request still queued with PoolClosedError (the clock has stopped)."""
@@ -189,10 +191,13 @@ class LocalPool:
     >>> with LocalPool(min_cycle_s=0.05) as pool:
     ...     tc = ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=8)
 
-    What it does to the process, all named here: it starts one daemon thread (the clock),
-    stopped by `close()`, by leaving a `with` block, when the pool is garbage-collected, or
-    at interpreter exit; on CPU, `torch_threads` sets torch's process-wide thread count
-    ("auto": $TRIO_TORCH_THREADS, else half the usable CPUs; None leaves it alone); and with
+    What it does to the process, all named here: it starts one daemon thread (the clock,
+    "trio-clock-<name>") and, with `gil_watchdog=True` (default), a second one
+    ("trio-gil-<name>": a heartbeat every 20 ms that measures how long other Python held the
+    interpreter, and where; trio_widgets/engine/gil.py), both stopped by `close()`, by leaving
+    a `with` block, when the pool is garbage-collected, or at interpreter exit; on CPU,
+    `torch_threads` sets torch's process-wide thread count ("auto": $TRIO_TORCH_THREADS, else
+    half the usable CPUs; None leaves it alone); and with
     `owned_by_cell=True` (default), a pool built by a notebook cell closes the pool the same
     cell built before, so re-running the cell leaves no clock behind.
     """
@@ -200,7 +205,8 @@ class LocalPool:
     def __init__(self, min_cycle_s: float = 0.05, device: str | torch.device = "auto", *,
                  max_tokens_per_pass: int = 4096, max_rank: int = 128, max_samples_per_cycle: int = 64,
                  telemetry_capacity: int = 4096, checkpoint_dir: str | None = None, name: str | None = None,
-                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True):
+                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True,
+                 gil_watchdog: bool = True):
         if not (min_cycle_s >= 0):
             raise ValueError(f"min_cycle_s must be >= 0, got {min_cycle_s!r}")
         if max_tokens_per_pass < 1:
@@ -241,6 +247,8 @@ class LocalPool:
                                               name=f"trio-clock-{self.name}", daemon=True)
         self._finalizer = weakref.finalize(self, _shutdown_dropped, self._clock)
         self._clock.thread.start()
+        if gil_watchdog:
+            self._clock.watchdog = GilWatchdog(self.telemetry, self.name).start()
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -278,6 +286,11 @@ class LocalPool:
         """
         with self._boundary_gate:
             yield
+
+    @property
+    def gil_watchdog(self) -> GilWatchdog | None:
+        """The heartbeat thread that measures GIL starvation (None if built without one)."""
+        return self._clock.watchdog
 
     def __enter__(self) -> LocalPool:
         return self
@@ -584,12 +597,15 @@ def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
     thread = clock.thread
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout)
+    if clock.watchdog is not None:
+        clock.watchdog.stop(timeout)
 
 
 def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
     pending: list[tuple[Request, Any]] = []
     pending_cycle = -1
     last: CycleRecord | None = None
+    meter = RunMeter()  # how long this thread waits for the GIL (engine/gil.py)
     while True:
         pool = pool_ref()
         if pool is None:  # dropped: what already ran is reported, not lost
@@ -604,6 +620,7 @@ def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
             return
         with pool._boundary_gate:
             boundary = time.perf_counter()
+            working = meter.mark()
             index, taken = pool._take_boundary(boundary)
         if last is not None:
             last.ended_at = boundary
@@ -618,10 +635,12 @@ def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                        for r in requests]
         pool._cycle_tenants = {}
         pending_cycle = index
+        waited, cpu = meter.waited(working)
         busy = time.perf_counter() - boundary
         ops = dict(Counter(r.op for r in requests))
         last = CycleRecord(index=index, started_at=boundary, ended_at=boundary, busy_s=busy,
-                           n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops)
+                           n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops,
+                           cpu_s=cpu, gil_wait_s=waited)
         min_cycle_s = pool.min_cycle_s
         idle = not requests
         # Hold nothing that leads back to the pool while sleeping, so that a dropped pool
@@ -633,8 +652,12 @@ def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                 # An idle clock with no minimum would spin and starve the client threads of
                 # the GIL; it waits a moment, or until the next submit wakes it.
                 clock.cond.wait(_IDLE_TICK_S)
+            asleep = None
             while not clock.closing:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
+                asleep = meter.mark()
                 clock.cond.wait(remaining)
+            if asleep is not None:  # woke later than asked: the GIL (or a busy machine) kept it
+                last.gil_wait_s += meter.overslept(asleep, deadline)
