@@ -103,10 +103,10 @@ class RunMeter:
 # --------------------------------------------------------------------------- frames
 
 def _library_roots() -> tuple[str, ...]:
+    """The standard library, this environment's packages, and trio_widgets itself."""
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # trio_widgets itself
-    roots |= {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p and "site-packages" not in p}
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return tuple(sorted(os.path.join(os.path.abspath(r), "") for r in roots))
 
 
@@ -133,29 +133,32 @@ def _function(code) -> str:
     return ".".join(p for p in parts if p != "<locals>") or code.co_name
 
 
-def _cell_of(filename: str) -> int | None:
-    """The execution count (In[n]) of the notebook cell whose code lives in `filename`."""
-    shell_module = sys.modules.get("IPython")
-    if shell_module is None:
-        return None
+def _cells() -> dict[str, int]:
+    """IPython's map from a cell's code file (ipykernel: /tmp/ipykernel_<pid>/<hash>.py) to the
+    cell's execution count, the n of In[n] (the map IPython's tracebacks read); {} outside IPython."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return {}
     try:
-        shell = shell_module.get_ipython()
-        number = shell.compile._filename_map.get(filename) if shell is not None else None
-    except Exception:  # another IPython: no cell numbers, the file name still says where
-        return None
-    return number if isinstance(number, int) else None
+        shell = ipython.get_ipython()
+        cells = shell.compile._filename_map if shell is not None else None
+    except Exception:  # another IPython: no cell numbers, file names still say where
+        return {}
+    return cells if isinstance(cells, dict) else {}
 
 
 def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...]:
     """The innermost `limit` frames of user code on `frame`'s stack (innermost first); if
     there is none, the innermost frame itself (library code the user called)."""
+    cells = _cells()
     out: list[UserFrame] = []
     innermost = frame
     while frame is not None and len(out) < limit:
         code = frame.f_code
-        if is_user_file(code.co_filename):
+        cell = cells.get(code.co_filename)
+        if cell is not None or is_user_file(code.co_filename):
             out.append(UserFrame(code.co_filename, _function(code), frame.f_lineno or 0,
-                                 _cell_of(code.co_filename)))
+                                 cell if isinstance(cell, int) else None))
         frame = frame.f_back
     if not out and innermost is not None:
         code = innermost.f_code
@@ -165,10 +168,10 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
 
 # --------------------------------------------------------------------------- watchdog
 
-#: A wake-up this late (beyond the run queue) means the GIL was held: an idle interpreter
-#: wakes a sleeper within ~0.1 ms, a thread running Python makes it wait its switch
-#: interval (5 ms by default) or, inside a long C call, until the call returns.
 def default_threshold_s() -> float:
+    """A heartbeat this late (beyond its run-queue wait) found the GIL held: an idle
+    interpreter wakes a sleeper within ~0.1 ms, a thread running Python makes it wait up to
+    its switch interval (5 ms by default) or, inside a long C call, until the call returns."""
     return max(0.001, 0.2 * sys.getswitchinterval())
 
 
@@ -182,15 +185,17 @@ HOLDER_SHARE = 0.1
 class _Stretch:
     """Late heartbeats in a row: becomes one GilStall."""
 
-    __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "threads", "frames", "cpu")
+    __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "samples", "frames", "cpu")
 
     def __init__(self, started_at: float) -> None:
         self.started_at = self.ended_at = started_at
         self.lag_s = 0.0
         self.heartbeats = 0
         self.on_time = 0  # on-time heartbeats since the last late one
-        self.threads: Counter[str] = Counter()
-        self.frames: dict[str, tuple[UserFrame, ...]] = {}  # per thread, its latest sample
+        # Samples per (thread, innermost function) and the latest frames of each: the stretch is
+        # blamed on the most sampled one (a sample taken just as the holder moved on is outvoted).
+        self.samples: Counter[tuple[str, str, str]] = Counter()
+        self.frames: dict[tuple[str, str, str], tuple[UserFrame, ...]] = {}
         self.cpu: dict[int, float] = {}  # native thread id -> CPU seconds at the last sample
 
 
@@ -284,8 +289,9 @@ class GilWatchdog:
         self._last_sample = woke
         if holder is not None:
             thread, frames = holder
-            stretch.threads[thread] += 1
-            stretch.frames[thread] = frames
+            key = (thread, frames[0].file, frames[0].function) if frames else (thread, "", "")
+            stretch.samples[key] += 1
+            stretch.frames[key] = frames
 
     def _holder(self, stretch: _Stretch, window_s: float) -> tuple[str, tuple[UserFrame, ...]] | None:
         """The thread, other than the pool's own, that ran on a CPU for most of the time since
@@ -333,9 +339,13 @@ class GilWatchdog:
 
     def _close_stretch(self) -> None:
         stretch, self._stretch = self._stretch, None
-        if stretch is None or not stretch.threads:
+        if stretch is None or not stretch.samples:
             return  # a single late heartbeat: too short to say who held the GIL
-        thread, _ = stretch.threads.most_common(1)[0]
+        per_thread: Counter[str] = Counter()
+        for (name, _, _), n in stretch.samples.items():
+            per_thread[name] += n
+        thread = per_thread.most_common(1)[0][0]
+        key = max((k for k in stretch.samples if k[0] == thread), key=lambda k: stretch.samples[k])
         self.telemetry.add_gil_stall(GilStall(
             started_at=stretch.started_at, ended_at=stretch.ended_at, lag_s=stretch.lag_s,
-            heartbeats=stretch.heartbeats, thread=thread, frames=stretch.frames.get(thread, ())))
+            heartbeats=stretch.heartbeats, thread=thread, frames=stretch.frames[key]))
