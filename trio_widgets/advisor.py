@@ -270,8 +270,9 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     if stall_cycles >= 1.0 and (structure == "pipelined" or stall_cycles >= excess):
         later = _plural(max(1.0, round(stall_cycles)), "cycle")
         message = (f"client-side stall: results were ready but your next request came {later} later "
-                   f"({period_text} per update) — move CPU-heavy work off the event loop or overlap it "
-                   f"with the next request")
+                   f"({period_text} per update) — your loop was busy elsewhere meanwhile (computing, or waiting "
+                   f"for data): make that cheaper, or overlap it with training (queue the next request first, "
+                   f"read ahead in a thread)")
         return Diagnosis(client_id, label, "stall", message, p, stall_cycles, n, sampling_cycles=sampling_cycles)
     if sampling_cycles >= 1.0:
         message = (f"{period_text} per update, ~{_plural(sampling_cycles, 'cycle')} of them waiting for samples: "

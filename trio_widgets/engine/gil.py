@@ -148,8 +148,9 @@ def _cells() -> dict[str, int]:
 
 
 def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...]:
-    """The innermost `limit` frames of user code on `frame`'s stack (innermost first); if
-    there is none, the innermost frame itself (library code the user called)."""
+    """The innermost `limit` frames of user code on `frame`'s stack (innermost first; a
+    comprehension counts as the function it is written in); if there is none, the innermost
+    frame itself (library code the user called)."""
     cells = _cells()
     out: list[UserFrame] = []
     innermost = frame
@@ -157,8 +158,10 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
         code = frame.f_code
         cell = cells.get(code.co_filename)
         if cell is not None or is_user_file(code.co_filename):
-            out.append(UserFrame(code.co_filename, _function(code), frame.f_lineno or 0,
-                                 cell if isinstance(cell, int) else None))
+            function = _function(code)
+            if not out or (out[-1].function, out[-1].file) != (function, code.co_filename):
+                out.append(UserFrame(code.co_filename, function, frame.f_lineno or 0,
+                                     cell if isinstance(cell, int) else None))
         frame = frame.f_back
     if not out and innermost is not None:
         code = innermost.f_code
