@@ -22,7 +22,8 @@ Nothing here instruments the user's loop: everything is read from the pool's
   reported when the loop is otherwise pipelined or the stall costs more cycles than the
   loop's structure does. Time in which sampling requests were in the pool (an RL loop
   waiting for its samples) is the pool's work, not a stall;
-* sampling: each update waited at least a cycle for samples from the pool (on-policy RL);
+* sampling: each update waited at least a cycle for samples from the pool (on-policy RL), and
+  longer than for the loop's own Python in between;
 * otherwise pipelined: one cycle per update, nothing wasted.
 """
 
@@ -267,7 +268,9 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
         share, wait, compute, cycle, culprit = gil
         return Diagnosis(client_id, label, "gil", _gil_message(wait, compute, cycle, culprit), p, stall_cycles, n,
                          gil_share=share, gil_frames=culprit.frames, sampling_cycles=sampling_cycles)
-    if stall_cycles >= 1.0 and (structure == "pipelined" or stall_cycles >= excess):
+    # The larger of the two waits is named: an RL loop's bit of scoring Python between its
+    # samples and its update is not a stall next to the cycles it waits for the samples.
+    if stall_cycles >= max(1.0, sampling_cycles) and (structure == "pipelined" or stall_cycles >= excess):
         later = _plural(max(1.0, round(stall_cycles)), "cycle")
         message = (f"client-side stall: results were ready but your next request came {later} later "
                    f"({period_text} per update) — your loop was busy elsewhere meanwhile (computing, or waiting "
