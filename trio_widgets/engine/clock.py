@@ -594,6 +594,8 @@ def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
     with clock.cond:
         clock.closing = True
         clock.cond.notify_all()
+    if clock.watchdog is not None:
+        clock.watchdog.stop(timeout=0)  # signalled now, joined below: both threads end meanwhile
     thread = clock.thread
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout)

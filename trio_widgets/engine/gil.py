@@ -236,9 +236,10 @@ class GilWatchdog:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread; wait up to `timeout` seconds for it to end (0: do not wait)."""
         self._stop.set()
         thread = self._thread
-        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        if timeout > 0 and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout)
 
     # -- the thread ----------------------------------------------------------------------
