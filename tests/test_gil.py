@@ -8,12 +8,14 @@ blamed and where, never about how long anything took.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import socket
 import sys
 import threading
 import time
+import weakref
 
 from conftest import random_batch
 
@@ -74,6 +76,32 @@ def test_python_holding_the_gil_is_named_by_thread_function_and_line():
     assert all(s.heartbeats >= 2 and s.ended_at > s.started_at for s in stalls)
     # the clock, sleeping between its idle cycles, woke late while the GIL was held
     assert any(c.gil_wait_s > 0 for c in cycles if c.started_at >= mine[0].started_at)
+
+
+def test_sampling_frames_keeps_no_dropped_pool_alive():
+    """The watchdog reads every thread's frames, locals and all: it must let go of them, or a
+    pool the user dropped (a local of a sampled frame) would run on until a garbage collection."""
+
+    def work():
+        victim = trio.LocalPool(min_cycle_s=0.02, name="victim", gil_watchdog=False)
+        hog(0.4)  # sampled while `victim` is a local of this frame
+        return weakref.ref(victim)
+
+    gc.disable()  # nothing may depend on the cycle collector
+    try:
+        with trio.LocalPool(min_cycle_s=0.02, name="gil-watcher") as pool:
+            settle(pool.gil_watchdog)
+            ref = work()
+            settle(pool.gil_watchdog)
+            sampled = [s for s in pool.telemetry.gil if s.frames and s.frames[0].function == "hog"]
+            deadline = time.monotonic() + 30
+            while ref() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)  # (its clock thread may hold it for the rest of a cycle)
+            gone = ref() is None
+    finally:
+        gc.enable()
+    assert sampled and sampled[0].frames[1].function == "work"
+    assert gone
 
 
 def test_sleeping_and_waiting_on_io_hold_no_gil():

@@ -298,19 +298,18 @@ class GilWatchdog:
             stretch.frames[key] = frames
 
     def _holder(self, stretch: _Stretch, window_s: float) -> tuple[str, tuple[UserFrame, ...]] | None:
-        """The thread, other than the pool's own, that ran on a CPU for most of the time since
-        the previous late heartbeat (the one that kept the GIL), with its top user frames.
+        """The thread, other than pools' own, that ran on a CPU for most of the time since the
+        previous late heartbeat (the one that kept the GIL), with its top user frames now.
 
-        None when no such thread ran for at least a quarter of that time: then the GIL was
-        the pool's own (its clock runs Python between torch calls), or nobody's.
+        None when no such thread ran for at least HOLDER_SHARE of that time: then the GIL was
+        the pools' own (a clock runs Python between its torch calls), or nobody's.
         """
-        frames = sys._current_frames()
         me = threading.get_ident()
         cpu: dict[int, float] = {}
         best: tuple[float, threading.Thread] | None = None
         for thread in threading.enumerate():
-            ident, native = thread.ident, thread.native_id
-            if ident == me or ident not in frames or native is None or thread.name.startswith(_OWN_THREADS):
+            native = thread.native_id
+            if thread.ident == me or native is None or thread.name.startswith(_OWN_THREADS):
                 continue
             used = self._cpu_of(native)
             if used is None:
@@ -324,7 +323,13 @@ class GilWatchdog:
         if first or best is None or best[0] < HOLDER_SHARE * window_s:
             return None
         thread = best[1]
-        return thread.name, user_frames(frames[thread.ident])  # type: ignore[index]
+        frames = sys._current_frames()
+        try:
+            return thread.name, user_frames(frames.get(thread.ident))  # type: ignore[arg-type]
+        finally:
+            # The map holds every thread's frame, this one's too: a reference cycle that would keep
+            # their locals (a pool the user just dropped) alive until the next garbage collection.
+            frames.clear()
 
     def _cpu_of(self, native_id: int) -> float | None:
         fd = self._task_fds.get(native_id)
