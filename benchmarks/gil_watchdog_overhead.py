@@ -9,6 +9,9 @@
    machine whose speed wanders by ~10% from one 2-second stretch to the next. Updates/s of
    a phase: the optim_steps of the cycles it ran, over those cycles' time. Prints updates/s
    of every phase and the median over rounds of on / off (target >= 0.98).
+   The same phases also give two direct costs, which the machine's noise hardly touches:
+   the watchdog thread's own CPU time per second, and the clock's wait for the GIL per busy
+   cycle with and without it.
 2. The clock thread's own meter (always on: two CPU-clock reads and two reads of
    /proc/thread-self/schedstat per cycle): its cost per cycle, next to a busy cycle.
 3. After `pool.close()`: no watchdog or clock thread is left.
@@ -32,8 +35,8 @@ from trio_widgets.engine.gil import GilWatchdog, RunMeter
 
 
 async def throughput(phase_s: float, rounds: int) -> tuple[dict[str, list[float]], float, dict[str, int]]:
-    out: dict[str, list[float]] = {"off": [], "on": [], "round ratio": []}
-    seen = {"heartbeats": 0, "late": 0, "stalls": 0}
+    out: dict[str, list[float]] = {"off": [], "on": [], "round ratio": [], "gil_wait off": [], "gil_wait on": []}
+    seen = {"heartbeats": 0, "late": 0, "stalls": 0, "cpu_s": 0.0, "on_s": 0.0}
     with trio.LocalPool(min_cycle_s=0.0, name="bench-gil", gil_watchdog=False) as pool:
         sc = trio.ServiceClient(pool)
         runs = []
@@ -46,10 +49,14 @@ async def throughput(phase_s: float, rounds: int) -> tuple[dict[str, list[float]
             for kind in ("off", "on", "on", "off"):
                 watchdog = GilWatchdog(pool.telemetry, pool.name).start() if kind == "on" else None
                 await asyncio.sleep(0.2)
-                first = pool.cycle_index
+                first, cpu0, t0 = pool.cycle_index, watchdog.cpu_s if watchdog else 0.0, time.perf_counter()
                 await asyncio.sleep(phase_s)
-                out[kind].append(updates_per_s([c for c in list(pool.telemetry.cycles) if c.index >= first]))
+                cycles = [c for c in list(pool.telemetry.cycles) if c.index >= first]
+                out[kind].append(updates_per_s(cycles))
+                out[f"gil_wait {kind}"] += [c.gil_wait_s for c in cycles if c.n_requests]
                 if watchdog is not None:
+                    seen["cpu_s"] += watchdog.cpu_s - cpu0
+                    seen["on_s"] += time.perf_counter() - t0
                     watchdog.stop()
                     seen["heartbeats"] += watchdog.heartbeats
                     seen["late"] += watchdog.late
@@ -85,10 +92,10 @@ def leftovers() -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4 rounds")
-    parser.add_argument("--phase-s", type=float, default=1.5)
+    parser.add_argument("--phase-s", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
-    rounds = args.rounds or (4 if args.quick else 20)
+    rounds = args.rounds or (4 if args.quick else 30)
 
     load = os.getloadavg()
     tp, busy_s, seen = asyncio.run(throughput(args.phase_s, rounds))
@@ -104,6 +111,10 @@ def main() -> int:
           f"{seen['heartbeats']} heartbeats, {seen['late']} late, {seen['stalls']} stalls blamed on user code")
     print(f"  ratio on / off: median of {len(ratios)} rounds {statistics.median(ratios):.3f} "
           f"(quartiles {low:.3f}-{high:.3f})   (target >= 0.98)")
+    print(f"  the watchdog thread's CPU: {seen['cpu_s'] / seen['on_s'] * 1e3:.2f} ms per second "
+          f"({seen['cpu_s'] / seen['on_s']:.3%} of one core)")
+    off_wait, on_wait = (statistics.median(tp[f"gil_wait {k}"]) * 1e3 for k in ("off", "on"))
+    print(f"  the clock's wait for the GIL per busy cycle, median: off {off_wait:.2f} ms, on {on_wait:.2f} ms")
     cost = meter_cost()
     print(f"clock meter: {cost * 1e6:.1f} us per cycle, {cost / busy_s:.3%} of a median busy cycle "
           f"({busy_s * 1e3:.1f} ms)")
