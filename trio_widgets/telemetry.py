@@ -8,6 +8,7 @@ Times are `time.perf_counter()` seconds.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -91,7 +92,7 @@ class UserFrame:
         """'cell In[3] line 7' or 'loader.py line 12'."""
         if self.cell is not None:
             return f"cell In[{self.cell}] line {self.line}"
-        return f"{self.file.rsplit('/', 1)[-1]} line {self.line}"
+        return f"{os.path.basename(self.file)} line {self.line}"
 
     @property
     def label(self) -> str:
@@ -144,7 +145,8 @@ class Telemetry:
         """Call `callback(event)` for every new record; returns a function that unsubscribes.
 
         Callbacks run on the pool's clock thread (or the submitting thread for
-        'queued'): keep them short and thread-safe, e.g. append to a deque.
+        'queued', the GIL watchdog's for 'gil'): keep them short and thread-safe, e.g.
+        append to a deque.
         """
         with self._lock:
             self._subscribers = [*self._subscribers, callback]

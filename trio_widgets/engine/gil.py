@@ -17,7 +17,9 @@ both cheap enough to run all the time:
   frames (file, function, line; a notebook cell's execution count and line) in a
   :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded).
 
-Sleeping or waiting on I/O releases the GIL: it makes neither measurement move.
+Sleeping or waiting on I/O releases the GIL: it makes neither measurement move. The run-queue
+share and the blame need Linux's /proc; elsewhere the clock's wait includes its run-queue
+wait and stalls are not recorded (so the advisor never says `gil` there).
 """
 
 from __future__ import annotations
