@@ -13,8 +13,8 @@ Nothing here instruments the user's loop: everything is read from the pool's
   current *segment* counts: when the last steps agree with each other and not with most
   steps before (a mode change), the updates before the change are left out, so a new mode
   shows within 3 updates;
-* gil: the cycles that ran this client's updates spent a large share of their time with the
-  clock waiting for the interpreter, while another thread's Python held it (the watchdog
+* gil: in the cycles that ran this client's updates the clock waited for the interpreter at
+  least half as long as it worked, while another thread's Python held it (the watchdog
   names the function and line). The pool shares the process, so that Python stretches
   every cycle; sleeping or waiting on I/O holds no GIL and is never this;
 * client-side stall: results were delivered, but the client's next request came more than
