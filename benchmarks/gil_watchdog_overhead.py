@@ -53,6 +53,8 @@ async def throughput(phase_s: float, rounds: int) -> tuple[dict[str, list[float]
                 await asyncio.sleep(0.1)
                 first, cpu0, t0 = pool.cycle_index, watchdog.cpu_s if watchdog else 0.0, time.perf_counter()
                 await asyncio.sleep(phase_s)
+                while pool.cycle_index < first + 4:  # whole cycles, at least 3, however slow the machine
+                    await asyncio.sleep(0.02)
                 cycles = [c for c in list(pool.telemetry.cycles) if c.index >= first]
                 out[kind].append(updates_per_s(cycles))
                 seen[f"updates {kind}"] += sum(c.ops.get("optim_step", 0) for c in cycles)
