@@ -35,7 +35,8 @@ from trio_widgets.data import addition_batches
 from trio_widgets.engine.gil import GilWatchdog, RunMeter
 
 
-async def throughput(phase_s: float, rounds: int) -> tuple[dict[str, list[float]], float, dict[str, float]]:
+async def throughput(phase_s: float, rounds: int, interval_s: float | None
+                     ) -> tuple[dict[str, list[float]], float, dict[str, float]]:
     out: dict[str, list[float]] = {"off": [], "on": [], "round ratio": [], "gil_wait off": [], "gil_wait on": []}
     seen: dict[str, float] = {"heartbeats": 0, "late": 0, "stalls": 0, "cpu_s": 0.0, "on_s": 0.0,
             "updates off": 0, "updates on": 0, "seconds off": 0.0, "seconds on": 0.0}
@@ -49,7 +50,8 @@ async def throughput(phase_s: float, rounds: int) -> tuple[dict[str, list[float]
         await asyncio.sleep(3.0)  # warm up
         for _ in range(rounds):
             for kind in ("off", "on", "on", "off"):
-                watchdog = GilWatchdog(pool.telemetry, pool.name).start() if kind == "on" else None
+                kw = {} if interval_s is None else {"interval_s": interval_s}
+                watchdog = GilWatchdog(pool.telemetry, pool.name, **kw).start() if kind == "on" else None
                 await asyncio.sleep(0.1)
                 first, cpu0, t0 = pool.cycle_index, watchdog.cpu_s if watchdog else 0.0, time.perf_counter()
                 await asyncio.sleep(phase_s)
@@ -100,12 +102,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="4 rounds")
     parser.add_argument("--phase-s", type=float, default=0.5)
     parser.add_argument("--verbose", action="store_true", help="print every round")
+    parser.add_argument("--interval-s", type=float, default=None, help="heartbeat (default: the watchdog's)")
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
     rounds = args.rounds or (4 if args.quick else 60)
 
     load = os.getloadavg()
-    tp, busy_s, seen = asyncio.run(throughput(args.phase_s, rounds))
+    tp, busy_s, seen = asyncio.run(throughput(args.phase_s, rounds, args.interval_s))
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
     print("throughput (3 pipelined LoRA clients, compute-bound pool), updates/s per phase")
     ratios = tp["round ratio"]
