@@ -81,9 +81,9 @@ def pool():
 
 @pytest.fixture(autouse=True)
 def no_stray_clock_threads():
-    """Every test must close what it opened: no clock thread it started may outlive it."""
+    """Every test must close what it opened: no clock or GIL-watchdog thread it started may outlive it."""
     before = set(threading.enumerate())
     yield
-    stray = [t for t in threading.enumerate() if t.name.startswith("trio-clock-") and t.is_alive()
+    stray = [t for t in threading.enumerate() if t.name.startswith(("trio-clock-", "trio-gil-")) and t.is_alive()
              and t not in before and not t.name.endswith("-default")]
-    assert not stray, f"clock threads left running: {stray}"
+    assert not stray, f"pool threads left running: {stray}"

@@ -30,7 +30,9 @@ def rss_mb() -> float:
 
 
 def clock_threads(prefix: str) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(f"trio-clock-{prefix}") and t.is_alive()]
+    """A pool's threads: its clock and its GIL watchdog."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith((f"trio-clock-{prefix}", f"trio-gil-{prefix}")) and t.is_alive()]
 
 
 def wait_for(cond, what: str, timeout: float = 30.0) -> None:

@@ -12,7 +12,8 @@ Modes (docs/architecture.md, "Clock cycles"; cycles per update = the period):
 
 Per step the run records cookbook-style metrics (``step``, ``loss`` per weighted token,
 ``tokens``, ``cycle``, ``cycles`` since the previous update, ``time/get_batch``,
-``time/submit``, ``time/wait``, ``time/total``, ``learning_rate``, ``mode``) in
+``time/submit``, ``time/wait``, ``time/total``, ``time/gil_wait``: how long the pool's clock
+waited for the interpreter in the cycles that ran the update, ``learning_rate``, ``mode``) in
 ``run.metrics`` (bounded) and, with ``metrics_path``, as lines of ``metrics.jsonl``.
 """
 
@@ -32,7 +33,7 @@ from typing import IO, Any, Literal, TypeVar
 
 from .errors import PoolClosedError
 from .futures import APIFuture
-from .metrics import batch_weight, json_safe, loss_per_token
+from .metrics import batch_weight, gil_wait, json_safe, loss_per_token
 from .types import AdamParams, Datum
 from .validation import is_int
 
@@ -328,6 +329,7 @@ class TrainingRun:
         loss_sum = float(result.metrics.get("loss:sum", math.nan))
         cycle = update.fb.cycle
         cycles = None if self._last_fb_cycle is None or cycle is None else cycle - self._last_fb_cycle
+        pool = getattr(self.client, "pool", None)  # a LocalPool: its telemetry has the cycles' GIL waits
         self._last_fb_cycle = cycle
         row = {
             "step": update.step,
@@ -344,6 +346,7 @@ class TrainingRun:
             "time/submit": update.t_submit,
             "time/wait": wait,
             "time/total": now - (self._last_done if self._last_done is not None else now),
+            "time/gil_wait": gil_wait(pool.telemetry, (cycle, update.opt.cycle)) if pool is not None else None,
         }
         self._last_done = now
         self.step = update.step

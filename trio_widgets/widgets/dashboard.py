@@ -295,6 +295,7 @@ class Dashboard(W.VBox):
                 self._figs.add_client(info)
             self._figs.set_log_scale(bool(self._settings["log"]))
             self._figs.update(cycles, boundaries, delivered)
+            self._figs.stream_gil(self._feed.drain_gil())
         for r in delivered:
             if r.op in UPDATE_OPS and r.cycle is not None and r.status == "ok":
                 self._update_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
@@ -368,7 +369,7 @@ class Dashboard(W.VBox):
             color = views.color if views is not None else CLIENT_COLORS[-1]
             label = views.label if views is not None else d.label
             badge = ("ok", "pipelined") if d.cause == "pipelined" else (
-                ("wait", "measuring") if d.cause == "warming-up" else ("waste", d.cause))
+                ("wait", "measuring") if d.cause == "warming-up" else ("waste" if d.wasted else "wait", d.cause))
             rows.append(f"<div class='trio-adv-row'><span class='trio-dot' style='background:{color}'></span>"
                         f"<b>{html.escape(label)}</b><span class='trio-badge {badge[0]}'>{badge[1]}</span>"
                         f"{html.escape(d.message)}</div>")

@@ -19,7 +19,7 @@ from bokeh.plotting import figure
 
 from ..metrics import cycle_duration, record_loss
 from ..ops import UPDATE_OPS, op_color
-from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord
+from ..telemetry import ClientInfo, CycleRecord, GilStall, QueueDepthRecord, RequestRecord
 
 __all__ = ["CLIENT_COLORS", "DashboardFigures"]
 
@@ -116,6 +116,7 @@ class DashboardFigures:
                              spacing=12, padding=4, margin=2, border_line_color=None,
                              background_fill_alpha=0.0), "below")
         self.timeline = tl
+        self._add_gil_shading(tl, max_clients)
 
         self._depth_range = Range1d(start=0, end=4)
         qd = figure(height=160, width=width, x_range=self.x_range, y_range=self._depth_range,
@@ -331,6 +332,28 @@ class DashboardFigures:
         if (self.x_range.start, self.x_range.end) == (start, end):
             return False
         self.x_range.update(start=start, end=end)
+        return True
+
+    # -- GIL stalls: shading across the lanes -------------------------------------------------
+    def _add_gil_shading(self, tl, max_clients: int) -> None:
+        """Red shading over the lanes where other Python held the interpreter (GIL) and the
+        pool waited for it (above the cycle bands, below the request bars)."""
+        self.gil = ColumnDataSource(data={"left": [], "right": [], "what": []})
+        shade = tl.quad(left="left", right="right", bottom=-(max_clients + 0.5), top=1.5, source=self.gil,
+                        fill_color="#dc2626", fill_alpha=0.14, line_color=None, level="underlay")
+        tl.add_tools(HoverTool(renderers=[shade], tooltips=[("GIL held by", "@what")]))
+
+    def stream_gil(self, stalls: Iterable[GilStall]) -> bool:
+        """Stream the watchdog's stalls into the shading; returns whether any was new."""
+        data: dict[str, list] = {"left": [], "right": [], "what": []}
+        for s in stalls:
+            top = s.frames[0] if s.frames else None
+            data["left"].append(self._rel(s.started_at))
+            data["right"].append(self._rel(max(s.ended_at, s.started_at)))
+            data["what"].append(top.label if top else s.thread)
+        if not data["left"]:
+            return False
+        self._stream(self.gil, {k: v[-self.band_rollover:] for k, v in data.items()}, self.band_rollover)
         return True
 
     def loss_points(self, client_id: str) -> int:
