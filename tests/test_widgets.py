@@ -2,8 +2,8 @@
 
 In-process tests build the Dashboard inside a running asyncio loop (as a notebook cell
 does) and observe it: the bokeh sources it streams, the messages its widgets send, the
-threads that touch the bokeh document. The kernel test runs a real ipykernel and counts
-the iopub comm messages of a busy run.
+threads that touch the bokeh document. The kernel tests run a real ipykernel: the iopub
+comm messages of a busy run, and the dashboard staying live while a cell blocks.
 """
 
 from __future__ import annotations
@@ -82,21 +82,26 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
                 "bars": dict(dash.figures.bars.data),
                 "loss": dict(dash.figures.clients[tc.client_id].loss.data),
                 "lanes": {v.label: v.lane for v in dash.figures.clients.values()},
+                "lane_labels": dict(dash.figures.timeline.yaxis[0].major_label_overrides),
                 "status": dash.status_text,
+                "pill": dash.pool_state,
                 "diagnosis": dash.diagnoses[tc.client_id],
                 "ticks": dash.ticks,
                 "patches": dash.bokeh_widget.patches_sent,
                 "subscribers": pool.telemetry.subscriber_count,
+                "threads": [t.name for t in threading.enumerate() if t.name.startswith("trio-dashboard")],
                 "tasks": [t.get_name() for t in asyncio.all_tasks()],
             }
+            await until(lambda: dash.pool_state == "idle", "the pill to say idle once nothing trains")
             paths = dash.export_trace(), dash.export_metrics(), dash.save_html()
             dash.close()
-            await asyncio.sleep(0.05)
-            state.update(after_close_subscribers=pool.telemetry.subscriber_count, task_done=not dash.running,
-                         after_close_tasks=[t.get_name() for t in asyncio.all_tasks()])
-            return state, seen, paths, threading.current_thread().name, tc.client_id
+            state.update(after_close_subscribers=pool.telemetry.subscriber_count, thread_done=not dash.running,
+                         final_patches=dash.bokeh_widget.patches_sent,
+                         after_close_threads=[t.name for t in threading.enumerate()
+                                              if t.name.startswith("trio-dashboard")])
+            return state, seen, paths, dash.tick_thread.name, tc.client_id
 
-    state, seen, paths, loop_thread, cid = asyncio.run(main())
+    state, seen, paths, dash_thread, cid = asyncio.run(main())
     bars = state["bars"]
     mine = [i for i, c in enumerate(bars["client"]) if c == "my loop"]
     ops = Counter(bars["op"][i] for i in mine)
@@ -106,18 +111,22 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
     assert colors == {op: op_color(op) for op in colors} and len(set(colors.values())) == 3
     assert all(isinstance(c, int) and c >= 0 for c in bars["cycle"])
     assert all(w >= 0 for w in bars["wait_ms"])
-    assert state["lanes"]["my loop"] == 0 and len(state["lanes"]) == 2
+    # the sampler made from the run shares its lane
+    assert len(state["lanes"]) == 2 and set(state["lanes"].values()) == {0}
+    assert state["lane_labels"] == {0: "my loop +1 sampler"}
     assert state["loss"]["step"] == list(range(1, 15))
     assert state["loss"]["loss"][-1] < state["loss"]["loss"][0]  # it learns the fixed batch
     assert "cycle " in state["status"] and "my loop: <b>1</b> cycle/update" in state["status"]
     assert state["diagnosis"].cause == "pipelined"
     # coalescing: at most one PATCH-DOC (3 messages, no binary buffers) per tick
     assert 0 < state["patches"] <= state["ticks"]
-    assert seen["sends"]["BatchedBokehModel"] == 3 * state["patches"]
-    assert seen["threads"] == {loop_thread}  # every bokeh change on the loop's thread
-    assert state["tasks"].count("trio-dashboard") == 1
+    assert seen["sends"]["BatchedBokehModel"] == 3 * state["final_patches"]
+    assert seen["threads"] == {dash_thread}  # every bokeh change on the dashboard's own thread
+    assert state["threads"] == [dash_thread] and dash_thread.startswith("trio-dashboard-")
+    assert not [t for t in state["tasks"] if t.startswith("trio")]  # nothing of it on the caller's loop
+    assert state["pill"] == "training"  # a hand-written loop trains: the pill says so
     assert state["subscribers"] == 1 and state["after_close_subscribers"] == 0
-    assert state["task_done"] and "trio-dashboard" not in state["after_close_tasks"]
+    assert state["thread_done"] and state["after_close_threads"] == []
 
     trace, metrics, page = (Path(p) for p in paths)
     events = json.loads(trace.read_text())["traceEvents"]
@@ -148,6 +157,7 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
 
             click("Start")
             await until(lambda: dash.state == "running" and pool.telemetry.total_updates >= 6, "training")
+            await until(lambda: dash.pool_state == "training", "the pill to say training")
             lrs = [r.learning_rate for r in dash.runs]
             labels = [pool.telemetry.clients[r.client.client_id].label for r in dash.runs]
             for key, value in (("lr", 1e-3), ("log", True)):  # settings changed from another thread too
@@ -155,6 +165,9 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
             await until(lambda: dash.runs[0].learning_rate == 5e-4, "new learning rate")
             await until(lambda: dash.figures.loss_figs[1].visible, "log-scale loss figure")
             assert not dash.figures.loss_figs[0].visible
+            # the labels follow the learning rate
+            await until(lambda: dash.figures.clients[dash.runs[0].client_id].label == "run1 lr=0.0005", "relabel")
+            relabelled = [dash.figures.clients[r.client_id].label for r in dash.runs]
             click("Pause")
             await until(lambda: dash.state == "paused", "paused")
             updates, cycle = pool.telemetry.total_updates, pool.cycle_index
@@ -169,20 +182,25 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
                 click(name)
             await until(lambda: "trio-dashboard.html" in dash.controls.export_note.value, "exports")
             pool.close()  # the dashboard notices and lets go of the pool
-            await until(lambda: not dash.running, "dashboard task to end")
-            return dict(lrs=lrs, labels=labels, updates=updates, paused_updates=paused_updates,
-                        paused_text=paused_text, seen=seen, subscribed=dash.subscribed, state=dash.state,
-                        steps=[r.step for r in dash.runs], loop_thread=threading.current_thread().name)
+            await until(lambda: dash.state == "closed" and not dash.subscribed, "the dashboard to let go")
+            await until(lambda: "CLOSED" in dash.status_text.upper() and "tokens/s" not in dash.status_text,
+                        "a closed pill without a stale rate")
+            out = dict(lrs=lrs, labels=labels, relabelled=relabelled, updates=updates, paused_updates=paused_updates,
+                       paused_text=paused_text, seen=seen, subscribed=dash.subscribed, state=dash.state,
+                       steps=[r.step for r in dash.runs], dash_thread=dash.tick_thread.name)
+            dash.close()
+            return out
 
     out = asyncio.run(main())
-    assert out["lrs"] == [1e-3, 2e-3] and out["labels"] == ["run1 lr=0.001", "run2 lr=0.002"]
+    assert out["lrs"] == [1e-3, 2e-3] and out["labels"] == ["run1", "run2"]
+    assert out["relabelled"] == ["run1 lr=0.0005", "run2 lr=0.001"]
     assert out["paused_updates"] == out["updates"] and "paused" in out["paused_text"]
-    assert out["seen"]["threads"] == {out["loop_thread"]}
+    assert out["seen"]["threads"] == {out["dash_thread"]}
     assert not out["subscribed"] and out["state"] == "closed"
     assert all(s > 0 for s in out["steps"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "trio-dashboard.html", "trio-trace.json"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {r["run"] for r in rows} == {"run1 lr=0.001", "run2 lr=0.002"} and "time/wait" in rows[0]
+    assert {r["run"] for r in rows} == {"run1", "run2"} and "time/wait" in rows[0]
 
 
 KERNEL_SETUP = """
@@ -210,7 +228,8 @@ tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, ra
 batches = [[trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7, 8]),
                        loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})]] * 3
 run = trio.run_sync(trio.train(tc, batches))  # a blocking cell, inside the kernel's running loop
-print(json.dumps({"steps": run.step, "tasks": [t.get_name() for t in asyncio.all_tasks()].count("trio-dashboard"),
+import threading
+print(json.dumps({"steps": run.step, "threads": sum(t.name.startswith("trio-dashboard") for t in threading.enumerate()),
                   "old_closed": old.closed}))
 """
 
@@ -260,7 +279,7 @@ def test_busy_run_sends_at_most_100_comm_messages_per_second_real_kernel():
         _execute(kc, KERNEL_SETUP, "setup")
         text, _ = _execute(kc, KERNEL_AFTER, "after")
         after = json.loads(text.strip().splitlines()[-1])
-        assert after == {"steps": 3, "tasks": 1, "old_closed": True}, after
+        assert after == {"steps": 3, "threads": 1, "old_closed": True}, after
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

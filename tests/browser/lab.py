@@ -300,6 +300,8 @@ class LabPage:
     notebook: str
     console: list[str] = field(default_factory=list)
     page_errors: list[str] = field(default_factory=list)
+    #: bokeh PATCH-DOC messages the page received over the kernel websocket (one per dashboard tick)
+    patches_received: int = 0
 
     def messages(self) -> list[str]:
         return [*self.console, *(f"pageerror: {e}" for e in self.page_errors)]
@@ -346,6 +348,69 @@ class LabPage:
             timeout=timeout * 1000,
         )
 
+    def add_cell(self, code: str) -> str:
+        """Append a code cell holding `code` (not run), make it the active cell; its model id."""
+        return str(self.page.evaluate(
+            """(code) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                nb.activeCellIndex = nb.widgets.length - 1;
+                nb.mode = 'command';
+                return window.jupyterapp.commands.execute('notebook:insert-cell-below').then(() => {
+                    nb.activeCell.model.sharedModel.setSource(code);
+                    nb.mode = 'command';
+                    nb.node.focus();  // keys go to the notebook, as after a click on the cell
+                    return nb.activeCell.model.id;
+                });
+            }""",
+            code,
+        ))
+
+    def cell_outputs(self, cell_id: str) -> str:
+        """The text of a cell's outputs (stream text, text/plain and error lines), joined."""
+        return str(self.page.evaluate(
+            """(id) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                const cell = nb.widgets.find(w => w.model.id === id);
+                if (!cell) return '';
+                return cell.model.outputs.toJSON().map(o => {
+                    if (o.output_type === 'stream') return [].concat(o.text).join('');
+                    if (o.output_type === 'error') return o.ename + ': ' + o.evalue;
+                    const d = o.data || {};
+                    return [].concat(d['text/plain'] || '').join('');
+                }).join('\\n');
+            }""",
+            cell_id,
+        ))
+
+    def cell_text(self, index: int) -> str:
+        """The output text of the notebook's `index`-th cell."""
+        cell_id = self.page.evaluate(
+            "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].model.id", index)
+        return self.cell_outputs(str(cell_id))
+
+    def run_cell(self, code: str, *, timeout: float = 60, until: str | None = None) -> tuple[str, float]:
+        """Append a cell, run it as a user does (Ctrl+Enter on the selected cell) and wait until
+        it has run (and, with `until`, its output matches that regex); (output text, seconds
+        from the key press until the page showed the result)."""
+        cell_id = self.add_cell(code)
+        t0 = time.perf_counter()
+        self.page.keyboard.press("Control+Enter")
+        self.page.wait_for_function(
+            """([id, pattern]) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                const cell = nb.widgets.find(w => w.model.id === id);
+                if (!cell || cell.model.executionCount === null) return false;
+                if (!pattern) return true;
+                const text = cell.model.outputs.toJSON().map(o => [].concat(o.text || (o.data || {})['text/plain']
+                    || (o.ename ? o.ename + ': ' + o.evalue : '')).join('')).join('\\n');
+                return new RegExp(pattern).test(text);
+            }""",
+            arg=[cell_id, until],
+            timeout=timeout * 1000,
+        )
+        seconds = time.perf_counter() - t0
+        return self.cell_outputs(cell_id), seconds
+
     def app_eval(self, expression: str) -> Any:
         """Evaluate JS with ``app`` bound to ``window.jupyterapp``."""
         return self.page.evaluate(f"() => {{ const app = window.jupyterapp; return ({expression}); }}")
@@ -383,6 +448,13 @@ def open_notebook(
     lp = LabPage(page, lab, notebook)
     page.on("console", lambda m: lp.console.append(f"{m.type}: {m.text}"))
     page.on("pageerror", lambda e: lp.page_errors.append(str(e)))
+
+    def on_frame(payload: str | bytes) -> None:
+        # the header part of a bokeh patch names its type; it is one websocket frame per comm message
+        if (b"PATCH-DOC" if isinstance(payload, bytes) else "PATCH-DOC") in payload:
+            lp.patches_received += 1
+
+    page.on("websocket", lambda ws: ws.on("framereceived", on_frame))
     try:
         page.goto(lab.lab_url(notebook), wait_until="domcontentloaded")
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout * 1000)

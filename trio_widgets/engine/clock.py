@@ -214,6 +214,7 @@ class LocalPool:
         self.max_samples_per_cycle = int(max_samples_per_cycle)
         self.checkpoint_dir = checkpoint_dir
         self.name = name or f"pool-{next(_POOL_IDS)}"
+        self.serial = next(_POOL_SERIALS)  # creation order: a Dashboard() without a pool follows the newest
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
 
@@ -308,7 +309,8 @@ class LocalPool:
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
-                                             label or tenant.client_id, tenant.rank or None))
+                                             label or tenant.client_id, tenant.rank or None,
+                                             parent=tenant.extra.get("parent")))
 
     def tenant(self, client_id: str) -> Tenant:
         """The live tenant of `client_id`; ClientClosedError once it was closed."""
@@ -559,6 +561,7 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
 
 
 _POOL_IDS = itertools.count(1)
+_POOL_SERIALS = itertools.count(1)
 _IDLE_TICK_S = 0.001
 
 
