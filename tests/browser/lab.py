@@ -411,6 +411,30 @@ class LabPage:
         seconds = time.perf_counter() - t0
         return self.cell_outputs(cell_id), seconds
 
+    def rerun_cell(self, index: int) -> None:
+        """Select the `index`-th cell and run it again (Ctrl+Enter), as a user does."""
+        self.page.evaluate(
+            """(i) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                nb.activeCellIndex = i;
+                nb.mode = 'command';
+                nb.node.focus();
+            }""",
+            index,
+        )
+        self.page.keyboard.press("Control+Enter")
+
+    def cell_prompt(self, index: int) -> str:
+        """The `index`-th cell's prompt: "[*]:" while it runs (or waits), "[7]:" once it ran."""
+        return str(self.page.evaluate(
+            """(i) => {
+                const cell = window.jupyterapp.shell.currentWidget.content.widgets[i];
+                const p = cell.node.querySelector('.jp-InputArea-prompt');
+                return p ? p.textContent : '';
+            }""",
+            index,
+        ))
+
     def app_eval(self, expression: str) -> Any:
         """Evaluate JS with ``app`` bound to ``window.jupyterapp``."""
         return self.page.evaluate(f"() => {{ const app = window.jupyterapp; return ({expression}); }}")

@@ -497,22 +497,27 @@ class Dashboard(W.VBox):
         successor = None
         if pool is not None and pool.closed:
             successor = _clock._CELL_POOLS.successor(pool)
-            if successor is not None and (successor.closed or successor not in _clock._LIVE_POOLS):
+            if successor is not None and not successor.closed and successor not in _clock._LIVE_POOLS:
+                return  # being built right now (it closed ours on its way): next tick
+            if successor is not None and successor.closed:
                 successor = None
-        if successor is None and self.follow:
+            if successor is not None:
+                self._switch(successor)
+                self._notice(f"the cell that built pool {pool.name!r} ran again: now showing its new pool "
+                             f"{successor.name!r}")
+                return
+        if self.follow:
             newest = _newest_pool()
             if newest is not None and newest is not pool and (
                     pool is None or pool.closed or getattr(newest, "serial", 0) > getattr(pool, "serial", 0)):
-                successor = newest
-        if successor is not None:
-            old = pool
-            self._switch(successor)
-            if old is None:
-                self._notice(f"showing pool {successor.name!r}")
-            else:
-                why = "it was closed" if old.closed else "a newer pool was built"
-                self._notice(f"now showing pool {successor.name!r}: {why} (was {old.name!r})")
-            return
+                self._switch(newest)
+                if pool is None:
+                    self._notice(f"showing pool {newest.name!r}")
+                elif pool.closed:
+                    self._notice(f"pool {pool.name!r} was closed: now showing {newest.name!r}")
+                else:
+                    self._notice(f"now showing the newest pool {newest.name!r} (was {pool.name!r})")
+                return
         if pool is not None and pool.closed and not self._pool_closed:
             self._on_pool_closed()
 
@@ -558,7 +563,12 @@ class Dashboard(W.VBox):
                     bk.resync()
                 bk.live = True
         if not bk.live and self._displayed_at is not None and time.perf_counter() - self._displayed_at > 3.0:
-            bk.live = True  # no view said it rendered (no browser, e.g. nbclient): send anyway
+            # No view said it rendered: no browser (nbclient), or the kernel cannot read the page's
+            # messages yet (a cell blocks it). Send anyway, from the whole document: a view that
+            # rendered meanwhile would otherwise miss what changed since.
+            if bk.stale:
+                bk.resync()
+            bk.live = True
 
     def _tokens_per_s(self) -> float:
         if len(self._rates) < 2:

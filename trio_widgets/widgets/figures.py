@@ -449,6 +449,7 @@ class DashboardFigures:
         self.clients.clear()
         self.lanes.clear()
         self.hidden_curves = 0
+        self._color_seq = 0
         self._title_loss()
         for source in (self.bands, self.bars, self.queue):
             source.data = {k: [] for k in source.data}
