@@ -36,7 +36,7 @@ from .errors import (
     UnprocessableEntityError,
 )
 from .futures import APIFuture
-from .loop import TrainingRun, run_sync, train
+from .loop import RunInterrupted, TrainingRun, run_sync, train
 from .types import (
     AdamOptimizerConfig,
     AdamParams,
@@ -125,6 +125,7 @@ __all__ = [
     "TinkerError",
     "UnprocessableEntityError",
     "Dashboard",
+    "RunInterrupted",
     "TrainingRun",
     "run_sync",
     "train",

@@ -82,8 +82,8 @@ class RunInterrupted(Exception):
     def __init__(self, run: TrainingRun):
         self.run = run
         total = f" of {run.steps}" if run.steps is not None else ""
-        super().__init__(f"interrupted: run {run.name!r} stopped at step {run.step}{total}; "
-                         f"the {run.step} updates it applied are in run.metrics")
+        super().__init__(f"interrupted: run {run.name!r} stopped at step {run.step}{total}; every update it "
+                         f"applied is in its metrics")
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of a traceback: one line where the cell's output goes
@@ -397,17 +397,25 @@ class TrainingRun:
     async def _settle_cancelled(self, inflight: deque[_Update]) -> None:
         """The run's task was cancelled: withdraw the updates still queued and complete (and
         record) those the pool already took, so that the metrics list exactly what the
-        weights received.
+        weights received."""
+        await self._finish_withdrawn(inflight, self._withdraw(inflight))
 
-        Withdrawn newest first, optim_step before its forward_backward: a queue is FIFO, so
-        nothing withdrawn lets a later request run early. An update whose forward_backward
-        ran but whose optim_step was withdrawn gets a new optim_step (its gradient must not
-        linger in the adapter), then counts as applied."""
+    @staticmethod
+    def _withdraw(inflight: deque[_Update]) -> dict[int, tuple[bool, bool]]:
+        """Withdraw what is still queued, newest first and optim_step before its
+        forward_backward: a queue is FIFO, so nothing withdrawn lets a later request run
+        early. Per update: (forward_backward withdrawn, optim_step withdrawn or never sent)."""
         withdrawn: dict[int, tuple[bool, bool]] = {}
         for update in reversed(inflight):
             opt_gone = update.opt is None or update.opt.cancelled() or update.opt.cancel()
             fb_gone = opt_gone and (update.fb.cancelled() or update.fb.cancel())
             withdrawn[id(update)] = (fb_gone, opt_gone)
+        return withdrawn
+
+    async def _finish_withdrawn(self, inflight: deque[_Update], withdrawn: dict[int, tuple[bool, bool]]) -> None:
+        """Record the updates that ran. One whose forward_backward ran but whose optim_step was
+        withdrawn (or never sent) gets a new optim_step: its gradient must not linger in the
+        adapter, to be applied by some later step; it then counts as applied."""
         while inflight:
             update = inflight[0]
             fb_gone, opt_gone = withdrawn[id(update)]
