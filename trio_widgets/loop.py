@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import json
 import logging
 import math
@@ -45,7 +46,8 @@ from .metrics import batch_weight, json_safe, loss_per_token
 from .types import AdamParams, Datum
 from .validation import is_int
 
-__all__ = ["MODES", "RunInterrupted", "TrainingRun", "live_runs", "run_sync", "train"]
+__all__ = ["MODES", "RunEnding", "RunInterrupted", "TrainingRun", "live_runs", "run_endings", "run_sync",
+           "train"]
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,47 @@ def _check_lookahead(lookahead: int) -> int:
 
 
 _RUNS: weakref.WeakSet[TrainingRun] = weakref.WeakSet()
+#: how runs ended, newest last (bounded): a run nobody keeps is gone as soon as its task ends,
+#: so whoever reports endings (the dashboard) reads them here
+_ENDINGS: deque[RunEnding] = deque(maxlen=256)
+_ENDING_IDS = itertools.count(1)
+_HOOKED_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class RunEnding:
+    seq: int
+    name: str
+    client_id: str | None
+    state: str
+    reason: str
+    step: int
+    steps: int | None
 
 
 def live_runs() -> list[TrainingRun]:
-    """Every TrainingRun still referenced somewhere (the dashboard shows how they end)."""
+    """Every TrainingRun still referenced somewhere."""
     return list(_RUNS)
+
+
+def run_endings(after: int = 0) -> list[RunEnding]:
+    """How runs ended (stopped, interrupted, finished, failed, pool closed), `seq` > `after`."""
+    return [e for e in list(_ENDINGS) if e.seq > after]
+
+
+def _pool_of(client: Any) -> Any:
+    return getattr(getattr(client, "_backend", None), "pool", None)
+
+
+def _say_pool_closed(pool_ref: weakref.ref) -> None:
+    """A pool closes (its cell ran again, or close()): say, on the closing thread, i.e. in the
+    output of the cell that closed it, which runs it stops."""
+    pool = pool_ref()
+    for run in list(_RUNS):
+        if pool is not None and _pool_of(run.client) is pool and not run.done() and run.state != "created":
+            run._pool_closed_said = True
+            log.warning("training run %r stops at step %d: its pool %r was closed", run.name, run.step,
+                        getattr(pool, "name", "?"))
 
 
 class RunInterrupted(Exception):
@@ -185,6 +223,7 @@ class TrainingRun:
         self._last_fb_cycle: int | None = None
         self._last_done: float | None = None
         self._file: IO[str] | None = None
+        self._pool_closed_said = False
         _RUNS.add(self)
 
     @property
@@ -277,7 +316,15 @@ class TrainingRun:
         """Schedule the loop as a task on the running event loop (call it on that loop)."""
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._main(), name=f"trio-train-{self.name}")
+            pool = _pool_of(self.client)
+            if pool is not None and hasattr(pool, "on_close") and pool not in _HOOKED_POOLS:
+                _HOOKED_POOLS.add(pool)  # one hook per pool, holding the pool weakly
+                pool.on_close(lambda ref=weakref.ref(pool): _say_pool_closed(ref))
         return self
+
+    def _ended(self) -> None:
+        _ENDINGS.append(RunEnding(next(_ENDING_IDS), str(self.name), self.client_id, self.state,
+                                  self.stop_reason or self.state, self.step, self.steps))
 
     async def wait(self) -> TrainingRun:
         """Wait until the run ends; re-raises the error that ended it, if any.
@@ -377,7 +424,8 @@ class TrainingRun:
         except PoolClosedError as exc:
             self.state = "stopped"
             self.stop_reason = "the pool was closed"
-            log.warning("training run %r stopped at step %d: %s", self.name, self.step, exc)
+            if not self._pool_closed_said:  # else the closing cell has said it already
+                log.warning("training run %r stopped at step %d: %s", self.name, self.step, exc)
         except Exception as exc:
             self.error = exc
             # what was already submitted still completes: record it, so metrics match the weights
@@ -393,6 +441,7 @@ class TrainingRun:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            self._ended()
 
     async def _settle_cancelled(self, inflight: deque[_Update]) -> None:
         """The run's task was cancelled: withdraw the updates still queued and complete (and

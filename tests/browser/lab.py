@@ -302,6 +302,18 @@ class LabPage:
     page_errors: list[str] = field(default_factory=list)
     #: bokeh PATCH-DOC messages the page received over the kernel websocket (one per dashboard tick)
     patches_received: int = 0
+    #: kernel messages that report a comm error (e.g. the kernel's "No such comm" warnings,
+    #: which JupyterLab shows in red in its log console)
+    comm_errors: list[str] = field(default_factory=list)
+    #: ids of the comms JupyterLab's widget manager opens to probe a new kernel for widgets
+    #: ("jupyter.widget.control"): before ipywidgets is imported the kernel answers "No such
+    #: comm" to those, in any notebook. Not the dashboard's doing: see `own_comm_errors`.
+    probe_comms: set[str] = field(default_factory=set)
+
+    def own_comm_errors(self) -> list[str]:
+        """Comm errors other than the widget manager's probe of a kernel without ipywidgets."""
+        return [e for e in self.comm_errors if "jupyter.widget.control" not in e
+                and not any(c in e for c in self.probe_comms)]
 
     def messages(self) -> list[str]:
         return [*self.console, *(f"pageerror: {e}" for e in self.page_errors)]
@@ -411,16 +423,17 @@ class LabPage:
         seconds = time.perf_counter() - t0
         return self.cell_outputs(cell_id), seconds
 
-    def rerun_cell(self, index: int) -> None:
-        """Select the `index`-th cell and run it again (Ctrl+Enter), as a user does."""
+    def rerun_cell(self, cell: int | str) -> None:
+        """Select a cell (its index, or its model id from `add_cell`) and run it again
+        (Ctrl+Enter), as a user does."""
         self.page.evaluate(
-            """(i) => {
+            """(cell) => {
                 const nb = window.jupyterapp.shell.currentWidget.content;
-                nb.activeCellIndex = i;
+                nb.activeCellIndex = typeof cell === 'number' ? cell : nb.widgets.findIndex(w => w.model.id === cell);
                 nb.mode = 'command';
                 nb.node.focus();
             }""",
-            index,
+            cell,
         )
         self.page.keyboard.press("Control+Enter")
 
@@ -475,10 +488,22 @@ def open_notebook(
 
     def on_frame(payload: str | bytes) -> None:
         # the header part of a bokeh patch names its type; it is one websocket frame per comm message
-        if (b"PATCH-DOC" if isinstance(payload, bytes) else "PATCH-DOC") in payload:
+        text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+        if "PATCH-DOC" in text:
             lp.patches_received += 1
+        for m in re.finditer(r"No such comm[^\\\"]*|Cannot send[^\\\"]*", text):
+            lp.comm_errors.append(m.group(0))
 
-    page.on("websocket", lambda ws: ws.on("framereceived", on_frame))
+    def on_sent(payload: str | bytes) -> None:
+        text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+        if "jupyter.widget.control" in text:
+            lp.probe_comms.update(re.findall(r'"comm_id":\s*"([^"]+)"', text))
+
+    def on_ws(ws: Any) -> None:
+        ws.on("framereceived", on_frame)
+        ws.on("framesent", on_sent)
+
+    page.on("websocket", on_ws)
     try:
         page.goto(lab.lab_url(notebook), wait_until="domcontentloaded")
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout * 1000)

@@ -42,7 +42,7 @@ from .._notebook import CellRegistry
 from ..advisor import Diagnosis, diagnose_telemetry
 from ..engine import DEFAULT_MODEL, LocalPool
 from ..engine import clock as _clock
-from ..loop import MODES, TrainingRun, live_runs
+from ..loop import MODES, TrainingRun, run_endings
 from ..metrics import cycles_per_update, format_cycles, period_history
 from ..ops import OPS, UPDATE_OPS
 from ..trace import metrics_rows, write_chrome_trace, write_metrics_jsonl
@@ -79,6 +79,7 @@ _CSS = """<style>
 .trio-dashboard .trio-pill.sampling { background: #e0f2fe; color: #075985; }
 .trio-dashboard .trio-pill.paused { background: #fef3c7; color: #92400e; }
 .trio-dashboard .trio-pill.closed { background: #fee2e2; color: #991b1b; }
+.trio-dashboard .trio-pill.snapshot { background: #e5e7eb; color: #374151; }
 .trio-dashboard .trio-runs { color: #4b5563; margin-left: 6px; }
 .trio-dashboard .trio-cpu { display: inline-block; margin-right: 12px; white-space: nowrap; }
 .trio-dashboard .trio-dot { display: inline-block; width: 9px; height: 9px; border-radius: 50%;
@@ -192,7 +193,9 @@ class Dashboard(W.VBox):
         self._rates: deque[tuple[float, int]] = deque(maxlen=64)
         self._diagnoses: dict[str, Diagnosis] = {}
         self._notices: deque[tuple[str, bool]] = deque(maxlen=3)  # (html, bad): what just happened, one line each
-        self._run_states: dict[int, str] = {}
+        self._endings_seen = run_endings()[-1].seq if run_endings() else 0
+        # every client this dashboard has drawn (bounded): a run on them ending is reported
+        self._shown_ids: deque[str] = deque(maxlen=512)
         self._pending_lr: float | None = None
         self._last_update_at = float("-inf")
         self._last_busy_at = float("-inf")
@@ -408,6 +411,8 @@ class Dashboard(W.VBox):
         # closing: the Start runs stop at their next update and record what they applied
         try:
             await self.sweep.close(timeout=10.0)
+            await asyncio.sleep(0)
+            self.tick()  # draw their last updates: the snapshot shows where they stopped
         except Exception:
             log.exception("stopping the dashboard's runs failed")
         if self._feed is not None:
@@ -426,6 +431,7 @@ class Dashboard(W.VBox):
                 clients, cycles, boundaries, delivered = self._feed.drain()
                 for info in clients:
                     self._figs.add_client(info, self._label_of(info.client_id, info.label))
+                    self._shown_ids.append(info.client_id)
                 self._figs.update(cycles, boundaries, delivered)
                 self._note_activity(cycles, delivered)
                 for info in self._feed.drain_retired():
@@ -462,26 +468,20 @@ class Dashboard(W.VBox):
                     self._update_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
 
     def _watch_runs(self) -> None:
-        """Say in one line how a run on this pool ended (stopped, interrupted, pool closed...)."""
-        shown = self._figs.clients
-        for run in live_runs():
-            cid = run.client_id
-            if cid is None or cid not in shown:
-                continue
-            key = id(run)
-            before = self._run_states.get(key)
-            self._run_states[key] = run.state
-            if run.done() and before is not None and before != run.state:
-                reason = run.stop_reason or run.state
-                total = f" of {run.steps}" if run.steps is not None else ""
-                if reason == "finished":
-                    self._notice(f"run {run.name!r} finished: {run.step}{total} updates")
-                else:
-                    self._notice(f"run {run.name!r} stopped at step {run.step}{total}: {reason}",
-                                 bad=run.state == "error")
-        if len(self._run_states) > 256:  # bounded: forget runs that are gone
-            alive = {id(r) for r in live_runs()}
-            self._run_states = {k: v for k, v in self._run_states.items() if k in alive}
+        """Say in one line how a run we showed ended (stopped, interrupted, pool closed...)."""
+        endings = run_endings(self._endings_seen)
+        if not endings:
+            return
+        self._endings_seen = endings[-1].seq
+        for e in endings:
+            if e.client_id is None or e.client_id not in self._shown_ids:
+                continue  # a run on another pool
+            total = f" of {e.steps}" if e.steps is not None else ""
+            if e.reason == "finished":
+                self._notice(f"run {e.name!r} finished: {e.step}{total} updates")
+            else:
+                self._notice(f"run {e.name!r} stopped at step {e.step}{total}: {e.reason}",
+                             bad=e.state == "error" or e.reason == "the pool was closed")
 
     # -- following a pool ------------------------------------------------------------------------------
     def _attach(self, pool: LocalPool) -> None:
@@ -585,12 +585,18 @@ class Dashboard(W.VBox):
         if now is not None and key == self._status_key and now - self._status_at < _TEXT_EVERY_S:
             return  # the numbers move on every tick; the page need not restyle for each of them
         self._status_key, self._status_at = key, now if now is not None else time.perf_counter()
+        text = self._status_html(state)
+        if text != self._status_text:
+            self._status_text = text
+            self._status.value = text
+
+    def _status_html(self, state: str) -> str:
         pool = self.pool
         head = f"<span class='trio-pill {state}'>{state}</span>"
         if pool is not None:
             t = pool.telemetry
             head += f"cycle <b>{pool.cycle_index}</b> · updates <b>{t.total_updates}</b>"
-            if state != "closed":
+            if state not in ("closed", "snapshot"):
                 head += f"<span class='trio-rate'> · <b>{_si(self._tokens_per_s())}</b> tokens/s</span>"
         runs = self.sweep.state
         if runs not in ("idle",) and self.sweep.runs:
@@ -616,10 +622,7 @@ class Dashboard(W.VBox):
                 parts.append(f"<br><span class='trio-notice bad'>{html.escape(error)}</span>")
         for text, bad in self._notices:
             parts.append(f"<br><span class='trio-notice{' bad' if bad else ''}'>{text}</span>")
-        text = "".join(parts)
-        if text != self._status_text:
-            self._status_text = text
-            self._status.value = text
+        return "".join(parts)
 
     def _update_advisor(self) -> None:
         if self.pool is None:
@@ -674,8 +677,9 @@ class Dashboard(W.VBox):
             log.exception("dashboard snapshot of the figures failed")
             script, div = "", ""
         when = time.strftime("%H:%M:%S")
+        self._watch_runs()  # how the Start runs ended belongs in the last picture
         body = (f"<div class='trio-dashboard trio-snapshot'>{self._header.value}"
-                f"<div class='trio-status'>{self._status.value}</div>{div}{self._advisor_w.value}"
+                f"<div class='trio-status'>{self._status_html('snapshot')}</div>{div}{self._advisor_w.value}"
                 f"<div class='trio-snapshot-note'>Snapshot of the dashboard when it closed ({when}); "
                 f"it no longer updates.</div></div>{script}")
         return {"text/html": body, "text/plain": f"<trio dashboard snapshot, closed {when}>"}
