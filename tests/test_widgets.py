@@ -283,3 +283,151 @@ def test_busy_run_sends_at_most_100_comm_messages_per_second_real_kernel():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+# -- bounded series, lanes, inputs, following a pool (no kernel needed) ---------------------------
+
+def test_loss_series_stays_bounded_and_keeps_recent_steps_exactly():
+    from trio_widgets.widgets.series import LossSeries
+
+    series = LossSeries(recent=50, history=40)
+    source_rows: list[float] = []  # what a bokeh source fed by flush() would hold
+    for step in range(1, 100_001):
+        series.add(step, 1.0 / step, 2.0 / step)
+        out = series.flush()
+        if out is None:
+            continue
+        kind, rows = out
+        source_rows = rows["step"] if kind == "replace" else source_rows + rows["step"]
+        assert len(source_rows) <= 40 + 1 + 2 * 50
+    assert source_rows == series.rows()["step"] and len(series) == len(source_rows)
+    assert source_rows == sorted(source_rows)  # in order: one line, no zig-zags
+    assert source_rows[-50:] == list(range(100_000 - 49, 100_001))  # the recent window, every step
+    assert series.stride >= 1024  # history buckets doubled as the run grew
+    assert source_rows[0] == (1 + series.stride) / 2  # the start of the run is still there, averaged
+
+
+def _info(cid: str, kind: str = "training", parent: str | None = None):
+    from trio_widgets.telemetry import ClientInfo
+
+    return ClientInfo(cid, kind, trio.DEFAULT_MODEL, cid, 4, parent=parent)
+
+
+def test_lanes_reuse_samplers_join_their_parent_and_none_is_dropped():
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(0.0, lanes_visible=4, max_curves=6)
+    models = len(figs.layout.document.models) if figs.layout.document else None
+    for i in range(7):  # more clients than lanes shown
+        figs.add_client(_info(f"t{i}"))
+    assert [figs.clients[f"t{i}"].lane for i in range(7)] == list(range(7)) and figs.lane_count == 7
+    assert figs.timeline.y_range.start == -3.6  # four lanes shown...
+    figs.scroll_lanes(3)  # ...and the others reached by scrolling
+    assert (figs.timeline.y_range.start, figs.timeline.y_range.end) == (-6.6, -2.05)
+    # a sampler made from t1 shares its lane; the lane says so
+    figs.add_client(_info("s1", "sampling", parent="t1"))
+    assert figs.clients["s1"].lane == 1
+    assert figs.timeline.yaxis[0].major_label_overrides[-1] == "t1 +1 sampler"
+    # seven live runs, six curve slots: one is not drawn, and the title says so
+    assert figs.hidden_curves == 1 and "1 more run not drawn" in figs.loss_figs[0].title.text
+    assert figs.clients["t6"].curve is None
+    # retiring gives the lane back (the next client takes the lowest free one), and its curve
+    # slot goes to the live run that had none
+    figs.retire_client("t2")
+    assert figs.clients["t6"].curve is not None and "t2" not in figs.clients and figs.hidden_curves == 0
+    figs.add_client(_info("t7"))
+    assert figs.clients["t7"].lane == 2 and figs.hidden_curves == 1
+    # t1 retires while its sampler lives on: the lane passes to the sampler, not to a newcomer
+    figs.retire_client("t1")
+    figs.add_client(_info("t8"))
+    assert figs.clients["s1"].lane == 1 and figs.clients["t8"].lane == 7
+    drawn = {c for c, v in figs.clients.items() if v.curve is not None}
+    assert drawn == {"t0", "t3", "t4", "t5", "t6", "t7"} and figs.hidden_curves == 1  # live runs first
+    if models is not None:
+        assert len(figs.layout.document.models) == models  # nothing is added to the document afterwards
+
+
+def test_every_model_is_built_up_front():
+    """A model added to a live bokeh document makes bokeh walk the whole document: the figures
+    only change values after they are built."""
+    from bokeh.document import Document
+
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(0.0, lanes_visible=3, max_curves=4)
+    doc = Document()
+    doc.add_root(figs.layout)
+    before = {m.id for m in doc.models}
+    for i in range(6):
+        figs.add_client(_info(f"t{i}"))
+    figs.add_client(_info("s0", "sampling", parent="t0"))
+    figs.set_log_scale(True)
+    figs.retire_client("t3")
+    figs.relabel("t0", "renamed")
+    figs.reset()
+    assert {m.id for m in doc.models} == before
+
+
+def test_settings_are_checked_clamped_or_confirmed():
+    from trio_widgets.widgets.controls import check_setting
+
+    assert check_setting("lr", 0, 3e-3)[0] == "refuse"
+    assert check_setting("lr", -1, 3e-3) == ("refuse", 3e-3, "lr must be a number above 0 (got -1): kept 0.003")
+    assert check_setting("lr", float("nan"), 3e-3)[0] == "refuse"
+    verdict, value, question = check_setting("lr", 1e9, 3e-3)
+    assert verdict == "confirm" and value == 1e9 and "far outside 1e-06–0.1" in question
+    assert check_setting("lr", 1e-3, 3e-3) == ("apply", 1e-3, "")
+    assert check_setting("batch_size", 100, 8) == ("apply", 64, "batch 100 is outside 1–64: using 64")
+    assert check_setting("runs", 0, 3) == ("apply", 1, "runs 0 is outside 1–16: using 1")
+    assert check_setting("lookahead", "x", 1)[0] == "refuse"
+
+
+def test_dashboard_says_what_it_did_with_odd_inputs():
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.02, name="inputs") as pool:
+            dash = trio.Dashboard(pool, runs=2, batch_size=2, rank=4, learning_rate=2e-3)
+            dash.start()
+            await until(lambda: dash.state == "running" and all(r.step >= 2 for r in dash.runs), "training")
+            dash.set(lr=-1)
+            await until(lambda: "kept 0.002" in dash.controls.setting_note.value, "a refusal")
+            assert dash.controls.settings["lr"].value == 2e-3 and dash.runs[0].learning_rate == 1e-3
+            dash.set(lr=1.0)  # far outside the usual range: asks first, applies nothing yet
+            await until(lambda: dash.controls.confirm.layout.display is None, "a question")
+            asked = dash.controls.setting_note.value
+            assert dash.runs[0].learning_rate == 1e-3
+            dash.controls.confirm.click()
+            await until(lambda: dash.runs[0].learning_rate == 0.5, "the confirmed lr")
+            label = dash.figures.clients[dash.runs[0].client_id].label
+            dash.set(batch_size=1000)
+            await until(lambda: "using 64" in dash.controls.setting_note.value, "a clamp")
+            out = dict(asked=asked, label=label, batch=dash.controls.settings["batch_size"].value,
+                       notices=dash.notices, hidden=dash.controls.confirm.layout.display)
+            dash.close()
+            return out
+
+    out = asyncio.run(main())
+    assert "lr=1 is far outside" in out["asked"] and out["hidden"] == "none"
+    assert out["label"] == "run1 lr=0.5" and out["batch"] == 64
+    assert any("lr set to 1" in n for n in out["notices"])
+
+
+def test_a_dashboard_without_a_pool_follows_the_newest():
+    async def main():
+        dash = trio.Dashboard()
+        try:
+            await until(lambda: dash.ticks >= 2, "ticks")
+            first = dash.pool
+            with trio.LocalPool(min_cycle_s=0.02, name="follow-a") as a:
+                await until(lambda: dash.pool is a and "follow-a" in dash.status_text, "the new pool")
+                text_a = dash.status_text
+                with trio.LocalPool(min_cycle_s=0.02, name="follow-b") as b:
+                    await until(lambda: dash.pool is b, "the newer pool")
+                await until(lambda: dash.pool is a and "was closed" in dash.status_text, "back to the open one")
+            await until(lambda: dash.pool_state in ("closed", "waiting") or dash.pool is not a, "a's end")
+            return first, text_a, dash.notices
+        finally:
+            dash.close()
+
+    first, text_a, notices = asyncio.run(main())
+    assert "follow-a" in text_a
+    assert any("now showing the newest pool 'follow-b'" in n for n in notices), notices

@@ -315,8 +315,8 @@ class Dashboard(W.VBox):
                 self._error = f"{command}: {exc}"
 
     def _notice(self, text: str, bad: bool = False) -> None:
-        """One line in the status where the user looks (html-escaped here)."""
-        self._notices.append((html.escape(text), bad))
+        """One line in the status where the user looks (plain text)."""
+        self._notices.append((text, bad))
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
@@ -350,8 +350,8 @@ class Dashboard(W.VBox):
 
     def _setting(self, key: str, value: Any) -> None:
         current = self._settings[key]
-        if key == "lr" and self._pending_lr is not None and value == self._pending_lr:
-            return  # our own echo of the value waiting for a yes
+        if value == current or (key == "lr" and self._pending_lr is not None and value == self._pending_lr):
+            return  # nothing new: often the echo of a value we put in the field ourselves
         verdict, value, text = check_setting(key, value, current)
         if key == "lr":
             self._pending_lr = None
@@ -621,7 +621,7 @@ class Dashboard(W.VBox):
             if error:
                 parts.append(f"<br><span class='trio-notice bad'>{html.escape(error)}</span>")
         for text, bad in self._notices:
-            parts.append(f"<br><span class='trio-notice{' bad' if bad else ''}'>{text}</span>")
+            parts.append(f"<br><span class='trio-notice{' bad' if bad else ''}'>{html.escape(text)}</span>")
         return "".join(parts)
 
     def _update_advisor(self) -> None:

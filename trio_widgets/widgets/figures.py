@@ -295,8 +295,7 @@ class DashboardFigures:
         if old is not None and old.curve is not None:
             self._free_curve(old.curve)
         self.clients[info.client_id] = view
-        if info.kind == "training":
-            self._assign_curve(view)
+        self._rebalance_curves()
         self._relabel_lanes()
         return True
 
@@ -320,6 +319,7 @@ class DashboardFigures:
         view.lane = None
         if view.curve is None:
             del self.clients[client_id]
+        self._rebalance_curves()
         self._relabel_lanes()
 
     def relabel(self, client_id: str, label: str) -> None:
@@ -377,15 +377,14 @@ class DashboardFigures:
         self.queue.data = {k: [] for k in self.queue.data}
         self._relabel_lanes()
 
-    def _assign_curve(self, view: ClientView) -> None:
-        """A slot for a training client's loss curve: a free one, else the oldest retired one's."""
+    def _assign_curve(self, view: ClientView) -> bool:
+        """A slot for a training client's loss curve: a free one, else the oldest retired one's;
+        False if every slot shows a live client."""
         free = [c for c in self._curves if c.client_id is None]
         if not free:
             retired = [c for c in self._curves if c.client_id is not None and self.clients[c.client_id].retired]
             if not retired:
-                self.hidden_curves += 1
-                self._title_loss()
-                return
+                return False
             oldest = retired[0]
             assert oldest.client_id is not None
             del self.clients[oldest.client_id]
@@ -412,6 +411,19 @@ class DashboardFigures:
             item.label = value(view.label)
             item.visible = True
         view.curve = curve
+        return True
+
+    def _rebalance_curves(self) -> None:
+        """Live training clients without a curve (more than `max_curves`) get the slots of
+        retired ones first, oldest client first."""
+        waiting = [v for v in self.clients.values() if v.kind == "training" and not v.retired and v.curve is None]
+        for view in waiting:
+            if not self._assign_curve(view):
+                break
+        hidden = sum(1 for v in waiting if v.curve is None)
+        if hidden != self.hidden_curves:
+            self.hidden_curves = hidden
+            self._title_loss()
 
     def _free_curve(self, curve: _Curve) -> None:
         curve.client_id = None
@@ -423,8 +435,8 @@ class DashboardFigures:
             source.data = dict(_EMPTY)
 
     def _title_loss(self) -> None:
-        extra = f" ({self.hidden_curves} more runs not drawn: {self.max_curves} curves at most)" \
-            if self.hidden_curves else ""
+        n = self.hidden_curves
+        extra = f" ({n} more run{'s' if n > 1 else ''} not drawn: {self.max_curves} curves at most)" if n else ""
         for lf, kind in zip(self.loss_figs, ("", ", log scale")):
             title: Any = lf.title
             title.text = f"Loss per token (thin: raw, thick: smoothed){kind}{extra}"
