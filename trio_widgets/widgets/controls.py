@@ -102,9 +102,9 @@ class Controls:
         self.setting_note = W.HTML("")
         self.setting_note.add_class("trio-setting-note")
         # more lanes than the timeline shows: this scrolls them (hidden until then)
-        self.lanes = W.IntSlider(value=1, min=1, max=1, description="lanes from", readout=True,
+        self.lanes = W.IntSlider(value=1, min=1, max=1, description="lanes", readout=False,
                                  continuous_update=False, style={"description_width": "initial"},
-                                 layout=W.Layout(width="260px", display="none"))
+                                 layout=W.Layout(width="300px", display="none"))
         self.lanes.add_class("trio-lanes")
         self.lanes.observe(lambda change: on_command("lanes", change["new"]), names="value")
         row = W.Layout(flex_flow="row wrap", align_items="center", margin="2px 0")
@@ -154,13 +154,17 @@ class Controls:
     def show_lanes(self, first: int, total: int, visible: int) -> None:
         """The lane scroller: shown only when there are more lanes than the timeline shows."""
         more = total > visible
-        self.lanes.layout.display = None if more else "none"
+        display = None if more else "none"
+        if self.lanes.layout.display != display:
+            self.lanes.layout.display = display
         top = max(1, total - visible + 1)
         if self.lanes.max != top:
             self.lanes.max = top
         if more and self.lanes.value != first + 1:
             self.lanes.value = first + 1
-        self.lanes.description = f"lanes ({total}) from"
+        text = f"lanes {first + 1}–{min(first + visible, total)} of {total}"
+        if self.lanes.description != text:
+            self.lanes.description = text
 
     def note(self, text: str) -> None:
         self.export_note.value = text

@@ -629,7 +629,8 @@ class Dashboard(W.VBox):
             return
         self._diagnoses = diagnose_telemetry(self.pool.telemetry, self.pool.min_cycle_s or None)
         rows = []
-        for cid, d in self._diagnoses.items():
+        order = {cid: i for i, cid in enumerate(self._figs.clients)}  # as the lanes and the status list them
+        for cid, d in sorted(self._diagnoses.items(), key=lambda item: order.get(item[0], len(order))):
             view = self._figs.clients.get(cid)
             if view is not None and view.retired:
                 continue

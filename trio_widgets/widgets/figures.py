@@ -43,7 +43,7 @@ from .series import LossSeries
 __all__ = ["CLIENT_COLORS", "DashboardFigures"]
 
 CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569",
-                 "#ea580c", "#0891b2", "#9333ea", "#65a30d")
+                 "#ea580c", "#0891b2", "#92400e", "#65a30d")
 # cycle bands, alternating: slate for cycles that ran work, pale amber for idle ones
 _BAND_FILL = {False: ("#e2e8f0", "#edf1f6"), True: ("#fbf0d9", "#fdf7ea")}
 _FONT = "Inter, 'Segoe UI', Helvetica, Arial, sans-serif"
