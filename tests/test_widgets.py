@@ -431,3 +431,29 @@ def test_a_dashboard_without_a_pool_follows_the_newest():
     first, text_a, notices = asyncio.run(main())
     assert "follow-a" in text_a
     assert any("now showing the newest pool 'follow-b'" in n for n in notices), notices
+
+
+def test_cycle_labels_never_touch_even_when_cycles_are_uneven():
+    """Issue 14 item 7 ("837838839"): labels are round cycle numbers, and at the narrowest
+    width (a 900 px column) no two visible ones are closer than their own width."""
+    from trio_widgets.telemetry import CycleRecord
+    from trio_widgets.widgets.figures import MIN_PLOT_PX, DashboardFigures
+
+    figs = DashboardFigures(0.0)
+    t, cycles, labelled = 0.0, [], 0
+    for i in range(1000, 1400):
+        d = 0.4 if i % 37 == 0 else 0.004  # a long cycle now and then squeezes the short ones
+        cycles.append(CycleRecord(i, t, t + d, d, 0, 0))
+        t += d
+        if len(cycles) == 7:
+            figs.update(cycles, [], [])
+            cycles = []
+            data = figs.bands.data
+            span = figs.x_range.end - figs.x_range.start
+            shown = [(m, text) for m, text in zip(data["mid"], data["label"])
+                     if text and figs.x_range.start <= m <= figs.x_range.end]
+            for (m0, a), (m1, b) in zip(shown, shown[1:]):
+                gap = (m1 - m0) * MIN_PLOT_PX / span
+                assert gap >= 3.5 * (len(a) + len(b)), (a, b, gap)
+            labelled += bool(shown)
+    assert labelled >= 50  # and there are labels to read

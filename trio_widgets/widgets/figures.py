@@ -152,6 +152,7 @@ class DashboardFigures:
         self._band_starts: deque[float] = deque(maxlen=self.window)
         self._last_end: float | None = None
         self._cycle_s: deque[float] = deque(maxlen=32)
+        self._band_rows: deque[tuple[float, float, str, float, int]] = deque(maxlen=self.band_rollover)
         self._boundary_t: deque[float] = deque(maxlen=4096)
         self._boundary_i: deque[int] = deque(maxlen=4096)
         self._depth_max: deque[int] = deque(maxlen=self.window)
@@ -468,6 +469,7 @@ class DashboardFigures:
         for item in self._op_items.values():
             item.visible = False
         self._band_starts.clear()
+        self._band_rows.clear()
         self._last_end = None
         self._boundary_t.clear()
         self._boundary_i.clear()
@@ -480,12 +482,19 @@ class DashboardFigures:
     def cycle_estimate(self) -> float:
         return cycle_duration(self._cycle_s, default=None, window=len(self._cycle_s) or 1) or 0.05
 
-    def _label_every(self) -> int:
-        """Label every k-th cycle so that labels stay about 44 px apart at the narrowest width."""
-        span = self.cycle_estimate() * self.window
-        px_per_cycle = MIN_PLOT_PX * self.cycle_estimate() / span if span > 0 else MIN_PLOT_PX
+    def _label_step(self, rows: list[tuple[float, float, str, float, int]]) -> int:
+        """Label the multiples of k (k = 1, 2, 5, 10, ...), the smallest k for which no two
+        labels on screen touch at the narrowest width (a 900 px column). Cycles of uneven
+        length squeeze the short ones together, so the gaps are measured where they are."""
+        if not rows:
+            return 1
+        span = max(1e-9, rows[-1][1] - self._band_starts[0]) if self._band_starts else 1e-9
+        px_per_s = MIN_PLOT_PX / span
+        shown = [(mid, index) for _l, _r, _f, mid, index in rows if mid >= self._band_starts[0]]
         for k in _LABEL_STEPS:
-            if k * px_per_cycle >= 44:
+            marks = [(mid, index) for mid, index in shown if index % k == 0]
+            if all((m1 - m0) * px_per_s >= 7.0 * (len(str(i0)) + len(str(i1))) / 2 + 12
+                   for (m0, i0), (m1, i1) in zip(marks, marks[1:])):
                 return k
         return _LABEL_STEPS[-1]
 
@@ -512,26 +521,24 @@ class DashboardFigures:
         return changed
 
     def _stream_bands(self, cycles: list[CycleRecord]) -> bool:
-        """The timeline's cycle bands (and the durations the labels and bars are sized by)."""
+        """The timeline's cycle bands (and the durations the bars are sized by). The few rows
+        are sent whole each time: which cycles get a label depends on the whole window."""
         if not cycles:
             return False
         for c in cycles:
             if c.ended_at > c.started_at:
                 self._cycle_s.append(c.ended_at - c.started_at)
-        every = self._label_every()
-        data: dict[str, list] = {k: [] for k in self.bands.data}
-        for c in cycles:
             left, right = self._rel(c.started_at), self._rel(max(c.ended_at, c.started_at))
-            idle = c.n_requests == 0
-            data["left"].append(left)
-            data["right"].append(right)
-            data["mid"].append(round((left + right) / 2, 6))
-            data["fill"].append(_BAND_FILL[idle][c.index % 2])
-            data["label"].append(str(c.index) if c.index % every == 0 else "")
-            data["index"].append(c.index)
+            fill = _BAND_FILL[c.n_requests == 0][c.index % 2]
+            self._band_rows.append((left, right, fill, round((left + right) / 2, 6), c.index))
             self._band_starts.append(left)
             self._last_end = right
-        self._stream(self.bands, data, self.band_rollover)
+        rows = list(self._band_rows)
+        k = self._label_step(rows)
+        self.bands.data = {"left": [r[0] for r in rows], "right": [r[1] for r in rows],
+                           "fill": [r[2] for r in rows], "mid": [r[3] for r in rows],
+                           "label": [str(r[4]) if r[4] % k == 0 else "" for r in rows],
+                           "index": [r[4] for r in rows]}
         return True
 
     def _stream_queue(self, boundaries: list[QueueDepthRecord]) -> bool:
