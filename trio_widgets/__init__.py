@@ -50,7 +50,7 @@ from .errors import (
     UnprocessableEntityError,
 )
 from .futures import APIFuture
-from .loop import TrainingRun, run_sync, train
+from .loop import RunInterrupted, TrainingRun, run_sync, train
 from .rest import RestClient
 from .types import (
     AdamOptimizerConfig,
@@ -160,6 +160,7 @@ __all__ = [
     "TinkerError",
     "UnprocessableEntityError",
     "Dashboard",
+    "RunInterrupted",
     "TrainingRun",
     "run_sync",
     "train",

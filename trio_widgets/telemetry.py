@@ -32,6 +32,7 @@ class ClientInfo:
     base_model: str
     label: str
     rank: int | None = None
+    parent: str | None = None  # a sampler made from a training client: that client's id
 
 
 @dataclass(slots=True)

@@ -248,6 +248,7 @@ class LocalPool:
         # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
         self.allow_download = allow_download
         self.name = name or f"pool-{next(_POOL_IDS)}"
+        self.serial = next(_POOL_SERIALS)  # creation order: a Dashboard() without a pool follows the newest
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
 
@@ -366,7 +367,8 @@ class LocalPool:
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
-                                             label or tenant.client_id, tenant.rank or None))
+                                             label or tenant.client_id, tenant.rank or None,
+                                             parent=tenant.extra.get("parent")))
 
     def tenant(self, client_id: str) -> Tenant:
         """The live tenant of `client_id`; ClientClosedError once it was closed."""
@@ -621,6 +623,7 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
 
 
 _POOL_IDS = itertools.count(1)
+_POOL_SERIALS = itertools.count(1)
 _IDLE_TICK_S = 0.001
 _MAX_CYCLE_S = 3600.0  # a cycle longer than an hour is a typo (and time_t overflows at inf)
 _GATE_POLL_S = 0.05  # how often a clock waiting on hold() looks whether the pool is closing

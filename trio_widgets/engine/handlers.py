@@ -165,7 +165,7 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
     if not save.make_sampler:
         return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)
     sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
-                     kind="sampling")
+                     kind="sampling", extra={"parent": tenant.client_id})
     pool.add_tenant(sampler, save.label or f"{tenant.client_id} sampler")
     return SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written)
 
