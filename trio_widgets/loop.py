@@ -521,6 +521,7 @@ class TrainingRun:
         cycles = None if self._last_fb_cycle is None or cycle is None else cycle - self._last_fb_cycle
         pool = getattr(self.client, "pool", None)  # a LocalPool: its telemetry has the cycles' GIL waits
         self._last_fb_cycle = cycle
+        optim_cycle = update.opt.cycle if update.opt is not None else None
         row = {
             "step": update.step,
             "loss": loss_per_token(loss_sum, update.weight),
@@ -529,14 +530,14 @@ class TrainingRun:
             "weight": update.weight,
             "cycle": cycle,
             "cycles": cycles,
-            "optim_cycle": update.opt.cycle if update.opt is not None else None,
+            "optim_cycle": optim_cycle,
             "learning_rate": update.learning_rate,
             "mode": update.mode,
             "time/get_batch": update.t_get_batch,
             "time/submit": update.t_submit,
             "time/wait": wait,
             "time/total": now - (self._last_done if self._last_done is not None else now),
-            "time/gil_wait": gil_wait(pool.telemetry, (cycle, update.opt.cycle if update.opt is not None else None)) if pool is not None else None,
+            "time/gil_wait": gil_wait(pool.telemetry, (cycle, optim_cycle)) if pool is not None else None,
         }
         self._last_done = now
         self.step = update.step
