@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 import trio_widgets as trio
 from trio_widgets.ops import op_color
@@ -382,6 +385,30 @@ def test_settings_are_checked_clamped_or_confirmed():
     assert check_setting("lookahead", "x", 1)[0] == "refuse"
 
 
+def test_settings_given_in_code_are_refused_or_said_never_clamped():
+    """Issue 14 item 8 for the constructor: lr 0 / -1 / NaN and out-of-range integers are errors
+    (not clamped), lr 1e9 is kept as given and said in the dashboard's status."""
+    with trio.LocalPool(min_cycle_s=0.02, name="ctor-inputs") as pool:
+        for kw, message in ((dict(learning_rate=0), "learning_rate must be a number above 0; got 0"),
+                            (dict(learning_rate=-1), "learning_rate must be a number above 0; got -1"),
+                            (dict(learning_rate=float("nan")), "above 0; got nan"),
+                            (dict(batch_size=100), "batch_size must be a whole number from 1 to 64; got 100"),
+                            (dict(runs=0), "runs must be a whole number from 1 to 16; got 0"),
+                            (dict(lookahead=2.5), "lookahead must be a whole number from 0 to 8; got 2.5")):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                trio.Dashboard(pool, **kw)
+        dash = trio.Dashboard(pool, learning_rate=1e9)
+        try:
+            assert dash.controls.settings["lr"].value == 1e9
+            assert any("lr=1e+09 is far outside 1e-06–0.1" in n and "used as given" in n for n in dash.notices)
+            deadline = time.monotonic() + 10
+            while "far outside" not in dash._status.value:  # the line shows in the status, where one looks
+                assert time.monotonic() < deadline, dash._status.value
+                time.sleep(0.1)
+        finally:
+            dash.close()
+
+
 def test_dashboard_says_what_it_did_with_odd_inputs():
     async def main():
         with trio.LocalPool(min_cycle_s=0.02, name="inputs") as pool:
@@ -396,7 +423,9 @@ def test_dashboard_says_what_it_did_with_odd_inputs():
             asked = dash.controls.setting_note.value
             assert dash.runs[0].learning_rate == 1e-3
             dash.controls.confirm.click()
-            await until(lambda: dash.runs[0].learning_rate == 0.5, "the confirmed lr")
+            # the lr is applied, then the labels follow it (on the dashboard's thread: wait for both)
+            await until(lambda: dash.runs[0].learning_rate == 0.5 and "0.5" in dash.figures.clients[
+                dash.runs[0].client_id].label, "the confirmed lr and its label")
             label = dash.figures.clients[dash.runs[0].client_id].label
             dash.set(batch_size=1000)
             await until(lambda: "using 64" in dash.controls.setting_note.value, "a clamp")
