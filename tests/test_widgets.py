@@ -409,6 +409,26 @@ def test_settings_given_in_code_are_refused_or_said_never_clamped():
             dash.close()
 
 
+def test_start_runs_labels_name_their_lr_even_if_drawn_before_the_run_existed():
+    """A Start run's client can be drawn before its run is made (the label is then the bare
+    client name, as seen once in a closed snapshot: "run1" beside "run2 lr=0.003"): the next
+    tick gives it its name and lr."""
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.02, name="labels") as pool:
+            dash = trio.Dashboard(pool, runs=2, batch_size=2, rank=4, learning_rate=2e-3)
+            dash.start()
+            await until(lambda: dash.state == "running" and all(r.step >= 1 and r.client_id in dash.figures.clients
+                                                                 for r in dash.runs), "training, drawn")
+            cid = dash.runs[0].client_id
+            dash._on_thread(lambda: dash.figures.relabel(cid, "run1"))  # the stale label
+            await until(lambda: dash.figures.clients[cid].label == "run1 lr=0.001", "the label back")
+            labels = [dash.figures.clients[r.client_id].label for r in dash.runs]
+            dash.close()
+            return labels
+
+    assert asyncio.run(main()) == ["run1 lr=0.001", "run2 lr=0.002"]
+
+
 def test_dashboard_says_what_it_did_with_odd_inputs():
     async def main():
         with trio.LocalPool(min_cycle_s=0.02, name="inputs") as pool:

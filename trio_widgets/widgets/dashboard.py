@@ -447,6 +447,11 @@ class Dashboard(W.VBox):
                 for info in clients:
                     self._figs.add_client(info, self._label_of(info.client_id, info.label))
                     self._shown_ids.append(info.client_id)
+                # a Start run's client can reach the feed before the run exists (it then got the
+                # client's own name): its label is its name and current lr, whenever it was drawn
+                for run in self.sweep.runs:
+                    if run.client_id is not None:
+                        self._figs.relabel(run.client_id, self.sweep.label(run))
                 self._figs.update(cycles, boundaries, delivered)
                 self._figs.stream_gil(self._feed.drain_gil())
                 self._note_activity(cycles, delivered)
