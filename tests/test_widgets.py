@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+
+import pytest
 
 import trio_widgets as trio
 from trio_widgets.ops import op_color
@@ -382,6 +385,50 @@ def test_settings_are_checked_clamped_or_confirmed():
     assert check_setting("lookahead", "x", 1)[0] == "refuse"
 
 
+def test_settings_given_in_code_are_refused_or_said_never_clamped():
+    """Issue 14 item 8 for the constructor: lr 0 / -1 / NaN and out-of-range integers are errors
+    (not clamped), lr 1e9 is kept as given and said in the dashboard's status."""
+    with trio.LocalPool(min_cycle_s=0.02, name="ctor-inputs") as pool:
+        for kw, message in ((dict(learning_rate=0), "learning_rate must be a number above 0; got 0"),
+                            (dict(learning_rate=-1), "learning_rate must be a number above 0; got -1"),
+                            (dict(learning_rate=float("nan")), "above 0; got nan"),
+                            (dict(batch_size=100), "batch_size must be a whole number from 1 to 64; got 100"),
+                            (dict(runs=0), "runs must be a whole number from 1 to 16; got 0"),
+                            (dict(lookahead=2.5), "lookahead must be a whole number from 0 to 8; got 2.5")):
+            with pytest.raises(ValueError, match=re.escape(message)):
+                trio.Dashboard(pool, **kw)
+        dash = trio.Dashboard(pool, learning_rate=1e9)
+        try:
+            assert dash.controls.settings["lr"].value == 1e9
+            assert any("lr=1e+09 is far outside 1e-06–0.1" in n and "used as given" in n for n in dash.notices)
+            deadline = time.monotonic() + 10
+            while "far outside" not in dash._status.value:  # the line shows in the status, where one looks
+                assert time.monotonic() < deadline, dash._status.value
+                time.sleep(0.1)
+        finally:
+            dash.close()
+
+
+def test_start_runs_labels_name_their_lr_even_if_drawn_before_the_run_existed():
+    """A Start run's client can be drawn before its run is made (the label is then the bare
+    client name, as seen once in a closed snapshot: "run1" beside "run2 lr=0.003"): the next
+    tick gives it its name and lr."""
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.02, name="labels") as pool:
+            dash = trio.Dashboard(pool, runs=2, batch_size=2, rank=4, learning_rate=2e-3)
+            dash.start()
+            await until(lambda: dash.state == "running" and all(r.step >= 1 and r.client_id in dash.figures.clients
+                                                                 for r in dash.runs), "training, drawn")
+            cid = dash.runs[0].client_id
+            dash._on_thread(lambda: dash.figures.relabel(cid, "run1"))  # the stale label
+            await until(lambda: dash.figures.clients[cid].label == "run1 lr=0.001", "the label back")
+            labels = [dash.figures.clients[r.client_id].label for r in dash.runs]
+            dash.close()
+            return labels
+
+    assert asyncio.run(main()) == ["run1 lr=0.001", "run2 lr=0.002"]
+
+
 def test_dashboard_says_what_it_did_with_odd_inputs():
     async def main():
         with trio.LocalPool(min_cycle_s=0.02, name="inputs") as pool:
@@ -396,7 +443,9 @@ def test_dashboard_says_what_it_did_with_odd_inputs():
             asked = dash.controls.setting_note.value
             assert dash.runs[0].learning_rate == 1e-3
             dash.controls.confirm.click()
-            await until(lambda: dash.runs[0].learning_rate == 0.5, "the confirmed lr")
+            # the lr is applied, then the labels follow it (on the dashboard's thread: wait for both)
+            await until(lambda: dash.runs[0].learning_rate == 0.5 and "0.5" in dash.figures.clients[
+                dash.runs[0].client_id].label, "the confirmed lr and its label")
             label = dash.figures.clients[dash.runs[0].client_id].label
             dash.set(batch_size=1000)
             await until(lambda: "using 64" in dash.controls.setting_note.value, "a clamp")

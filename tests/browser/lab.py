@@ -459,7 +459,21 @@ class LabPage:
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         path = ARTIFACTS / f"{name}.png"
         if selector:
-            self.page.locator(selector).first.screenshot(path=str(path))
+            # an element taller than the viewport comes out cut and overlaid by JupyterLab's bars:
+            # make the window tall enough for all of it (same width: the layout does not change)
+            element = self.page.locator(selector).first
+            size = self.page.viewport_size
+            height = int(element.evaluate("(el) => el.getBoundingClientRect().height"))
+            grow = size is not None and height + 250 > size["height"]
+            if grow:
+                self.page.set_viewport_size({"width": size["width"], "height": height + 250})
+                time.sleep(1.0)  # bokeh lays out again after a resize
+            try:
+                element.scroll_into_view_if_needed()
+                element.screenshot(path=str(path))
+            finally:
+                if grow:
+                    self.page.set_viewport_size(size)
         else:
             self.page.screenshot(path=str(path), full_page=False)
         return path

@@ -40,8 +40,10 @@ for step in range(120):                # blocks the cell: submit both, then wait
 def readme_cells() -> list[str]:
     text = (REPO / "README.md").read_text()
     section = text.split("\n## Ten lines", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    # whole cells only: an indented block is a fragment to swap into the loop (the two-await style)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if not b.startswith((" ", "\t"))]
     assert len(blocks) == 2, f"expected the dashboard cell and the loop cell in 'Ten lines', got {len(blocks)}"
+    assert "trio.Dashboard(" in blocks[0] and "LocalPool(" in blocks[1], blocks
     return blocks
 
 

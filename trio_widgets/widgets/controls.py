@@ -148,8 +148,8 @@ class Controls:
 
     def ask(self, question: str | None) -> None:
         """Show the Apply button with `question`, or hide it (None)."""
+        self.say(f"<span class='trio-ask'>{question}</span>" if question else "")  # the question, then its button
         self.confirm.layout.display = None if question else "none"
-        self.say(f"<span class='trio-ask'>{question}</span>" if question else "")
 
     def show_lanes(self, first: int, total: int, visible: int) -> None:
         """The lane scroller: shown only when there are more lanes than the timeline shows."""

@@ -47,7 +47,7 @@ from ..metrics import cycles_per_update, format_cycles, period_history
 from ..ops import OPS, UPDATE_OPS
 from ..trace import metrics_rows, write_chrome_trace, write_metrics_jsonl
 from ._bokeh_setup import batched_bokeh_widget
-from .controls import Controls, check_setting
+from .controls import INT_RANGES, Controls, check_setting
 from .feed import TelemetryFeed
 from .figures import CLIENT_COLORS, DashboardFigures
 from .sweep import SweepLauncher, lr_multipliers
@@ -151,6 +151,19 @@ class Dashboard(W.VBox):
             raise ValueError(f"refresh_hz must be in (0, 10], got {refresh_hz!r}")
         if max_clients is not None:  # its old name
             lanes = max_clients
+        # the settings given in code are checked as the fields are: refused or out of range is an error
+        # (never a silent clamp); a learning rate far outside the usual range is kept and said
+        far_lr = ""
+        for key, value, default in (("lr", learning_rate, 3e-3), ("batch_size", batch_size, 8),
+                                    ("runs", runs, 3), ("lookahead", lookahead, 1)):
+            verdict, checked, text = check_setting(key, value, default)
+            if key == "lr" and verdict == "refuse":
+                raise ValueError(f"learning_rate must be a number above 0; got {value!r}")
+            if key != "lr" and (text or checked != value):
+                low, high = INT_RANGES[key]
+                raise ValueError(f"{key} must be a whole number from {low} to {high}; got {value!r}")
+            if verdict == "confirm":
+                far_lr = text.split(". Apply")[0]
         self.follow = pool is None
         if pool is None:
             pool = _newest_pool()
@@ -198,6 +211,8 @@ class Dashboard(W.VBox):
         self._shown_ids: deque[str] = deque(maxlen=512)
         self._pending_lr: float | None = None
         self._last_update_at = float("-inf")
+        if far_lr:
+            self._notice(f"{far_lr}; it is used as given", bad=True)
         self._last_busy_at = float("-inf")
         self._status_text = ""
         self._status_key: tuple | None = None
@@ -432,6 +447,11 @@ class Dashboard(W.VBox):
                 for info in clients:
                     self._figs.add_client(info, self._label_of(info.client_id, info.label))
                     self._shown_ids.append(info.client_id)
+                # a Start run's client can reach the feed before the run exists (it then got the
+                # client's own name): its label is its name and current lr, whenever it was drawn
+                for run in self.sweep.runs:
+                    if run.client_id is not None:
+                        self._figs.relabel(run.client_id, self.sweep.label(run))
                 self._figs.update(cycles, boundaries, delivered)
                 self._figs.stream_gil(self._feed.drain_gil())
                 self._note_activity(cycles, delivered)
@@ -739,7 +759,7 @@ class Dashboard(W.VBox):
     def close(self) -> None:
         """Stop the Start runs (what they submitted is recorded), the thread and the feed; leave
         a static snapshot where the dashboard was shown; close the widgets."""
-        if self._closed:
+        if getattr(self, "_closed", True):  # closed, or its __init__ refused its arguments
             return
         self._stopping = True
         try:
