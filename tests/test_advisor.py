@@ -108,6 +108,20 @@ def _update(rid: int, cycle: int, t: float, cycle_s: float, delay: float = 0.001
     return recs
 
 
+def test_a_gap_the_lookahead_hides_is_no_stall():
+    """1 cycle per update is nothing wasted, however late each request came after a delivery
+    measured in the pool's typical cycle (with min_cycle_s=0 a cycle can be 2 ms, shorter than
+    any Python between two awaits)."""
+    cycle_s = 0.1
+    records, rid = [], 1
+    for k in range(20):  # lookahead 1, each update queued just before the boundary it runs at
+        records += _update(rid, k, (k - 0.05) * cycle_s if k else 0.0, cycle_s)
+        rid += 2
+    late = diagnose_client(records, cycle_s / 5)  # the gaps read as ~4.7 typical cycles
+    assert late.stall_cycles > 4 and late.cycles_per_update == 1, late
+    assert late.cause == "pipelined" and not late.wasted, late
+
+
 def test_one_long_pause_does_not_read_as_a_stall():
     cycle_s = 0.1
     records, rid, t = [], 1, 0.0

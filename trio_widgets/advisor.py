@@ -19,8 +19,9 @@ Nothing here instruments the user's loop: everything is read from the pool's
   every cycle; sleeping or waiting on I/O holds no GIL and is never this;
 * client-side stall: results were delivered, but the client's next request came more than
   one cycle later (CPU-heavy Python on the event loop, a slow data loader, sleeping, ...);
-  reported when the loop is otherwise pipelined or the stall costs more cycles than the
-  loop's structure does. Time in which sampling requests were in the pool (an RL loop
+  reported when the loop is otherwise pipelined and takes more than ~1 cycle per update (a
+  gap its lookahead hides wastes nothing), or the stall costs more cycles than the loop's
+  structure does. Time in which sampling requests were in the pool (an RL loop
   waiting for its samples) is the pool's work, not a stall;
 * sampling: each update waited at least a cycle for samples from the pool (on-policy RL), and
   longer than for the loop's own Python in between;
@@ -270,7 +271,11 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
                          gil_share=share, gil_frames=culprit.frames, sampling_cycles=sampling_cycles)
     # The larger of the two waits is named: an RL loop's bit of scoring Python between its
     # samples and its update is not a stall next to the cycles it waits for the samples.
-    if stall_cycles >= max(1.0, sampling_cycles) and (structure == "pipelined" or stall_cycles >= excess):
+    # A pipelined loop whose lookahead hides the gap (still ~1 cycle per update) wastes nothing:
+    # on very short cycles any bit of Python is a cycle late, which is no reason to complain.
+    hidden = structure == "pipelined" and p <= 1.25
+    if stall_cycles >= max(1.0, sampling_cycles) and not hidden and (structure == "pipelined"
+                                                                       or stall_cycles >= excess):
         later = _plural(max(1.0, round(stall_cycles)), "cycle")
         message = (f"client-side stall: results were ready but your next request came {later} later "
                    f"({period_text} per update) — your loop was busy elsewhere meanwhile (computing, or waiting "
