@@ -387,8 +387,16 @@ class ServiceClient:
     """Entry point, as on the hosted services: `ServiceClient()` uses the process-wide pool;
     `ServiceClient(pool)` a pool of yours; `ServiceClient(backend=...)` any backend."""
 
-    def __init__(self, pool: LocalPool | None = None, *, backend: Backend | None = None, **_ignored: Any):
-        # Extra keywords (api_key, base_url, ...) are accepted so hosted-service code runs unchanged.
+    def __init__(self, pool: LocalPool | None = None, *, backend: Backend | None = None, base_url: str | None = None,
+                 api_key: str | None = None, **_ignored: Any):
+        # Extra keywords are accepted so hosted-service code runs unchanged.
+        if backend is None and base_url is not None:  # a served pool (trio_widgets/http)
+            if pool is not None:
+                raise InvalidInputError("give a pool (in-process) or a base_url (a served pool), not both",
+                                        field="base_url")
+            from .http.client import HttpBackend
+
+            backend = HttpBackend(base_url, api_key)
         if backend is None:
             backend = LocalBackend(pool if pool is not None else default_pool())
         self.backend = backend
