@@ -160,9 +160,9 @@ class _Entry:
 @dataclass
 class _Held:
     seq: int
-    entry: _Entry
-    submit: Callable[[], APIFuture]
-    encode: Callable[[Any], tuple[bytes | dict, bool]]
+    entry: _Entry | None  # None: a refused request's seq_id, only to be stepped over
+    submit: Callable[[], APIFuture] | None
+    encode: Callable[[Any], tuple[bytes | dict, bool]] | None
 
 
 class _Sequencer:
@@ -184,6 +184,7 @@ class _Sequencer:
         if isinstance(seq, bool) or not isinstance(seq, int) or not (0 <= seq < 2**31):
             raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
         if seq in self.seen:
+            self.service.stats["duplicates"] += 1
             return self.seen[seq]  # a retry: the first submission's request, run once
         if seq <= self.last and (len(self.seen) >= _SEEN_PER_MODEL and seq < min(self.seen)):
             raise InvalidInputError(f"seq_id {seq} is older than the last {_SEEN_PER_MODEL} requests of this "
@@ -192,6 +193,7 @@ class _Sequencer:
         while len(self.seen) > _SEEN_PER_MODEL:
             self.seen.popitem(last=False)
         if seq > self.last + 1:  # its predecessor has not arrived (yet): hold it, for a while
+            self.service.stats["held"] += 1
             self.held[seq] = _Held(seq, entry, submit, encode)
             if self.timer is None:
                 self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
@@ -207,11 +209,23 @@ class _Sequencer:
             self._release()
         return entry
 
+    def refuse(self, seq: Any) -> None:
+        """A request that was refused (4xx) before it could be queued still used its seq_id: the
+        client moves on to the next one, so its successors must not wait for it."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= self.last or seq in self.seen:
+            return
+        if seq == self.last + 1:
+            self.last = seq
+            self._release()
+        else:
+            self.held.setdefault(seq, _Held(seq, None, None, None))
+
     def _release(self) -> None:
         while self.last + 1 in self.held:
             held = self.held.pop(self.last + 1)
             self.last = held.seq
-            self.service.launch(held.entry, held.submit, held.encode)
+            if held.entry is not None and held.submit is not None and held.encode is not None:
+                self.service.launch(held.entry, held.submit, held.encode)
         if not self.held and self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -221,6 +235,7 @@ class _Sequencer:
         self.timer = None
         if self.held:
             missing = min(self.held) - 1
+            self.service.stats["gaps_skipped"] += 1
             log.info("seq_ids %d..%d never arrived within %.1f s; running what came after them",
                      self.last + 1, missing, self.service.reorder_wait_s)
             self.last = missing
@@ -230,7 +245,8 @@ class _Sequencer:
 
     def fail_held(self, message: str, category: str, code: str) -> None:
         for held in self.held.values():
-            held.entry.settle(error=(message, category), code=code)
+            if held.entry is not None:
+                held.entry.settle(error=(message, category), code=code)
         self.held.clear()
         if self.timer is not None:
             self.timer.cancel()
@@ -293,6 +309,9 @@ class _Service:
         self.entries: dict[str, _Entry] = {}
         self.streams = 0
         self.stopping = False
+        # what happened, for tests and benchmarks: submits, repeats answered from the table, early
+        # arrivals held for their predecessors, gaps given up on, sessions expired
+        self.stats = {"submitted": 0, "duplicates": 0, "held": 0, "gaps_skipped": 0, "sessions_expired": 0}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set when the server starts
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"trio-serve-{pool.name}")
         self._ids = itertools.count(1)
@@ -344,6 +363,7 @@ class _Service:
         (finish), and its clients are retired once nothing of theirs is queued."""
         session.state = state
         if state == "expired":
+            self.stats["sessions_expired"] += 1
             for entry in self.entries.values():
                 if entry.session is session and not entry.done.is_set():
                     if entry.future is not None:
@@ -380,6 +400,7 @@ class _Service:
             return
         try:
             future = submit()
+            self.stats["submitted"] += 1
         except (InvalidInputError, PoolClosedError, ClientClosedError, _HttpError) as exc:
             if raise_invalid:
                 self.entries.pop(entry.request_id, None)
@@ -543,7 +564,8 @@ class _Service:
                                     field="weights_access_token")
         if "session_id" not in body:  # the legacy form: load into an existing model, in its order
             model = self.model(body.get("model_id"), owner)
-            local = self._checkpoint_dir(owner, body.get("path"))
+            with self._consumes(model, body.get("seq_id")):
+                local = self._checkpoint_dir(owner, body.get("path"))
             op = "load_state_with_optimizer" if optimizer else "load_state"
             path = body["path"]
             return self._sequenced(model, owner, body.get("seq_id"), op, LoadRequest(str(local)),
@@ -595,6 +617,15 @@ class _Service:
         return self._tokenizer_dirs[name]
 
     # -- requests of a model, in seq_id order -------------------------------------------------
+    @contextlib.contextmanager
+    def _consumes(self, model: _Model, seq: Any) -> Any:
+        """Around the checks of a model's request: a refusal still uses up its seq_id."""
+        try:
+            yield
+        except (InvalidInputError, _HttpError):
+            model.seq.refuse(seq)
+            raise
+
     def _sequenced(self, model: _Model, owner: str, seq: Any, op: str, request: Any,
                    encode: Callable[[Any], tuple[bytes | dict, bool]]) -> dict:
         entry = self.new_entry(owner, model.session, op)
@@ -611,29 +642,32 @@ class _Service:
         # a trio client marks the second half of a custom loss so the dashboard names it
         op = "forward" if forward_only else ("forward_backward_custom" if config.pop("trio_op", None) ==
                                              "forward_backward_custom" else "forward_backward")
-        if loss_fn == "custom":
-            raise InvalidInputError("server-side custom losses are not supported here: call "
-                                    "forward_backward_custom (the two-step exchange), which needs nothing "
-                                    "from the server", field="loss_fn")
-        loss_fn, config = check_loss(loss_fn, config or None)
+        with self._consumes(model, seq):
+            if loss_fn == "custom":
+                raise InvalidInputError("server-side custom losses are not supported here: call "
+                                        "forward_backward_custom (the two-step exchange), which needs nothing "
+                                        "from the server", field="loss_fn")
+            loss_fn, config = check_loss(loss_fn, config or None)
         return self._sequenced(model, owner, seq or None, op, ForwardRequest(data, loss_fn, config),
                                lambda out: (wire.encode_forward_output(out), True))
 
     def optim_step(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
-        if "optimizer_params" in body:
-            raise InvalidInputError("only AdamW (adam_params) is supported here", field="optimizer_params")
-        params = wire.adam_from_json(body.get("adam_params", body.get("optim_params")))
+        with self._consumes(model, body.get("seq_id")):
+            if "optimizer_params" in body:
+                raise InvalidInputError("only AdamW (adam_params) is supported here", field="optimizer_params")
+            params = wire.adam_from_json(body.get("adam_params", body.get("optim_params")))
         return self._sequenced(model, owner, body.get("seq_id"), "optim_step", OptimStepRequest(params),
                                lambda r: ({"metrics": wire.tinker_metric_keys(r.metrics)}, False))
 
     def save_weights(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
-        name = ckpt.validate_name(body.get("path"), "path")
-        target = self._checkpoint_dir(owner, f"tinker://{model.model_id}/weights/{name}", must_exist=False)
-        if not body.get("overwrite", False) and target.exists():
-            raise InvalidInputError(f"checkpoint {name!r} exists for this model; pass overwrite=True to replace it",
-                                    field="path")
+        with self._consumes(model, body.get("seq_id")):
+            name = ckpt.validate_name(body.get("path"), "path")
+            target = self._checkpoint_dir(owner, f"tinker://{model.model_id}/weights/{name}", must_exist=False)
+            if not body.get("overwrite", False) and target.exists():
+                raise InvalidInputError(f"checkpoint {name!r} exists for this model; pass overwrite=True to "
+                                        f"replace it", field="path")
         path = f"tinker://{model.model_id}/weights/{name}"
 
         def encode(result: SaveWeightsResponse) -> tuple[dict, bool]:
@@ -643,6 +677,10 @@ class _Service:
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
+        with self._consumes(model, body.get("seq_id")):
+            return self._save_for_sampler(model, owner, body)
+
+    def _save_for_sampler(self, model: _Model, owner: str, body: dict) -> dict:
         if body.get("kind", "snapshot") != "snapshot":
             raise InvalidInputError(f"only 'snapshot' sampling clients are supported here (a copy of the weights "
                                     f"as of this request), got {body.get('kind')!r:.40}", field="kind")
@@ -1048,6 +1086,10 @@ def _build_app(service: _Service) -> Starlette:
 
     def unsupported(what: str) -> Handler:
         async def handler(s: _Service, owner: str, request: Request) -> Any:
+            body = _json(await _read_body(request, s.max_body_bytes))
+            model = s.trained.get(body.get("model_id")) if isinstance(body.get("model_id"), str) else None
+            if model is not None and model.session.owner == owner:
+                model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
             raise _HttpError(400, f"{what} is not supported by a local trio pool")
 
         return handler
@@ -1246,6 +1288,11 @@ class Server:
         return [{"session_id": s.session_id, "label": s.label, "state": s.state,
                  "idle_s": round(now - s.last_seen, 1), "clients": list(s.clients)}
                 for s in list(self._service.sessions.values())]
+
+    def stats(self) -> dict[str, int]:
+        """Counts since start: submitted (to the pool), duplicates (repeated seq_ids answered with
+        the first request), held (arrived before a predecessor), gaps_skipped, sessions_expired."""
+        return dict(self._service.stats)
 
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
         """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""
