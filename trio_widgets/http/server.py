@@ -88,7 +88,7 @@ from ..types import SaveWeightsResponse
 from ..validation import check_loss
 from . import wire
 
-__all__ = ["Server", "serve"]
+__all__ = ["Server", "check_bind", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +263,7 @@ class _Session:
     model_requests: dict[int, _Entry] = field(default_factory=dict)  # model_seq_id -> its create / load
     sampler_ids: dict[int, str] = field(default_factory=dict)  # sampling_session_seq_id -> sampler id
     clients: list[str] = field(default_factory=list)  # model and sampler ids, for release
+    polling: int = 0  # long-polls open now: a client waiting for a result is alive
 
 
 @dataclass
@@ -317,7 +318,7 @@ class _Service:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._tokenizer_dirs: dict[str, str] = {}
-        self._tmp = tempfile.mkdtemp(prefix="trio-serve-")
+        self._tmp: str | None = None  # tokenizers saved for the SDK's get_tokenizer (made on first use)
 
     # -- auth ---------------------------------------------------------------------------
     def authenticate(self, request: Request, observer: bool = False) -> str:
@@ -458,11 +459,19 @@ class _Service:
         entry = self.entries.get(request_id) if isinstance(request_id, str) else None
         if entry is None or entry.owner != owner:
             raise _not_found(f"request {request_id!r:.60}")
-        if entry.session is not None:
-            entry.session.last_seen = time.monotonic()
+        session = entry.session
+        if session is not None:
+            session.last_seen = time.monotonic()
         if not entry.done.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(entry.done.wait(), self.long_poll_s)
+            if session is not None:
+                session.polling += 1
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(entry.done.wait(), self.long_poll_s)
+            finally:
+                if session is not None:
+                    session.polling -= 1
+                    session.last_seen = time.monotonic()
         if not entry.done.is_set():
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         entry.retrieved = entry.retrieved or time.monotonic()
@@ -611,6 +620,7 @@ class _Service:
             if base.source != "builtin" and Path(base.source).is_dir():
                 self._tokenizer_dirs[name] = str(base.source)
             else:
+                self._tmp = self._tmp or tempfile.mkdtemp(prefix="trio-serve-")
                 target = Path(self._tmp) / f"tokenizer-{len(self._tokenizer_dirs)}"
                 base.tokenizer.save_pretrained(str(target))
                 self._tokenizer_dirs[name] = str(target)
@@ -850,7 +860,8 @@ class _Service:
             await asyncio.sleep(min(1.0, self.session_timeout_s / 4))
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                if session.state == "live" and now - session.last_seen > self.session_timeout_s:
+                if session.state == "live" and not session.polling and \
+                        now - session.last_seen > self.session_timeout_s:
                     self.end_session(session, "expired", f"session {session.session_id} expired: no heartbeat "
                                                          f"for {self.session_timeout_s:g} s; its queued requests "
                                                          f"were cancelled")
@@ -889,7 +900,8 @@ class _Service:
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- telemetry (observers) -------------------------------------------------------------------
     def info(self) -> dict:
@@ -1137,6 +1149,16 @@ def _build_app(service: _Service) -> Starlette:
 
 # -- the server ------------------------------------------------------------------------------------
 
+def check_bind(host: str, keys: list[str]) -> None:
+    """Refuse a non-loopback address without API keys (ValueError saying why), and short keys."""
+    if any(not isinstance(k, str) or len(k) < 8 for k in keys):
+        raise ValueError("API keys must be strings of at least 8 characters")
+    if not _is_loopback(host) and not keys:
+        raise ValueError(f"refusing to serve on {host!r} without API keys: anyone who can reach it could train on "
+                         f"this pool and read its checkpoints. Give keys (serve(..., api_keys=[...]); CLI: "
+                         f"--api-key / --api-keys-file / $TRIO_API_KEYS), or serve on 127.0.0.1")
+
+
 class Server:
     """Serves `pool` on host:port from a background thread (uvicorn). `stop()` (or closing the
     pool, or leaving a `with` block) answers pending futures, releases every served client and
@@ -1150,13 +1172,7 @@ class Server:
                  max_futures_per_key: int = 4096, owns_pool: bool = False):
         if not isinstance(pool, LocalPool):
             raise TypeError(f"serve() takes a LocalPool, got {type(pool).__name__}")
-        keys = [k for k in (*(api_keys or ()), *(observer_keys or ()))]
-        if any(not isinstance(k, str) or len(k) < 8 for k in keys):
-            raise ValueError("API keys must be strings of at least 8 characters")
-        if not _is_loopback(host) and not keys:
-            raise ValueError(f"refusing to serve on {host!r} without API keys: anyone who can reach it could train "
-                             f"on this pool and read its checkpoints. Pass api_keys=[...] (CLI: --api-key), or "
-                             f"serve on 127.0.0.1")
+        check_bind(host, [*(api_keys or ()), *(observer_keys or ())])
         for name, value, low, high in (("session_timeout_s", session_timeout_s, 1.0, 86400.0),
                                        ("long_poll_s", long_poll_s, 0.01, 40.0),
                                        ("reorder_wait_s", reorder_wait_s, 0.0, 60.0)):
