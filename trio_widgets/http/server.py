@@ -1099,7 +1099,8 @@ def _build_app(service: _Service) -> Starlette:
     def unsupported(what: str) -> Handler:
         async def handler(s: _Service, owner: str, request: Request) -> Any:
             body = _json(await _read_body(request, s.max_body_bytes))
-            model = s.trained.get(body.get("model_id")) if isinstance(body.get("model_id"), str) else None
+            model_id = body.get("model_id")
+            model = s.trained.get(model_id) if isinstance(model_id, str) else None
             if model is not None and model.session.owner == owner:
                 model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
             raise _HttpError(400, f"{what} is not supported by a local trio pool")
