@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import ipywidgets as W
 from bokeh.core.property.validation import validate
@@ -103,7 +103,8 @@ class Dashboard(W.VBox):
     thread. Exports: `export_trace()`, `export_metrics()`, `save_html()`.
     """
 
-    def __init__(self, pool: LocalPool | None = None, *, window: int = 24, refresh_hz: float = 10.0,
+    def __init__(self, pool: LocalPool | str | None = None, *, api_key: str | None = None, window: int = 24,
+                 refresh_hz: float = 10.0,
                  max_clients: int = 8, base_model: str = DEFAULT_MODEL, rank: int = 8,
                  learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
                  lookahead: int = 1, export_dir: str | os.PathLike = ".", title: str = "trio · live training"):
@@ -111,6 +112,16 @@ class Dashboard(W.VBox):
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not (0 < refresh_hz <= 10):
             raise ValueError(f"refresh_hz must be in (0, 10], got {refresh_hz!r}")
+        remote = None
+        if isinstance(pool, str):  # a served pool's URL: its telemetry streams in (trio_widgets/http/remote.py)
+            from ..http.remote import RemotePool
+
+            try:
+                remote = RemotePool(pool, api_key=api_key)
+            except BaseException:
+                self._closed, self._owned = True, []  # what close() reads when this half-built widget is collected
+                raise
+            pool = cast(LocalPool, remote)  # it has what the views read of a pool
         pool = pool if pool is not None else default_pool()
         t0 = time.perf_counter()
         figs = DashboardFigures(t0, window=window, max_clients=max_clients, width=680, loss_width=390)
@@ -130,6 +141,7 @@ class Dashboard(W.VBox):
         self.add_class("trio-dashboard")
 
         self.pool = pool
+        self._remote = remote  # watched, not driven: Start trains in-process only
         self.controls = controls
         self.sweep = SweepLauncher(pool, base_model, rank, settings)
         self._settings = settings
@@ -379,7 +391,7 @@ class Dashboard(W.VBox):
             self._advisor_w.value = text
 
     def _update_buttons(self) -> None:
-        self.controls.enable(self.state)
+        self.controls.enable("watching" if self._remote is not None else self.state)
 
     # -- display: hold patches until the new view has rendered ----------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any):
@@ -428,6 +440,8 @@ class Dashboard(W.VBox):
     def _shutdown(self) -> None:
         self._closed = True
         self._feed.close()
+        if self._remote is not None:
+            self._remote.close()
         self.sweep.close(timeout=10.0)
         task, loop = self._task, self._loop
         if task is not None and not task.done() and loop is not None and not loop.is_closed():
