@@ -119,7 +119,9 @@ class Dashboard(W.VBox):
             try:
                 remote = RemotePool(pool, api_key=api_key)
             except BaseException:
-                self._closed, self._owned = True, []  # what close() reads when this half-built widget is collected
+                # what close() reads when this half-built widget is dropped (ipywidgets' __del__ calls it)
+                self._closed = True
+                self._owned: list[W.Widget] = []
                 raise
             pool = cast(LocalPool, remote)  # it has what the views read of a pool
         pool = pool if pool is not None else default_pool()
@@ -150,7 +152,7 @@ class Dashboard(W.VBox):
         self._status = status
         self._advisor_w = advisor
         self._header = header
-        self._owned: list[W.Widget] = [header, status, *controls.widgets, plot, advisor]
+        self._owned = [header, status, *controls.widgets, plot, advisor]
         self.export_dir = os.fspath(export_dir)
         self.refresh_hz = float(refresh_hz)
         self._closed = False
