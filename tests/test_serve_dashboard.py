@@ -70,7 +70,7 @@ def test_a_remote_dashboard_shows_every_served_client(tmp_path):
             await until(lambda: dash.ticks >= ticks + 12, "a second of ticks (the advisor runs once a second)")
             state = {"labels": sorted(v.label for v in dash.figures.clients.values()),
                      "status": dash.status_text, "causes": {cid: dash.diagnoses[cid].cause for cid in ids},
-                     "start_disabled": dash.controls.buttons["Start"].disabled,
+                     "start_disabled": dash.controls.buttons["Start"].disabled, "state": dash.state,
                      "patches": dash.bokeh_widget.patches_sent, "ticks": dash.ticks,
                      "remote_updates": dash.pool.telemetry.total_updates,
                      "local_updates": pool.telemetry.total_updates,
@@ -94,7 +94,7 @@ def test_a_remote_dashboard_shows_every_served_client(tmp_path):
     for name in ("alice", "bob"):  # each client's measured cycles per update, as for a local pool
         assert re.search(rf"{name}: <b>[\d.]+</b> cycles?/update", state["status"]), state["status"]
     assert len(state["causes"]) == 2  # and the advisor's diagnosis of each
-    assert state["start_disabled"]  # it watches; participants train
+    assert state["start_disabled"] and state["state"] == "watching"  # it watches; participants train
     assert 0 < state["patches"] <= state["ticks"]  # one batched message per tick at most, as local
     assert state["remote_updates"] == state["local_updates"]
     assert state["remote_fb"] == state["local_fb"]  # the same record, cycle for cycle

@@ -65,7 +65,7 @@ _CSS = """<style>
   font-weight: 600; text-transform: uppercase; letter-spacing: .04em; margin-right: 6px; }
 .trio-dashboard .trio-pill.idle, .trio-dashboard .trio-pill.stopped { background: #f3f4f6; color: #4b5563; }
 .trio-dashboard .trio-pill.running { background: #dcfce7; color: #166534; }
-.trio-dashboard .trio-pill.starting { background: #e0f2fe; color: #075985; }
+.trio-dashboard .trio-pill.starting, .trio-dashboard .trio-pill.watching { background: #e0f2fe; color: #075985; }
 .trio-dashboard .trio-pill.paused { background: #fef3c7; color: #92400e; }
 .trio-dashboard .trio-pill.closed, .trio-dashboard .trio-pill.error { background: #fee2e2; color: #991b1b; }
 .trio-dashboard .trio-cpu { display: inline-block; margin-right: 12px; white-space: nowrap; }
@@ -204,8 +204,11 @@ class Dashboard(W.VBox):
 
     @property
     def state(self) -> str:
-        """The Start runs' state: idle, starting, running, pausing, paused, stopped, error; or closed."""
-        return "closed" if self._pool_closed else self.sweep.state
+        """The Start runs' state: idle, starting, running, pausing, paused, stopped, error; or closed;
+        "watching" for a served pool's dashboard (it has no Start runs)."""
+        if self._pool_closed:
+            return "closed"
+        return "watching" if self._remote is not None else self.sweep.state
 
     @property
     def runs(self) -> list[TrainingRun]:
@@ -393,7 +396,7 @@ class Dashboard(W.VBox):
             self._advisor_w.value = text
 
     def _update_buttons(self) -> None:
-        self.controls.enable("watching" if self._remote is not None else self.state)
+        self.controls.enable(self.state)  # ("watching" enables none)
 
     # -- display: hold patches until the new view has rendered ----------------------------------------
     def _repr_mimebundle_(self, **kwargs: Any):
