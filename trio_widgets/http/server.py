@@ -907,7 +907,8 @@ class _Service:
     def info(self) -> dict:
         pool = self.pool
         return {"name": pool.name, "min_cycle_s": pool.min_cycle_s, "device": pool.device.type,
-                "cycle_index": pool.cycle_index, "models": self.models, "now": time.perf_counter()}
+                "cycle_index": pool.cycle_index, "models": self.models, "now": time.perf_counter(),
+                "stats": dict(self.stats)}
 
     async def telemetry_stream(self, request: Request) -> StreamingResponse:
         if self.streams >= 32:
