@@ -105,7 +105,7 @@ def run_client(kind: str, index: int, url: str, go: str, updates: int) -> None:
             raise SystemExit(f"{name}: no go signal within 600 s")
         time.sleep(0.005)
     losses, steps = [], []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     previous = None
     for batch in made:  # pipelined: queue update N+1 before awaiting N
         current = (fb(batch), step())
@@ -116,14 +116,14 @@ def run_client(kind: str, index: int, url: str, go: str, updates: int) -> None:
     assert previous is not None
     losses.append(previous[0].result().metrics["loss:sum"])
     steps.append(previous[1].result().metrics["step:max"])
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     path = tc.save_state("final").result().path
     if kind == "sdk":
         sc.close("success").result()
     else:
         service.backend.close()
     print(json.dumps({"name": name, "model_id": model_id, "key": key, "path": path, "losses": losses,
-                      "steps": steps, "seconds": seconds}), flush=True)
+                      "steps": steps, "seconds": seconds, "cpu": cpu}), flush=True)
 
 
 # -- the HTTP arm ---------------------------------------------------------------------------------
@@ -176,17 +176,13 @@ def server_process(port: int, ckpt: str, min_cycle_s: float, clients: int):
                 proc.wait(30)
 
 
-def http_arm(args: argparse.Namespace, port: int, ckpt: str) -> dict[str, Any]:
-    from trio_widgets.http.remote import RemotePool
-
+def http_arm(args: argparse.Namespace, url: str, server_pid: int, watch: Any) -> dict[str, Any]:
+    """The 16 clients, each in its own process, against the served pool at `url`."""
     kinds = ["sdk"] * args.sdk_clients + ["trio"] * args.trio_clients
     env = {**os.environ, "PYTHONPATH": str(REPO), "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
-    with server_process(port, ckpt, args.min_cycle_s, len(kinds)) as (server, url), \
-            tempfile.TemporaryDirectory() as tmp:
+    known = set(watch.telemetry.all_clients())
+    with tempfile.TemporaryDirectory() as tmp:
         go = os.path.join(tmp, "go")
-        watch = RemotePool(url, api_key="tml-serve-load-watch")
-        time.sleep(1.0)
-        rss_before = rss_mb(server.pid)
         procs = [subprocess.Popen([sys.executable, __file__, "--client", kind, "--index", str(i), "--url", url,
                                    "--go", go, "--updates", str(args.updates)], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for i, kind in enumerate(kinds)]
@@ -195,6 +191,8 @@ def http_arm(args: argparse.Namespace, port: int, ckpt: str) -> dict[str, Any]:
                 line = p.stdout.readline() if p.stdout else ""
                 if not line.startswith('{"ready"'):
                     raise RuntimeError(f"a client failed to start: {line}{p.stderr.read() if p.stderr else ''}")
+            server = psutil.Process(server_pid)
+            cpu0 = sum(server.cpu_times()[:2])
             Path(go).touch()
             results = []
             for p in procs:
@@ -202,30 +200,27 @@ def http_arm(args: argparse.Namespace, port: int, ckpt: str) -> dict[str, Any]:
                 if p.returncode != 0:
                     raise RuntimeError(f"a client failed: {err[-3000:]}")
                 results.append(json.loads(out.strip().splitlines()[-1]))
+            server_cpu = sum(server.cpu_times()[:2]) - cpu0
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait(30)
-        time.sleep(2.0)  # the sessions are finished; their clients retire at the next boundaries
-        rss_after = rss_mb(server.pid)
-        stats = httpx.get(f"{url}/api/v1/trio/info", headers={"X-API-Key": "tml-serve-load-watch"}).json()["stats"]
-        ran: dict[str, int] = {}
-        clock = clock_figures(watch.telemetry, [c for c, info in watch.telemetry.all_clients().items()
-                                                if info.kind == "training"])
-        for info in watch.telemetry.all_clients().values():
-            name = info.label.split(" · ")[-1].split(":")[0]
-            ran[name] = sum(1 for r in watch.telemetry.requests_of(info.client_id)
-                            if r.op == "optim_step" and r.status == "ok")
-        watch.close()
+    time.sleep(2.0)  # the sessions are finished; their clients retire at the next boundaries
+    mine = {cid: info for cid, info in watch.telemetry.all_clients().items()
+            if cid not in known and info.kind == "training"}
+    ran = {info.label.split(" · ")[-1].split(":")[0]: sum(
+        1 for r in watch.telemetry.requests_of(cid) if r.op == "optim_step" and r.status == "ok")
+        for cid, info in mine.items()}
     for r in results:
         r["ran"] = ran.get(r["name"], 0)
-    return {"results": results, "rss_before": rss_before, "rss_after": rss_after, "stats": stats, "clock": clock}
+    return {"results": results, "rss": rss_mb(server_pid), "server_cpu": server_cpu,
+            "clock": clock_figures(watch.telemetry, list(mine))}
 
 
 # -- the in-process arm and the solo runs -------------------------------------------------------------
 
-def in_process_arm(args: argparse.Namespace) -> tuple[list[float], tuple[float, float]]:
+def in_process_arm(args: argparse.Namespace) -> tuple[list[float], tuple[float, float], float]:
     import trio_widgets as trio
 
     n = args.sdk_clients + args.trio_clients
@@ -255,14 +250,16 @@ def in_process_arm(args: argparse.Namespace) -> tuple[list[float], tuple[float, 
             seconds[i] = time.perf_counter() - t0
 
         threads = [threading.Thread(target=loop, args=(i,), name=f"client-{i}") for i in range(n)]
+        cpu0 = time.process_time()
         for t in threads:
             t.start()
         for t in threads:
             t.join(900)
+        used = time.process_time() - cpu0
         clock = clock_figures(pool.telemetry, [tc.client_id for tc in clients])
         for tc in clients:
             tc.close()
-    return [s / args.updates for s in seconds], clock
+    return [s / args.updates for s in seconds], clock, used
 
 
 def solo(index: int, seed: int, updates: int, pool: Any) -> tuple[dict[str, torch.Tensor], float]:
@@ -330,27 +327,39 @@ def main() -> int:
     http_times: list[float] = []
     local_times: list[float] = []
     arms: list[dict[str, Any]] = []
-    ckpts = []
-    for round_ in range(args.rounds):
-        for kind in ("http", "local", "local", "http"):
-            if kind == "http":
-                ckpt = tempfile.mkdtemp(prefix="serve-load-")
-                ckpts.append(ckpt)
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                arm = http_arm(args, port, ckpt)
-                arm["ckpt"] = ckpt
-                arms.append(arm)
-                per = [r["seconds"] / args.updates for r in arm["results"]]
-                clock = arm["clock"]
-                http_times.append(statistics.median(per))
-            else:
-                per, clock = in_process_arm(args)
-                local_times.append(statistics.median(per))
-            print(f"round {round_ + 1} {kind:>5}: median per-update time {statistics.median(per) * 1e3:7.1f} ms "
-                  f"(clients {min(per) * 1e3:.1f}-{max(per) * 1e3:.1f} ms); {clock[0]:.2f} cycles/update, "
-                  f"cycles of {clock[1]:.1f} ms", flush=True)
+    ckpt = tempfile.mkdtemp(prefix="serve-load-")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    from trio_widgets.http.remote import RemotePool
+
+    # one server for every HTTP round: its RSS before, and after each, shows what stays
+    with server_process(port, ckpt, args.min_cycle_s, args.sdk_clients + args.trio_clients) as (server, url):
+        watch = RemotePool(url, api_key="tml-serve-load-watch")
+        time.sleep(1.0)
+        rss_before = rss_mb(server.pid)
+        try:
+            for round_ in range(args.rounds):
+                for kind in ("http", "local", "local", "http"):
+                    cpu = ""
+                    if kind == "http":
+                        arm = http_arm(args, url, server.pid, watch)
+                        arms.append(arm)
+                        per = [r["seconds"] / args.updates for r in arm["results"]]
+                        clock = arm["clock"]
+                        http_times.append(statistics.median(per))
+                        cpu = (f"; CPU per update: server {arm['server_cpu'] / args.updates * 1e3:.0f} ms, clients "
+                               f"{sum(r['cpu'] for r in arm['results']) / args.updates * 1e3:.0f} ms")
+                    else:
+                        per, clock, used = in_process_arm(args)
+                        local_times.append(statistics.median(per))
+                        cpu = f"; CPU per update: {used / args.updates * 1e3:.0f} ms"
+                    print(f"round {round_ + 1} {kind:>5}: median per-update time {statistics.median(per) * 1e3:7.1f} ms"
+                          f" (clients {min(per) * 1e3:.1f}-{max(per) * 1e3:.1f}); {clock[0]:.2f} cycles/update, "
+                          f"cycles of {clock[1]:.1f} ms{cpu}", flush=True)
+        finally:
+            watch.close()
+        stats = httpx.get(f"{url}/api/v1/trio/info", headers={"X-API-Key": "tml-serve-load-watch"}).json()["stats"]
 
     # 1. lost or duplicated updates
     bad = 0
@@ -362,7 +371,7 @@ def main() -> int:
             ok = r["steps"] == list(range(1, args.updates + 1))
             bad += lost + dup + (not ok)
         print("  " + ", ".join(f"{r['name']} {r['ran']}/{len(r['steps'])}" for r in arm["results"]))
-        print(f"  server: {arm['stats']}")
+    print(f"  server: {stats}")
     print(f"lost or duplicated updates: {bad}")
 
     # 2. isolation, from the first HTTP arm
@@ -376,7 +385,7 @@ def main() -> int:
         for r in arms[0]["results"]:
             index = int(r["name"].split("-")[1])
             alone, first = solo(index, index, args.updates, pool)
-            drift = max_diff(served_weights(arms[0]["ckpt"], r), alone)
+            drift = max_diff(served_weights(ckpt, r), alone)
             tol = fp32_tolerance(abs(first), terms)
             first_diff = abs(r["losses"][0] - first)
             worst_first = max(worst_first, first_diff / tol)
@@ -388,15 +397,13 @@ def main() -> int:
           f"{worst_first:.2f} of it; final drift at most {worst_ratio:.1e} of a seed's difference, limit 1e-2)")
 
     # 3. memory, 4. speed
-    for i, arm in enumerate(arms):
-        print(f"server RSS, HTTP arm {i + 1}: {arm['rss_before']:.0f} MB before the clients, "
-              f"{arm['rss_after']:.0f} MB after ({arm['rss_after'] - arm['rss_before']:+.0f} MB)")
+    print(f"server RSS: {rss_before:.0f} MB before the clients, then after each HTTP round of "
+          f"{args.sdk_clients + args.trio_clients} clients: " + ", ".join(f"{a['rss']:.0f} MB" for a in arms))
     ratio = statistics.median(http_times) / statistics.median(local_times)
     print(f"per-update time: HTTP {statistics.median(http_times) * 1e3:.1f} ms, in-process "
           f"{statistics.median(local_times) * 1e3:.1f} ms -> ratio {ratio:.3f} (target <= 1.15)")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    for ckpt in ckpts:
-        shutil.rmtree(ckpt, ignore_errors=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
     return 0 if bad == 0 and isolated else 1
 
 

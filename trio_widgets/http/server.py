@@ -186,7 +186,7 @@ class _Sequencer:
         if seq in self.seen:
             self.service.stats["duplicates"] += 1
             return self.seen[seq]  # a retry: the first submission's request, run once
-        if seq <= self.last and (len(self.seen) >= _SEEN_PER_MODEL and seq < min(self.seen)):
+        if seq <= self.last and (len(self.seen) >= _SEEN_PER_MODEL and seq < next(iter(self.seen))):
             raise InvalidInputError(f"seq_id {seq} is older than the last {_SEEN_PER_MODEL} requests of this "
                                     f"model; it was used already", field="seq_id")
         self.seen[seq] = entry
@@ -308,6 +308,7 @@ class _Service:
         self.trained: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.entries: dict[str, _Entry] = {}
+        self.unretrieved: dict[str, int] = {}  # per key: results not yet retrieved (bounded)
         self.streams = 0
         self.stopping = False
         # what happened, for tests and benchmarks: submits, repeats answered from the table, early
@@ -385,13 +386,24 @@ class _Service:
 
     # -- futures --------------------------------------------------------------------------
     def new_entry(self, owner: str, session: _Session | None, kind: str) -> _Entry:
-        pending = sum(1 for e in self.entries.values() if e.owner == owner and e.retrieved is None)
+        pending = self.unretrieved.get(owner, 0)
         if pending >= self.max_futures_per_key:
             raise _HttpError(400, f"this API key has {pending} results not yet retrieved, the server's limit "
                                   f"(max_futures_per_key): retrieve (await) some before submitting more")
         entry = _Entry(f"req-{next(self._ids)}", owner, session, kind)
         self.entries[entry.request_id] = entry
+        self.unretrieved[owner] = pending + 1
         return entry
+
+    def forget(self, request_id: str) -> None:
+        entry = self.entries.pop(request_id, None)
+        if entry is not None and entry.retrieved is None:
+            self.unretrieved[entry.owner] -= 1
+
+    def mark_retrieved(self, entry: _Entry) -> None:
+        if entry.retrieved is None:
+            entry.retrieved = time.monotonic()
+            self.unretrieved[entry.owner] -= 1
 
     def launch(self, entry: _Entry, submit: Callable[[], APIFuture],
                encode: Callable[[Any], tuple[bytes | dict, bool]], raise_invalid: bool = False) -> None:
@@ -404,7 +416,7 @@ class _Service:
             self.stats["submitted"] += 1
         except (InvalidInputError, PoolClosedError, ClientClosedError, _HttpError) as exc:
             if raise_invalid:
-                self.entries.pop(entry.request_id, None)
+                self.forget(entry.request_id)
                 raise
             entry.settle(error=(str(exc), "user" if isinstance(exc, (InvalidInputError, _HttpError)) else "server"))
             return
@@ -474,7 +486,7 @@ class _Service:
                     session.last_seen = time.monotonic()
         if not entry.done.is_set():
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
-        entry.retrieved = entry.retrieved or time.monotonic()
+        self.mark_retrieved(entry)
         headers = {"X-Trio-Cycle": str(entry.cycle)} if entry.cycle is not None else {}
         if entry.error is not None:
             error = {"error": entry.error[0], "category": entry.error[1]}
@@ -642,7 +654,7 @@ class _Service:
         client_id = model.handle.client_id
         found = model.seq.arrive(seq, entry, lambda: self.backend.submit(client_id, op, request), encode)
         if found is not entry:  # a repeat: the first one's id, nothing run
-            self.entries.pop(entry.request_id, None)
+            self.forget(entry.request_id)
         return {"request_id": found.request_id, "model_id": model.model_id}
 
     def forward_backward(self, owner: str, body: bytes) -> dict:
@@ -868,7 +880,7 @@ class _Service:
             for rid, entry in list(self.entries.items()):
                 kept = 60.0 if entry.retrieved is not None else 1800.0
                 if entry.done.is_set() and now - (entry.retrieved or entry.created) > kept:
-                    del self.entries[rid]
+                    self.forget(rid)
             ended = [s for s in self.sessions.values() if s.state != "live" and now - s.last_seen > 600]
             for session in ended:  # tombstones answer "expired" for 10 minutes, then are forgotten
                 del self.sessions[session.session_id]
