@@ -129,7 +129,7 @@ def run_client(kind: str, index: int, url: str, go: str, updates: int) -> None:
 # -- the HTTP arm ---------------------------------------------------------------------------------
 
 def clock_figures(telemetry: Any, client_ids: list[str]) -> tuple[float, float]:
-    """(median cycles per update over the clients, median cycle duration in ms while they ran)."""
+    """(median cycles per update over the clients, mean cycle duration in ms while they ran)."""
     periods, first, last = [], None, None
     for cid in client_ids:
         cycles = sorted(r.cycle for r in telemetry.requests_of(cid)
@@ -141,7 +141,7 @@ def clock_figures(telemetry: Any, client_ids: list[str]) -> tuple[float, float]:
     durations = [c.ended_at - c.started_at for c in list(telemetry.cycles)
                  if first is not None and last is not None and first <= c.index <= last]
     return (statistics.median(periods) if periods else float("nan"),
-            statistics.median(durations) * 1e3 if durations else float("nan"))
+            statistics.fmean(durations) * 1e3 if durations else float("nan"))
 
 
 def rss_mb(pid: int) -> float:
