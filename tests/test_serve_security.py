@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -220,3 +221,4 @@ def test_a_served_pool_stops_with_its_pool(tmp_path):
     wait_for(lambda: not server.running, "the server to stop with its pool")
     with pytest.raises(httpx.ConnectError):
         call(server, "GET", "/healthz", None)
+    assert not [t for t in threading.enumerate() if t.name.startswith("trio-serve-short-lived")]

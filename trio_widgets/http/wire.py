@@ -138,8 +138,10 @@ class _Proto:
     def __init__(self) -> None:
         pool = descriptor_pool.DescriptorPool()
         pool.Add(_schema())
+        # GetMessageClass is protobuf >= 4.22's name; older releases build classes with a factory
+        make = getattr(message_factory, "GetMessageClass", None) or message_factory.MessageFactory(pool).GetPrototype
         for name in _MESSAGES:
-            setattr(self, name, message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{_PACKAGE}.{name}")))
+            setattr(self, name, make(pool.FindMessageTypeByName(f"{_PACKAGE}.{name}")))
         self.DTYPE_FLOAT32, self.DTYPE_INT64, self.DTYPE_INT32 = 1, 2, 3
 
     def __getattr__(self, name: str) -> Any:  # for type checkers: the classes are set above
