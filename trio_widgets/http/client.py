@@ -297,6 +297,12 @@ class _Link:
         self.http.close()
 
 
+def _close(link: _Link, worker: BackgroundWorker) -> None:
+    """close() and the finalizer of a dropped backend: nothing of it keeps running."""
+    worker.close()
+    link.close()
+
+
 def _settle(future: concurrent.futures.Future, value: Any = None, exc: BaseException | None = None) -> None:
     if future.done():
         return
@@ -345,7 +351,8 @@ class HttpBackend:
         self.name = self.base_url
         self._link = _Link(self.base_url, api_key, timeout_s, retry_s, long_poll_s)
         link = self._link
-        self._finalizer = weakref.finalize(self, link.close)
+        self._worker = BackgroundWorker("trio-client-http")  # custom losses: started on first use
+        self._finalizer = weakref.finalize(self, _close, link, self._worker)
         link.thread.start()
         link.call("POST", "/client/config", json={"sdk_version": "trio-widgets"})
         body: dict[str, Any] = {"tags": [], "user_metadata": {"name": label} if label else {},
@@ -358,7 +365,6 @@ class HttpBackend:
         self._samplers: dict[str, tuple[ModelHandle, itertools.count]] = {}
         self._tokenizer_ids: dict[str, str | None] = {}
         self._tokenizers: dict[str, Any] = {}
-        self._worker = BackgroundWorker("trio-client-http")
 
     def __repr__(self) -> str:
         return f"<HttpBackend {self.base_url} session={self.session_id}>"
@@ -625,8 +631,7 @@ class HttpBackend:
 
     def close(self) -> None:
         """Finish the session on the server, fail what is still pending, stop the poller and the
-        heartbeat threads. The served pool goes on for its other clients."""
-        self._worker.close()
+        heartbeat threads (and a custom loss's thread). The served pool goes on for its other clients."""
         self._finalizer()
 
     def __enter__(self) -> HttpBackend:
