@@ -96,6 +96,7 @@ API = "/api/v1"
 _SESSION_RE = re.compile(r"^sess-[0-9a-f]{16}$")
 _MODEL_RE = re.compile(r"^(?P<session>sess-[0-9a-f]{16}):train:(?P<n>\d{1,9})$")
 _SEEN_PER_MODEL = 4096  # (model, seq_id) pairs remembered for deduplication
+_HELD_PER_MODEL = 1024  # requests of a model that may wait for a missing predecessor
 _SEEN_PER_SAMPLER = 4096
 _TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered")
 _STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
@@ -189,6 +190,9 @@ class _Sequencer:
         if seq <= self.last and (len(self.seen) >= _SEEN_PER_MODEL and seq < next(iter(self.seen))):
             raise InvalidInputError(f"seq_id {seq} is older than the last {_SEEN_PER_MODEL} requests of this "
                                     f"model; it was used already", field="seq_id")
+        if seq > self.last + 1 and len(self.held) >= _HELD_PER_MODEL:
+            raise InvalidInputError(f"{len(self.held)} requests of this model already wait for seq_id "
+                                    f"{self.last + 1}; send that one first", field="seq_id")
         self.seen[seq] = entry
         while len(self.seen) > _SEEN_PER_MODEL:
             self.seen.popitem(last=False)
@@ -217,8 +221,10 @@ class _Sequencer:
         if seq == self.last + 1:
             self.last = seq
             self._release()
-        else:
+        elif len(self.held) < _HELD_PER_MODEL:
             self.held.setdefault(seq, _Held(seq, None, None, None))
+            if self.timer is None:
+                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
 
     def _release(self) -> None:
         while self.last + 1 in self.held:
@@ -373,9 +379,13 @@ class _Service:
                     if entry.future is None or entry.future.cancelled():
                         entry.settle(error=(why, "user"), code="session_expired")
         for cid in session.clients:
-            model = self.trained.get(cid)
-            if model is not None and state == "expired":
-                model.seq.fail_held(why, "user", "session_expired")
+            model, sampler = self.trained.get(cid), self.samplers.get(cid)
+            if model is not None:
+                if state == "expired":
+                    model.seq.fail_held(why, "user", "session_expired")
+                model.seq.seen.clear()  # the session takes no more requests: nothing to deduplicate
+            if sampler is not None:
+                sampler.seen.clear()
             with contextlib.suppress(PoolClosedError, ClientClosedError):
                 self.backend.release(self._client_id(cid))
         log.info("session %s %s: %s", session.session_id, state, why)
