@@ -348,8 +348,12 @@ def main() -> int:
                         per = [r["seconds"] / args.updates for r in arm["results"]]
                         clock = arm["clock"]
                         http_times.append(statistics.median(per))
+                        by_kind = {k: [r["cpu"] / args.updates * 1e3 for r in arm["results"]
+                                       if r["name"].startswith(k)] for k in ("sdk", "trio")}
                         cpu = (f"; CPU per update: server {arm['server_cpu'] / args.updates * 1e3:.0f} ms, clients "
-                               f"{sum(r['cpu'] for r in arm['results']) / args.updates * 1e3:.0f} ms")
+                               f"{sum(r['cpu'] for r in arm['results']) / args.updates * 1e3:.0f} ms ("
+                               + ", ".join(f"{k} {statistics.median(v):.1f} ms each" for k, v in by_kind.items() if v)
+                               + ")")
                     else:
                         per, clock, used = in_process_arm(args)
                         local_times.append(statistics.median(per))
