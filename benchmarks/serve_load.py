@@ -224,7 +224,8 @@ def in_process_arm(args: argparse.Namespace) -> tuple[list[float], tuple[float, 
     import trio_widgets as trio
 
     n = args.sdk_clients + args.trio_clients
-    with trio.LocalPool(min_cycle_s=args.min_cycle_s, name="in-process", checkpoint_dir=tempfile.mkdtemp()) as pool:
+    with tempfile.TemporaryDirectory() as ckpt, \
+            trio.LocalPool(min_cycle_s=args.min_cycle_s, name="in-process", checkpoint_dir=ckpt) as pool:
         service = trio.ServiceClient(pool)
         clients = [service.create_lora_training_client(trio.DEFAULT_MODEL, rank=RANK, seed=i) for i in range(n)]
         made = [[[trio.Datum(trio.ModelInput.from_ints(x), {"target_tokens": y}) for x, y in b]
@@ -382,7 +383,8 @@ def main() -> int:
     config = tiny_config()
     terms = model_terms(config, SEQ, batch_tokens=SEQ * BATCH)
     worst_first, worst_ratio = 0.0, 0.0
-    with trio.LocalPool(min_cycle_s=0.0, name="solo", checkpoint_dir=tempfile.mkdtemp()) as pool:
+    with tempfile.TemporaryDirectory() as solo_dir, \
+            trio.LocalPool(min_cycle_s=0.0, name="solo", checkpoint_dir=solo_dir) as pool:
         # a real difference, for scale: client 0's loop with another LoRA seed
         seed_gap = max_diff(solo(0, 0, args.updates, pool)[0], solo(0, 1, args.updates, pool)[0])
         print(f"\nisolation (final weights, served vs the same loop alone; another seed differs by {seed_gap:.2e}):")
