@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LAB_PORT ?= 8888
 
-.PHONY: setup lab lint test test-fast demo bench browser-deps clean
+.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +52,12 @@ test-fast: setup
 
 bench: setup
 	$(PY) benchmarks/engine_throughput.py
+	$(PY) benchmarks/vs_peft.py
 	$(PY) benchmarks/dashboard_overhead.py
+
+# On a GPU machine: CUDA tests + vs_peft.py on a ~0.5B shape, < 8 minutes (--dry-run: on CPU).
+gpu-check: setup
+	PYTHON=$(PY) benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -40,11 +40,12 @@ TENANTS, SEQS, LENGTH, RANK = 8, 2, 64, 32
 ADAM = trio.AdamParams(learning_rate=1e-4)
 
 
-def batch(seed: int, n: int) -> list[trio.Datum]:
+def batch(seed: int, n: int, length: int = LENGTH, vocab: int = 259) -> list[trio.Datum]:
+    """`n` random sequences of `length` tokens (ids 3..vocab-1: past the byte tokenizer's specials)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        tokens = [rng.randrange(3, 259) for _ in range(LENGTH + 1)]
+        tokens = [rng.randrange(3, vocab) for _ in range(length + 1)]
         out.append(trio.Datum(model_input=trio.ModelInput.from_ints(tokens[:-1]),
                               loss_fn_inputs={"target_tokens": tokens[1:]}))
     return out
@@ -145,19 +146,28 @@ def clock_overhead(threads: int | str) -> tuple[float, float, float]:
     return statistics.median(empty), statistics.median(overhead), statistics.median(share)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--threads", default="auto,all",
-                        help="comma-separated torch CPU thread counts: numbers, 'auto' (the pool's default) "
-                             "or 'all' (every usable CPU)")
-    args = parser.parse_args()
+THREADS_HELP = ("comma-separated torch CPU thread counts: numbers, 'auto' (the pool's default) "
+                "or 'all' (every usable CPU)")
+
+
+def thread_settings(spec: str) -> list[int]:
+    """`--threads` resolved to distinct counts, in order: "auto" and "all" coincide on a 1-2 CPU machine."""
     named = {"auto": auto_torch_threads(), "all": usable_cpus()}
-    settings: list[int] = []  # resolved first: "auto" and "all" coincide on a 1-2 CPU machine
-    for item in args.threads.split(","):
+    settings: list[int] = []
+    for item in spec.split(","):
         value = named[item] if item in named else int(item)
         if value not in settings:
             settings.append(value)
+    return settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", default="auto,all", help=THREADS_HELP)
+    args = parser.parse_args()
+    named = {"auto": auto_torch_threads()}
+    settings = thread_settings(args.threads)
 
     device = resolve_device("auto")
     print(f"torch {torch.__version__}, device {device}, {usable_cpus()} usable CPU(s); {TENANTS} tenants x "

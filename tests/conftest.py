@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 
@@ -38,9 +39,38 @@ def pytest_configure(config):
     """Numeric tests must hold at any thread count (sums split across threads add in another
     order): `make test` runs them at TRIO_TORCH_THREADS=1 and again at 2. Pools read the
     variable too (torch_threads="auto"); tests that drive the engine directly get it here."""
-    from trio_widgets.engine.models import auto_torch_threads
+    from trio_widgets.engine.models import ALLOW_DOWNLOAD_ENV, auto_torch_threads
 
     torch.set_num_threads(auto_torch_threads())
+    # Tests never reach the Hugging Face Hub because of a developer's shell setting; the ones
+    # about downloads set it themselves (tests/test_downloads.py).
+    os.environ.pop(ALLOW_DOWNLOAD_ENV, None)
+
+
+def write_peft_adapter(path, target_modules: list[str], rank: int, alpha: float, seed: int,
+                       b_scale: float) -> str:
+    """A LoRA adapter for DEFAULT_MODEL written by the peft library itself, with random non-zero
+    B (so alpha matters and every A gets a gradient from the first step)."""
+    import json
+
+    import peft
+
+    from trio_widgets.engine.models import _build_builtin
+
+    plain, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=target_modules)
+    model = peft.get_peft_model(plain, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * b_scale)
+    model.save_pretrained(path, save_embedding_layers=False)  # only the LoRA pairs
+    config_file = path / "adapter_config.json"
+    saved = json.loads(config_file.read_text())
+    saved["base_model_name_or_path"] = trio.DEFAULT_MODEL  # the pool resolves the base by this name
+    config_file.write_text(json.dumps(saved))
+    return str(path)
 
 
 @pytest.fixture
@@ -51,9 +81,9 @@ def pool():
 
 @pytest.fixture(autouse=True)
 def no_stray_clock_threads():
-    """Every test must close what it opened: no clock thread it started may outlive it."""
+    """Every test must close what it opened: no clock or GIL-watchdog thread it started may outlive it."""
     before = set(threading.enumerate())
     yield
-    stray = [t for t in threading.enumerate() if t.name.startswith("trio-clock-") and t.is_alive()
+    stray = [t for t in threading.enumerate() if t.name.startswith(("trio-clock-", "trio-gil-")) and t.is_alive()
              and t not in before and not t.name.endswith("-default")]
-    assert not stray, f"clock threads left running: {stray}"
+    assert not stray, f"pool threads left running: {stray}"

@@ -202,7 +202,9 @@ def test_saving_a_name_again_replaces_it_and_leaves_nothing_behind(svc):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=4)
     first = tc.save_state("again").result().path
     _step(tc, 0)
-    second = tc.save_state("again").result().path
+    with pytest.raises(trio.CheckpointExistsError):  # as on the hosted services: not without overwrite=True
+        tc.save_state("again")
+    second = tc.save_state("again", overwrite=True).result().path
     assert first == second
     assert json.loads(Path(second, "trio_checkpoint.json").read_text())["step"] == 1
     assert sorted(p.name for p in Path(second).parent.iterdir()) == ["again"]  # no .tmp / .old left
@@ -317,7 +319,7 @@ _WRITER = textwrap.dedent("""
             tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
             print("ready", k, digest(tc.inspect_adapter().result()), flush=True)
             sys.stdin.readline()  # the parent says when to save
-            path = tc.save_state("latest").result().path
+            path = tc.save_state("latest", overwrite=True).result().path
             print("saved", k, path, flush=True)
 """)
 

@@ -251,3 +251,12 @@ def test_load_and_save_results_are_reported_as_they_happened(pool, tmp_path):
     with pytest.raises(trio.RequestFailedError):
         bad.result(timeout=60)
     assert all(torch.equal(v, adapter_weights(tc)[k]) for k, v in adapter_weights(other).items())
+
+
+def test_numpy_scalars_are_numbers(pool):
+    import numpy as np
+
+    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    tc.forward_backward(BATCH)
+    step = tc.optim_step(trio.AdamParams(learning_rate=np.float32(1e-3), beta2=np.float64(0.99))).result(timeout=60)
+    assert step.metrics["learning_rate:mean"] == pytest.approx(1e-3, rel=1e-6)  # float32(1e-3) as a float

@@ -515,7 +515,7 @@ def test_names_are_bounded_by_their_encoded_length(saved):
     longest = "é" * 118 + "a"
     assert len(longest.encode()) == ckpt.MAX_NAME_BYTES
     first = tc.save_state(longest).result(timeout=60).path
-    assert tc.save_state(longest).result(timeout=60).path == first
+    assert tc.save_state(longest, overwrite=True).result(timeout=60).path == first
     assert Path(first).name == longest and sorted(os.listdir(first)) == sorted([MANIFEST, CONFIG, WEIGHTS, OPTIMIZER])
 
 

@@ -12,11 +12,9 @@ packed or not (another thread count does the same).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import random_batch
+from conftest import random_batch, write_peft_adapter
 from numerics import assert_fp32_close, model_terms, tiny_config
 
 import trio_widgets as trio
@@ -44,24 +42,7 @@ def peft_adapter(directory, t: int) -> str:
     with trio.LocalPool(min_cycle_s=0.0, name="names") as pool:
         base = pool.get_base_model(trio.DEFAULT_MODEL)
         names = sorted(n for n, (kind, _, _) in base.lora_targets.items() if kind in spec["kinds"])
-    from trio_widgets.engine.models import _build_builtin
-
-    plain, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
-    config = peft.LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], lora_dropout=0.0, bias="none",
-                             target_modules=names)
-    model = peft.get_peft_model(plain, config)
-    g = torch.Generator().manual_seed(t)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
-    path = directory / f"peft-{t}"
-    model.save_pretrained(path, save_embedding_layers=False)  # only the LoRA pairs
-    cfg_file = path / "adapter_config.json"
-    cfg = json.loads(cfg_file.read_text())
-    cfg["base_model_name_or_path"] = trio.DEFAULT_MODEL
-    cfg_file.write_text(json.dumps(cfg))
-    return str(path)
+    return write_peft_adapter(directory / f"peft-{t}", names, spec["rank"], spec["alpha"], seed=t, b_scale=0.05)
 
 
 def make_client(pool: trio.LocalPool, t: int, adapters: dict[int, str]) -> trio.TrainingClient:
@@ -182,8 +163,9 @@ def compare_sampling(joint: dict, solo: dict, solo_pools: dict, joint_pool: trio
     for t, c in solo.items():
         path = joint[t].save_state("final").result(timeout=60).path
         c.load_state_with_optimizer(path).result(timeout=60)
-    joint_samplers = {t: c.save_weights_and_get_sampling_client() for t, c in joint.items()}
-    solo_samplers = {t: c.save_weights_and_get_sampling_client() for t, c in solo.items()}
+    # .result(): a snapshot's sampler exists after its cycle, and no cycle runs inside hold()
+    joint_samplers = {t: c.save_weights_and_get_sampling_client().result() for t, c in joint.items()}
+    solo_samplers = {t: c.save_weights_and_get_sampling_client().result() for t, c in solo.items()}
     prompts = {t: trio.ModelInput.from_ints([5 + t, 40, 41, 42 + t, 7]) for t in joint}
     greedy = trio.SamplingParams(max_tokens=6, temperature=0.0)
     seeded = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=5)

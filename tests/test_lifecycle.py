@@ -30,7 +30,9 @@ def rss_mb() -> float:
 
 
 def clock_threads(prefix: str) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(f"trio-clock-{prefix}") and t.is_alive()]
+    """A pool's threads: its clock and its GIL watchdog."""
+    return [t for t in threading.enumerate()
+            if t.name.startswith((f"trio-clock-{prefix}", f"trio-gil-{prefix}")) and t.is_alive()]
 
 
 def wait_for(cond, what: str, timeout: float = 30.0) -> None:
@@ -118,8 +120,9 @@ def test_dashboard_start_stop_releases_the_runs_clients():
             dash = trio.Dashboard(pool, runs=8, rank=32, batch_size=2)
 
             async def round_trip() -> None:
-                dash.start()
-                await until(lambda: dash.state != "starting" and len(dash.runs) == 8
+                before = list(dash.runs)
+                dash.start()  # applied on the dashboard's thread: wait for this Start's runs
+                await until(lambda: dash.state != "starting" and len(dash.runs) == 8 and dash.runs != before
                             and all(r.step >= 1 for r in dash.runs), "runs to train")
                 dash.stop()
                 await until(lambda: all(r.done() for r in dash.runs), "runs to stop")

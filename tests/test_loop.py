@@ -157,3 +157,140 @@ def test_controls_are_thread_safe_before_start():
     assert run.adam_params.learning_rate == 0.5 and run._stop_requested
     with pytest.raises(ValueError):
         run.learning_rate = float("nan")
+
+
+# -- interrupts: the metrics list exactly the updates the weights received (issue 10 item 6) --------
+
+SIGINT_SCRIPT = r"""
+import itertools, json, os, signal, sys, threading, time
+import trio_widgets as trio
+
+path, mode = sys.argv[1], sys.argv[2]
+pool = trio.LocalPool(min_cycle_s=0.02, name="sigint")
+tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+batch = [trio.Datum(model_input=trio.ModelInput.from_ints(list(range(5, 17))),
+                    loss_fn_inputs={"target_tokens": list(range(6, 18))})]
+run = trio.train(tc, itertools.repeat(batch), mode="pipelined", lookahead=3, learning_rate=1e-3, metrics_path=path)
+
+
+def interrupt():  # Ctrl+C once 20 updates are in, while 3 more are queued behind
+    while run.step < 20:
+        time.sleep(0.002)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+threading.Thread(target=interrupt, daemon=True).start()
+outcome = "returned"
+try:
+    if mode == "script":
+        trio.run_sync(run)  # asyncio.run: its SIGINT handler cancels the wait
+    else:
+        import asyncio
+
+        async def cell():  # a blocking notebook cell: run_sync inside the kernel's running loop
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as ipykernel has it in a cell
+            return trio.run_sync(run)
+
+        asyncio.run(cell())
+except trio.RunInterrupted as exc:
+    outcome = f"RunInterrupted: {exc}"
+except KeyboardInterrupt:
+    outcome = "KeyboardInterrupt"
+time.sleep(0.5)  # anything still queued would run now (nothing must be)
+snapshot = tc.inspect_adapter().result(timeout=60)
+records = pool.telemetry.requests_of(tc.client_id)
+print(json.dumps({
+    "outcome": outcome, "state": run.state, "reason": run.stop_reason, "step": run.step, "metrics": len(run.metrics),
+    "lines": len(open(path).read().splitlines()), "adam_step": snapshot.step, "grad_pending": snapshot.grad is not None,
+    "optim_ok": sum(r.op == "optim_step" and r.status == "ok" for r in records),
+    "cancelled": sum(r.status == "cancelled" for r in records)}))
+pool.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["script", "cell"])
+def test_sigint_during_run_sync_records_every_applied_update(tmp_path, mode):
+    """SIGINT during run_sync(train(...)): the run stops, what it submitted completes and is
+    recorded, and run.metrics, metrics.jsonl and the optimizer's step count all agree."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(SIGINT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "metrics.jsonl"), mode],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(result)
+    assert result["outcome"].startswith("RunInterrupted: interrupted: run"), result
+    assert result["state"] == "stopped" and result["reason"] == "interrupted", result
+    assert result["step"] >= 20
+    assert result["step"] == result["metrics"] == result["lines"] == result["adam_step"] == result["optim_ok"], result
+    assert not result["grad_pending"], result
+
+
+def test_cancelling_a_run_withdraws_what_is_queued_and_records_what_ran():
+    """run.task.cancel() (asyncio.run's shutdown does it): updates still queued are withdrawn,
+    those already in a cycle complete and are recorded; no gradient is left behind."""
+    batch = random_batch(5, n=1, length=12)
+
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.05, name="cancel") as pool:
+            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+            run = trio.train(tc, itertools.repeat(batch), mode="pipelined", lookahead=4, learning_rate=1e-3)
+            while run.step < 6:
+                await asyncio.sleep(0.005)
+            run.task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run.task
+            await asyncio.sleep(0.3)
+            snapshot = tc.inspect_adapter().result(timeout=60)
+            records = pool.telemetry.requests_of(tc.client_id)
+            return run, snapshot, records
+
+    run, snapshot, records = asyncio.run(main())
+    assert run.state == "stopped" and run.stop_reason == "cancelled"
+    optim_ok = sum(r.op == "optim_step" and r.status == "ok" for r in records)
+    assert run.step == len(run.metrics) == snapshot.step == optim_ok and snapshot.grad is None
+    assert any(r.status == "cancelled" for r in records)  # lookahead 4: some were still queued
+
+
+def test_an_update_whose_optim_step_was_withdrawn_gets_a_new_one():
+    """The one uneven case of a withdrawal: forward_backward ran, its optim_step was still
+    queued. The run submits a new optim_step, so no gradient lingers and the update counts."""
+    from collections import deque
+
+    from trio_widgets.loop import _Update
+
+    batch = random_batch(6, n=1, length=10)
+    adam = trio.AdamParams(learning_rate=1e-3)
+
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.02, name="uneven") as pool:
+            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+            run = trio.TrainingRun(tc, [], learning_rate=1e-3)
+            fb1 = tc.forward_backward(batch)
+            await fb1  # ran: its gradient waits in the adapter
+            with pool.hold():  # no boundary: all of these stay queued while we withdraw
+                opt1 = tc.optim_step(adam)
+                fb2, opt2 = tc.forward_backward(batch), tc.optim_step(adam)
+                inflight = deque([_Update(1, fb1, opt1, 10.0, 10, 1e-3, "pipelined", 0.0, 0.0),
+                                  _Update(2, fb2, opt2, 10.0, 10, 1e-3, "pipelined", 0.0, 0.0)])
+                withdrawn = run._withdraw(inflight)
+            await run._finish_withdrawn(inflight, withdrawn)
+            snapshot = tc.inspect_adapter().result(timeout=60)
+            return run, snapshot, (opt1.cancelled(), fb2.cancelled(), opt2.cancelled())
+
+    run, snapshot, cancelled = asyncio.run(main())
+    assert cancelled == (True, True, True)
+    assert run.step == 1 and len(run.metrics) == 1 and snapshot.step == 1 and snapshot.grad is None
+
+
+def test_run_names_follow_the_client_label():
+    with trio.LocalPool(min_cycle_s=0.0, name="names") as pool:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0,
+                                                                   user_metadata={"name": "quickstart"})
+        run = trio.train(tc, [random_batch(7, n=1, length=8)])
+        assert run.name == "quickstart" and "'quickstart'" in repr(run)
+        trio.run_sync(run)
+        assert run.stop_reason == "finished" and run in trio.loop.live_runs()

@@ -71,7 +71,16 @@ def _floats(pattern: str, text: str) -> tuple[float, ...]:
     return tuple(float(g) for g in m.groups())
 
 
+def check_01_download_cell(text: str) -> None:
+    """Run offline (HF_HUB_OFFLINE=1) and not opted in, the optional download cell skips and says why."""
+    assert re.search(r"skipped: base_model: unknown model 'HuggingFaceTB/SmolLM2-135M'.*not allowed: pass "
+                     r"allow_download=True", text), text
+
+
 def check_01(text: str) -> None:
+    check_01_download_cell(text)
+    # trio.doctor() in the first cell: one line when all is well (no FAIL on this machine either way)
+    assert re.search(r"trio doctor: (all \d+ checks OK|0 FAIL, )", text), text
     first, last = _floats(r"loss per answer token: ([\d.]+) \(first 10 updates\) -> ([\d.]+)", text)
     updates, cycles, seconds = _floats(r"(\d+) updates in (\d+) cycles and (\d+) s", text)
     assert updates == 200
@@ -109,15 +118,19 @@ def check_03(text: str) -> None:
 
 
 def check_04(text: str) -> None:
-    assert re.search(r"advisor on slow: stall", text), text
-    assert re.search(r"advisor on cached: together", text), text
-    assert re.search(r"advisor on pipelined: pipelined", text), text
-    slow, cached, pipelined = (_floats(rf"\n{name}\s+([\d.]+) cycles/update", text)[0]
-                               for name in ("slow", "cached", "pipelined"))
-    assert slow > 2 and cached == 2 and pipelined == 1, f"cycles per update: {slow}, {cached}, {pipelined}"
-    assert "time/get_batch" in text and "time/wait" in text
-    events, idle = _floats(r"trace: (\d+) events, (\d+) idle cycles", text)
-    assert events > 0 and idle > 0
+    # the main path: a pipelined loop whose loader holds the GIL is named, function and cell line ...
+    m = re.search(r"advisor on slow: gil: (.*)", text)
+    assert m, text
+    assert "in `encode_dataset`, cell In[" in m.group(1) and "called from `slow_batches`" in m.group(1), m.group(1)
+    # ... and the diagnosis is gone after the fix; a loader that merely waits is a stall
+    assert re.search(r"advisor on cached: pipelined", text), text
+    assert re.search(r"advisor on waiting: stall", text), text
+    cached, waiting = (_floats(rf"\n{name}\s+([\d.]+) cycles/update", text)[0] for name in ("cached", "waiting"))
+    assert cached == 1 and waiting > 1, f"cycles per update: cached {cached}, waiting {waiting}"
+    assert "time/get_batch" in text and "time/wait" in text and "time/gil_wait" in text
+    events, spans = _floats(r"trace: (\d+) events, (\d+) GIL spans", text)
+    assert events > 0 and spans > 0
+    assert re.search(r"held longest, in total: GIL held: encode_dataset \(cell In\[\d+\] line \d+\)", text), text
     assert "read back: 20 rows from slow_metrics.jsonl" in text
 
 
@@ -197,8 +210,10 @@ def test_every_section_has_a_try_it_cell(name: str) -> None:
 
 
 def test_quickstart_has_at_most_five_code_cells() -> None:
+    """Five cells from import to a trained run; cells tagged "optional" (the Binder download) are extras."""
     nb = nbformat.read(NOTEBOOKS / "01_quickstart.ipynb", as_version=4)
-    assert sum(c.cell_type == "code" for c in nb.cells) <= 5
+    path = [c for c in nb.cells if c.cell_type == "code" and "optional" not in c.metadata.get("tags", [])]
+    assert len(path) <= 5
 
 
 def test_every_notebook_closes_what_it_opens() -> None:

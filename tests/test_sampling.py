@@ -148,6 +148,107 @@ def test_top_k_and_top_p_filter_the_distribution(trained, reference):
         assert all(tok in top3[i].tolist() for i, tok in enumerate(seq.tokens))
 
 
+def _assert_topk(got: list[tuple[int, float]] | None, ref_row: torch.Tensor, k: int, terms: int, what: str) -> None:
+    """`got` is the top k of `ref_row` (log-probabilities over the vocabulary): descending, each
+    logprob that of its token, and the k values those of the reference's top k (ties and
+    near-ties may order tokens differently, so values are compared, not ids)."""
+    assert got is not None and len(got) == k, what
+    ids = torch.tensor([t for t, _ in got])
+    values = [v for _, v in got]
+    assert values == sorted(values, reverse=True) and len(set(ids.tolist())) == k, what
+    assert_fp32_close(values, ref_row[ids], terms, f"{what}: logprobs of the returned tokens")
+    assert_fp32_close(values, ref_row.topk(k).values, terms, f"{what}: the reference's top {k}")
+
+
+def test_topk_prompt_and_sample_logprobs_equal_the_reference_top_k(trained, reference):
+    _, sc = trained
+    k = 5
+    res = sc.sample(PROMPT, 2, trio.SamplingParams(max_tokens=6, temperature=1.0, seed=5),
+                    include_prompt_logprobs=True, topk_prompt_logprobs=k, topk_sample_logprobs=k).result()
+    terms = model_terms(tiny_config(), len(PROMPT) + 6)
+    ref = _ref_logprobs(reference, PROMPT)
+    assert res.topk_prompt_logprobs[0] is None and len(res.topk_prompt_logprobs) == len(PROMPT)
+    for i in range(1, len(PROMPT)):  # position i is predicted by row i - 1
+        _assert_topk(res.topk_prompt_logprobs[i], ref[i - 1], k, terms, f"prompt position {i}")
+    matrices = res.topk_prompt_logprobs_np  # tinker's (length, k) views, sentinel row at position 0
+    assert matrices.token_ids.shape == (len(PROMPT), k) and matrices.logprobs[0].tolist() == [-99999.0] * k
+    for seq in res.sequences:
+        assert len(seq.topk_logprobs) == len(seq.tokens)
+        ref = _ref_logprobs(reference, PROMPT + seq.tokens)[len(PROMPT) - 1:-1]
+        for j, top in enumerate(seq.topk_logprobs):
+            _assert_topk(top, ref[j], k, terms, f"sampled token {j}")
+            # the same distribution as `logprobs`: the chosen token's entry, when in the top k, is its logprob
+            chosen = dict(top).get(seq.tokens[j])
+            assert chosen is None or chosen == seq.logprobs[j]
+        assert seq.topk_logprobs_np.token_ids.shape == (len(seq.tokens), k)
+    plain = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=2, seed=5)).result()
+    assert plain.topk_prompt_logprobs is None and plain.sequences[0].topk_logprobs is None
+
+
+def test_prompt_options_of_requests_batched_in_one_cycle(pool, trained, reference):
+    """Each request of a shared prefill (left-padded, other prompts beside it) gets its own rows."""
+    _, sc = trained
+    prompts = [PROMPT, [3 + b for b in b"A longer prompt here"], [3 + b for b in b"Hi"]]
+    with pool.hold():
+        futures = [sc.sample(p, 1, trio.SamplingParams(max_tokens=2, seed=i), include_prompt_logprobs=True,
+                             topk_prompt_logprobs=2) for i, p in enumerate(prompts)]
+        scored = sc.compute_logprobs(prompts[1], prompt_logprobs_last_n=4)
+    assert len({f.cycle for f in futures} | {scored.cycle}) == 1
+    for prompt, future in zip(prompts, futures):
+        res = future.result()
+        ref = _ref_logprobs(reference, prompt)
+        terms = model_terms(tiny_config(), len(prompt))
+        expected = ref[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+        assert_fp32_close(res.prompt_logprobs[1:], expected, terms, f"prompt logprobs of {len(prompt)} tokens")
+        for i in range(1, len(prompt)):
+            _assert_topk(res.topk_prompt_logprobs[i], ref[i - 1], 2, terms, f"position {i} of {len(prompt)}")
+    last4 = scored.result()
+    ref = _ref_logprobs(reference, prompts[1])
+    assert last4[:-4] == [None] * (len(prompts[1]) - 4)
+    assert_fp32_close(last4[-4:], ref[-5:-1].gather(1, torch.tensor(prompts[1][-4:])[:, None]).squeeze(1),
+                      model_terms(tiny_config(), len(prompts[1])), "last 4 in a shared prefill")
+
+
+def test_topk_with_prompt_logprobs_last_n(trained, reference):
+    _, sc = trained
+    res = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                    topk_prompt_logprobs=3, prompt_logprobs_last_n=2).result()
+    n = len(PROMPT)
+    assert res.prompt_logprobs[:n - 2] == [None] * (n - 2) and res.topk_prompt_logprobs[:n - 2] == [None] * (n - 2)
+    ref = _ref_logprobs(reference, PROMPT)
+    terms = model_terms(tiny_config(), n)
+    for i in (n - 2, n - 1):
+        _assert_topk(res.topk_prompt_logprobs[i], ref[i - 1], 3, terms, f"prompt position {i}")
+        assert_fp32_close(res.prompt_logprobs[i], ref[i - 1, PROMPT[i]], terms, f"prompt logprob {i}")
+
+
+def test_target_prompt_logprobs_and_alternative_tokens(trained, reference):
+    _, sc = trained
+    n = len(PROMPT)
+    targets = [[PROMPT[i + 1], -1, 3 + i] for i in range(n - 1)]
+    params = trio.SamplingParams(max_tokens=1, temperature=0.8, seed=11)
+    res = sc.sample(PROMPT, 1, params, target_prompt_logprobs=trio.TensorData(targets), prompt_alt_tokens_k=4).result()
+    ref = _ref_logprobs(reference, PROMPT)
+    terms = model_terms(tiny_config(), n)
+    got = res.target_prompt_logprobs
+    assert got.dtype == "float32" and got.shape == [n - 1, 3]
+    values = got.to_torch()
+    assert values[:, 1].tolist() == [0.0] * (n - 1)  # -1: no token asked for
+    for col in (0, 2):
+        ids = torch.tensor([row[col] for row in targets])
+        assert_fp32_close(values[:, col], ref[:n - 1].gather(1, ids[:, None]).squeeze(1), terms, f"column {col}")
+    alt = res.prompt_alt_tokens
+    assert alt.tokens.dtype == "int64" and alt.tokens.shape == alt.logprobs.shape == [n - 1, 4]
+    assert_fp32_close(alt.logprobs.to_torch(), ref[:n - 1].gather(1, alt.tokens.to_torch()), terms, "alt logprobs")
+    again = sc.sample(PROMPT, 1, params, prompt_alt_tokens_k=4).result().prompt_alt_tokens
+    assert again.tokens.data == alt.tokens.data  # the request's seed fixes the draws
+    greedy = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=1, temperature=0.0),
+                       prompt_alt_tokens_k=2).result().prompt_alt_tokens.tokens.to_torch()
+    assert torch.equal(greedy[:, 0], greedy[:, 1])  # temperature 0: the most likely token, every time
+    best = ref[:n - 1].gather(1, greedy[:, :1]).squeeze(1)
+    assert_fp32_close(best, ref[:n - 1].max(-1).values, terms, "greedy alternatives are the argmax")
+
+
 def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained):
     tc, sc = trained
     base_sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)

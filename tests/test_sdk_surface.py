@@ -187,7 +187,8 @@ def test_errors_are_caught_under_the_sdks_names(pool, tc, tmp_path: Path):
     assert isinstance(error, trio.RequestFailedError) and isinstance(error, trio.TinkerError)
     assert isinstance(error, trio.PyTrioError) and isinstance(error, trio.errors.EventFailedError)
     assert error.request_id == str(fut.request_id) == error.event_cuid and error.task_cuid == tc.client_id
-    assert error.category == trio.errors.RequestErrorCategory.Unknown and "on purpose" in error.message
+    # the tenant's own fault (its loss raised): tinker's category User
+    assert error.category == trio.errors.RequestErrorCategory.User and "on purpose" in error.message
 
     closed = trio.LocalPool(min_cycle_s=0.0, name="closed")
     closed_tc = trio.ServiceClient(closed).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)

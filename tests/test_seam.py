@@ -56,18 +56,28 @@ def datum(n: int) -> trio.Datum:
 
 
 EXAMPLES = [
-    backend.CreateModelRequest(trio.DEFAULT_MODEL, rank=8, seed=3, train_mlp=False, label="run"),
+    backend.CreateModelRequest(trio.DEFAULT_MODEL, rank=8, seed=3, train_mlp=False, label="run",
+                               user_metadata={"team": "a"}),
     backend.FromStateRequest("/tmp/ckpt", with_optimizer=True, label=None),
+    backend.FromStateRequest("tinker://run/weights/x", with_optimizer=False, base_model=trio.DEFAULT_MODEL,
+                             user_metadata={"name": "resumed"}),
     backend.CreateSamplerRequest(model_path=None, base_model=trio.DEFAULT_MODEL, label="s"),
     backend.ForwardRequest([datum(5), datum(3)], "ppo", {"clip_low_threshold": 0.9}),
     backend.OptimStepRequest(trio.AdamParams(learning_rate=3e-3, weight_decay=0.01)),
     backend.SaveRequest("step-10", make_sampler=True, label="sampler"),
+    backend.SaveRequest("step-11", overwrite=False, ttl_seconds=3600, user_metadata={"step": "11"}),
     backend.LoadRequest("/tmp/ckpt"),
     backend.InspectRequest(),
     backend.SampleRequest(trio.ModelInput.from_ints([5, 6, 7]), 3,
                           trio.SamplingParams(max_tokens=4, temperature=0.7, stop=["\n"], seed=1), True),
+    backend.SampleRequest(trio.ModelInput.from_ints([5, 6, 7]), 1, None, True, topk_prompt_logprobs=3,
+                          topk_sample_logprobs=2, prompt_logprobs_last_n=1,
+                          target_prompt_logprobs=trio.TensorData([[6, -1], [7, 8]]), prompt_alt_tokens_k=4),
     backend.ComputeLogprobsRequest(trio.ModelInput.from_ints([5, 6, 7])),
+    backend.ComputeLogprobsRequest(trio.ModelInput.from_ints([5, 6, 7]), prompt_logprobs_last_n=2),
     backend.SamplerCreated(backend.ModelHandle("sampler-1", trio.DEFAULT_MODEL, 8, 32.0, 3), path=None),
+    backend.ModelHandle("lora-2", trio.DEFAULT_MODEL, 8, 16.0, 3, True, True, False, None, run_id="lora-2-ab12cd34",
+                        arch="llama", context_length=512),
 ]
 
 

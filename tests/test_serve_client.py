@@ -245,3 +245,53 @@ def test_closing_a_client_frees_its_lane(svc, server, pool, fast):
     wait_for(lambda: client not in pool.telemetry.live_clients(), "the served client to be retired")
     with pytest.raises(trio.ClientClosedError):
         tc.forward_backward([datum(0)])
+
+
+def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
+    """main's Backend methods (RestClient) over HTTP: this session's runs, checkpoints and
+    samplers; what a served pool cannot do is refused with tinker's BadRequestError, naming it."""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5, user_metadata={"name": "rest"})
+    assert tc.model_id == tc.client_id  # tinker's model_id names the run's checkpoints
+    tc.forward_backward([datum(0)])
+    tc.optim_step(ADAM).result(timeout=60)
+    path = tc.save_state("first").result(timeout=60).path
+    assert path == f"tinker://{tc.model_id}/weights/first"
+    with pytest.raises(trio.CheckpointExistsError) as exists:  # tinker's ConflictError, not retried
+        tc.save_state("first").result(timeout=60)
+    assert isinstance(exists.value, trio.ConflictError)
+    assert tc.save_state("first", overwrite=True).result(timeout=60).path == path
+    sampler = tc.save_weights_and_get_sampling_client("snap")
+    rest = svc.create_rest_client()
+    assert trio.DEFAULT_MODEL in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert {c.tinker_path for c in listed} >= {path} and {c.checkpoint_type for c in listed} >= {"training"}
+    assert path in {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.training_run_id == tc.model_id and run.lora_rank == 4 and run.last_checkpoint is not None
+    assert tc.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    info = rest.get_sampler(sampler.sampler_id if hasattr(sampler, "sampler_id") else sampler.client_id).result()
+    assert info.base_model == trio.DEFAULT_MODEL
+    assert rest.list_sessions().result().sessions == [svc.backend.session_id]
+    session = rest.get_session(svc.backend.session_id).result()
+    assert tc.model_id in session.training_run_ids
+    for refused in (lambda: rest.delete_checkpoint_from_tinker_path(path).result(),
+                    lambda: rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result(),
+                    lambda: rest.get_weights_info_by_tinker_path(path).result()):
+        with pytest.raises(trio.BadRequestError, match="not offered over HTTP"):
+            refused()
+    with pytest.raises(trio.NotFoundError):
+        rest.get_session("sess-0000000000000000").result()
+    with pytest.raises(trio.NotFoundError):
+        rest.get_training_run("sess-0000000000000000:train:0").result()
+    with pytest.raises(trio.InvalidInputError) as ttl:
+        tc.save_state("later", ttl_seconds=7200)
+    assert ttl.value.field == "ttl_seconds"
+    prompt = trio.ModelInput.from_ints(TEXT[:8])
+    with pytest.raises(trio.InvalidInputError) as topk:
+        sampler.sample(prompt, 1, trio.SamplingParams(max_tokens=2), topk_sample_logprobs=3)
+    assert topk.value.field == "topk_sample_logprobs"
+    # and a RestClient of its own, by URL
+    own = trio.RestClient(base_url=server.url, api_key=KEY)
+    assert own.list_training_runs().result().training_runs == []  # another session: sees nothing of svc's
+    with pytest.raises(trio.NotFoundError):
+        own.list_checkpoints("sess-0000000000000000:train:0").result()

@@ -2,8 +2,8 @@
 
 In-process tests build the Dashboard inside a running asyncio loop (as a notebook cell
 does) and observe it: the bokeh sources it streams, the messages its widgets send, the
-threads that touch the bokeh document. The kernel test runs a real ipykernel and counts
-the iopub comm messages of a busy run.
+threads that touch the bokeh document. The kernel tests run a real ipykernel: the iopub
+comm messages of a busy run, and the dashboard staying live while a cell blocks.
 """
 
 from __future__ import annotations
@@ -82,21 +82,26 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
                 "bars": dict(dash.figures.bars.data),
                 "loss": dict(dash.figures.clients[tc.client_id].loss.data),
                 "lanes": {v.label: v.lane for v in dash.figures.clients.values()},
+                "lane_labels": dict(dash.figures.timeline.yaxis[0].major_label_overrides),
                 "status": dash.status_text,
+                "pill": dash.pool_state,
                 "diagnosis": dash.diagnoses[tc.client_id],
                 "ticks": dash.ticks,
                 "patches": dash.bokeh_widget.patches_sent,
                 "subscribers": pool.telemetry.subscriber_count,
+                "threads": [t.name for t in threading.enumerate() if t.name.startswith("trio-dashboard")],
                 "tasks": [t.get_name() for t in asyncio.all_tasks()],
             }
+            await until(lambda: dash.pool_state == "idle", "the pill to say idle once nothing trains")
             paths = dash.export_trace(), dash.export_metrics(), dash.save_html()
             dash.close()
-            await asyncio.sleep(0.05)
-            state.update(after_close_subscribers=pool.telemetry.subscriber_count, task_done=not dash.running,
-                         after_close_tasks=[t.get_name() for t in asyncio.all_tasks()])
-            return state, seen, paths, threading.current_thread().name, tc.client_id
+            state.update(after_close_subscribers=pool.telemetry.subscriber_count, thread_done=not dash.running,
+                         final_patches=dash.bokeh_widget.patches_sent,
+                         after_close_threads=[t.name for t in threading.enumerate()
+                                              if t.name.startswith("trio-dashboard")])
+            return state, seen, paths, dash.tick_thread.name, tc.client_id
 
-    state, seen, paths, loop_thread, cid = asyncio.run(main())
+    state, seen, paths, dash_thread, cid = asyncio.run(main())
     bars = state["bars"]
     mine = [i for i, c in enumerate(bars["client"]) if c == "my loop"]
     ops = Counter(bars["op"][i] for i in mine)
@@ -106,18 +111,22 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
     assert colors == {op: op_color(op) for op in colors} and len(set(colors.values())) == 3
     assert all(isinstance(c, int) and c >= 0 for c in bars["cycle"])
     assert all(w >= 0 for w in bars["wait_ms"])
-    assert state["lanes"]["my loop"] == 0 and len(state["lanes"]) == 2
+    # the sampler made from the run shares its lane
+    assert len(state["lanes"]) == 2 and set(state["lanes"].values()) == {0}
+    assert state["lane_labels"] == {0: "my loop +1 sampler"}
     assert state["loss"]["step"] == list(range(1, 15))
     assert state["loss"]["loss"][-1] < state["loss"]["loss"][0]  # it learns the fixed batch
     assert "cycle " in state["status"] and "my loop: <b>1</b> cycle/update" in state["status"]
     assert state["diagnosis"].cause == "pipelined"
     # coalescing: at most one PATCH-DOC (3 messages, no binary buffers) per tick
     assert 0 < state["patches"] <= state["ticks"]
-    assert seen["sends"]["BatchedBokehModel"] == 3 * state["patches"]
-    assert seen["threads"] == {loop_thread}  # every bokeh change on the loop's thread
-    assert state["tasks"].count("trio-dashboard") == 1
+    assert seen["sends"]["BatchedBokehModel"] == 3 * state["final_patches"]
+    assert seen["threads"] == {dash_thread}  # every bokeh change on the dashboard's own thread
+    assert state["threads"] == [dash_thread] and dash_thread.startswith("trio-dashboard-")
+    assert not [t for t in state["tasks"] if t.startswith("trio")]  # nothing of it on the caller's loop
+    assert state["pill"] == "training"  # a hand-written loop trains: the pill says so
     assert state["subscribers"] == 1 and state["after_close_subscribers"] == 0
-    assert state["task_done"] and "trio-dashboard" not in state["after_close_tasks"]
+    assert state["thread_done"] and state["after_close_threads"] == []
 
     trace, metrics, page = (Path(p) for p in paths)
     events = json.loads(trace.read_text())["traceEvents"]
@@ -148,6 +157,7 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
 
             click("Start")
             await until(lambda: dash.state == "running" and pool.telemetry.total_updates >= 6, "training")
+            await until(lambda: dash.pool_state == "training", "the pill to say training")
             lrs = [r.learning_rate for r in dash.runs]
             labels = [pool.telemetry.clients[r.client.client_id].label for r in dash.runs]
             for key, value in (("lr", 1e-3), ("log", True)):  # settings changed from another thread too
@@ -155,6 +165,9 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
             await until(lambda: dash.runs[0].learning_rate == 5e-4, "new learning rate")
             await until(lambda: dash.figures.loss_figs[1].visible, "log-scale loss figure")
             assert not dash.figures.loss_figs[0].visible
+            # the labels follow the learning rate
+            await until(lambda: dash.figures.clients[dash.runs[0].client_id].label == "run1 lr=0.0005", "relabel")
+            relabelled = [dash.figures.clients[r.client_id].label for r in dash.runs]
             click("Pause")
             await until(lambda: dash.state == "paused", "paused")
             updates, cycle = pool.telemetry.total_updates, pool.cycle_index
@@ -169,20 +182,25 @@ def test_buttons_from_other_threads_drive_training(tmp_path):
                 click(name)
             await until(lambda: "trio-dashboard.html" in dash.controls.export_note.value, "exports")
             pool.close()  # the dashboard notices and lets go of the pool
-            await until(lambda: not dash.running, "dashboard task to end")
-            return dict(lrs=lrs, labels=labels, updates=updates, paused_updates=paused_updates,
-                        paused_text=paused_text, seen=seen, subscribed=dash.subscribed, state=dash.state,
-                        steps=[r.step for r in dash.runs], loop_thread=threading.current_thread().name)
+            await until(lambda: dash.state == "closed" and not dash.subscribed, "the dashboard to let go")
+            await until(lambda: "CLOSED" in dash.status_text.upper() and "tokens/s" not in dash.status_text,
+                        "a closed pill without a stale rate")
+            out = dict(lrs=lrs, labels=labels, relabelled=relabelled, updates=updates, paused_updates=paused_updates,
+                       paused_text=paused_text, seen=seen, subscribed=dash.subscribed, state=dash.state,
+                       steps=[r.step for r in dash.runs], dash_thread=dash.tick_thread.name)
+            dash.close()
+            return out
 
     out = asyncio.run(main())
-    assert out["lrs"] == [1e-3, 2e-3] and out["labels"] == ["run1 lr=0.001", "run2 lr=0.002"]
+    assert out["lrs"] == [1e-3, 2e-3] and out["labels"] == ["run1", "run2"]
+    assert out["relabelled"] == ["run1 lr=0.0005", "run2 lr=0.001"]
     assert out["paused_updates"] == out["updates"] and "paused" in out["paused_text"]
-    assert out["seen"]["threads"] == {out["loop_thread"]}
+    assert out["seen"]["threads"] == {out["dash_thread"]}
     assert not out["subscribed"] and out["state"] == "closed"
     assert all(s > 0 for s in out["steps"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "trio-dashboard.html", "trio-trace.json"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {r["run"] for r in rows} == {"run1 lr=0.001", "run2 lr=0.002"} and "time/wait" in rows[0]
+    assert {r["run"] for r in rows} == {"run1", "run2"} and "time/wait" in rows[0]
 
 
 KERNEL_SETUP = """
@@ -210,7 +228,8 @@ tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, ra
 batches = [[trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7, 8]),
                        loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})]] * 3
 run = trio.run_sync(trio.train(tc, batches))  # a blocking cell, inside the kernel's running loop
-print(json.dumps({"steps": run.step, "tasks": [t.get_name() for t in asyncio.all_tasks()].count("trio-dashboard"),
+import threading
+print(json.dumps({"steps": run.step, "threads": sum(t.name.startswith("trio-dashboard") for t in threading.enumerate()),
                   "old_closed": old.closed}))
 """
 
@@ -260,7 +279,181 @@ def test_busy_run_sends_at_most_100_comm_messages_per_second_real_kernel():
         _execute(kc, KERNEL_SETUP, "setup")
         text, _ = _execute(kc, KERNEL_AFTER, "after")
         after = json.loads(text.strip().splitlines()[-1])
-        assert after == {"steps": 3, "tasks": 1, "old_closed": True}, after
+        assert after == {"steps": 3, "threads": 1, "old_closed": True}, after
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+# -- bounded series, lanes, inputs, following a pool (no kernel needed) ---------------------------
+
+def test_loss_series_stays_bounded_and_keeps_recent_steps_exactly():
+    from trio_widgets.widgets.series import LossSeries
+
+    series = LossSeries(recent=50, history=40)
+    source_rows: list[float] = []  # what a bokeh source fed by flush() would hold
+    for step in range(1, 100_001):
+        series.add(step, 1.0 / step, 2.0 / step)
+        out = series.flush()
+        if out is None:
+            continue
+        kind, rows = out
+        source_rows = rows["step"] if kind == "replace" else source_rows + rows["step"]
+        assert len(source_rows) <= 40 + 1 + 2 * 50
+    assert source_rows == series.rows()["step"] and len(series) == len(source_rows)
+    assert source_rows == sorted(source_rows)  # in order: one line, no zig-zags
+    assert source_rows[-50:] == list(range(100_000 - 49, 100_001))  # the recent window, every step
+    assert series.stride >= 1024  # history buckets doubled as the run grew
+    assert source_rows[0] == (1 + series.stride) / 2  # the start of the run is still there, averaged
+
+
+def _info(cid: str, kind: str = "training", parent: str | None = None):
+    from trio_widgets.telemetry import ClientInfo
+
+    return ClientInfo(cid, kind, trio.DEFAULT_MODEL, cid, 4, parent=parent)
+
+
+def test_lanes_reuse_samplers_join_their_parent_and_none_is_dropped():
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(0.0, lanes_visible=4, max_curves=6)
+    models = len(figs.layout.document.models) if figs.layout.document else None
+    for i in range(7):  # more clients than lanes shown
+        figs.add_client(_info(f"t{i}"))
+    assert [figs.clients[f"t{i}"].lane for i in range(7)] == list(range(7)) and figs.lane_count == 7
+    assert figs.timeline.y_range.start == -3.6  # four lanes shown...
+    figs.scroll_lanes(3)  # ...and the others reached by scrolling
+    assert (figs.timeline.y_range.start, figs.timeline.y_range.end) == (-6.6, -2.05)
+    # a sampler made from t1 shares its lane; the lane says so
+    figs.add_client(_info("s1", "sampling", parent="t1"))
+    assert figs.clients["s1"].lane == 1
+    assert figs.timeline.yaxis[0].major_label_overrides[-1] == "t1 +1 sampler"
+    # seven live runs, six curve slots: one is not drawn, and the title says so
+    assert figs.hidden_curves == 1 and "1 more run not drawn" in figs.loss_figs[0].title.text
+    assert figs.clients["t6"].curve is None
+    # retiring gives the lane back (the next client takes the lowest free one), and its curve
+    # slot goes to the live run that had none
+    figs.retire_client("t2")
+    assert figs.clients["t6"].curve is not None and "t2" not in figs.clients and figs.hidden_curves == 0
+    figs.add_client(_info("t7"))
+    assert figs.clients["t7"].lane == 2 and figs.hidden_curves == 1
+    # t1 retires while its sampler lives on: the lane passes to the sampler, not to a newcomer
+    figs.retire_client("t1")
+    figs.add_client(_info("t8"))
+    assert figs.clients["s1"].lane == 1 and figs.clients["t8"].lane == 7
+    drawn = {c for c, v in figs.clients.items() if v.curve is not None}
+    assert drawn == {"t0", "t3", "t4", "t5", "t6", "t7"} and figs.hidden_curves == 1  # live runs first
+    if models is not None:
+        assert len(figs.layout.document.models) == models  # nothing is added to the document afterwards
+
+
+def test_every_model_is_built_up_front():
+    """A model added to a live bokeh document makes bokeh walk the whole document: the figures
+    only change values after they are built."""
+    from bokeh.document import Document
+
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(0.0, lanes_visible=3, max_curves=4)
+    doc = Document()
+    doc.add_root(figs.layout)
+    before = {m.id for m in doc.models}
+    for i in range(6):
+        figs.add_client(_info(f"t{i}"))
+    figs.add_client(_info("s0", "sampling", parent="t0"))
+    figs.set_log_scale(True)
+    figs.retire_client("t3")
+    figs.relabel("t0", "renamed")
+    figs.reset()
+    assert {m.id for m in doc.models} == before
+
+
+def test_settings_are_checked_clamped_or_confirmed():
+    from trio_widgets.widgets.controls import check_setting
+
+    assert check_setting("lr", 0, 3e-3)[0] == "refuse"
+    assert check_setting("lr", -1, 3e-3) == ("refuse", 3e-3, "lr must be a number above 0 (got -1): kept 0.003")
+    assert check_setting("lr", float("nan"), 3e-3)[0] == "refuse"
+    verdict, value, question = check_setting("lr", 1e9, 3e-3)
+    assert verdict == "confirm" and value == 1e9 and "far outside 1e-06–0.1" in question
+    assert check_setting("lr", 1e-3, 3e-3) == ("apply", 1e-3, "")
+    assert check_setting("batch_size", 100, 8) == ("apply", 64, "batch 100 is outside 1–64: using 64")
+    assert check_setting("runs", 0, 3) == ("apply", 1, "runs 0 is outside 1–16: using 1")
+    assert check_setting("lookahead", "x", 1)[0] == "refuse"
+
+
+def test_dashboard_says_what_it_did_with_odd_inputs():
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.02, name="inputs") as pool:
+            dash = trio.Dashboard(pool, runs=2, batch_size=2, rank=4, learning_rate=2e-3)
+            dash.start()
+            await until(lambda: dash.state == "running" and all(r.step >= 2 for r in dash.runs), "training")
+            dash.set(lr=-1)
+            await until(lambda: "kept 0.002" in dash.controls.setting_note.value, "a refusal")
+            assert dash.controls.settings["lr"].value == 2e-3 and dash.runs[0].learning_rate == 1e-3
+            dash.set(lr=1.0)  # far outside the usual range: asks first, applies nothing yet
+            await until(lambda: dash.controls.confirm.layout.display is None, "a question")
+            asked = dash.controls.setting_note.value
+            assert dash.runs[0].learning_rate == 1e-3
+            dash.controls.confirm.click()
+            await until(lambda: dash.runs[0].learning_rate == 0.5, "the confirmed lr")
+            label = dash.figures.clients[dash.runs[0].client_id].label
+            dash.set(batch_size=1000)
+            await until(lambda: "using 64" in dash.controls.setting_note.value, "a clamp")
+            out = dict(asked=asked, label=label, batch=dash.controls.settings["batch_size"].value,
+                       notices=dash.notices, hidden=dash.controls.confirm.layout.display)
+            dash.close()
+            return out
+
+    out = asyncio.run(main())
+    assert "lr=1 is far outside" in out["asked"] and out["hidden"] == "none"
+    assert out["label"] == "run1 lr=0.5" and out["batch"] == 64
+    assert any("lr set to 1" in n for n in out["notices"])
+
+
+def test_a_dashboard_without_a_pool_follows_the_newest():
+    async def main():
+        dash = trio.Dashboard()
+        try:
+            await until(lambda: dash.ticks >= 2, "ticks")
+            first = dash.pool
+            with trio.LocalPool(min_cycle_s=0.02, name="follow-a") as a:
+                await until(lambda: dash.pool is a and "follow-a" in dash.status_text, "the new pool")
+                text_a = dash.status_text
+                with trio.LocalPool(min_cycle_s=0.02, name="follow-b") as b:
+                    await until(lambda: dash.pool is b, "the newer pool")
+                await until(lambda: dash.pool is a and "was closed" in dash.status_text, "back to the open one")
+            await until(lambda: dash.pool_state in ("closed", "waiting") or dash.pool is not a, "a's end")
+            return first, text_a, dash.notices
+        finally:
+            dash.close()
+
+    first, text_a, notices = asyncio.run(main())
+    assert "follow-a" in text_a
+    assert any("now showing the newest pool 'follow-b'" in n for n in notices), notices
+
+
+def test_cycle_labels_never_touch_even_when_cycles_are_uneven():
+    """Issue 14 item 7 ("837838839"): labels are round cycle numbers, and at the narrowest
+    width (a 900 px column) no two visible ones are closer than their own width."""
+    from trio_widgets.telemetry import CycleRecord
+    from trio_widgets.widgets.figures import MIN_PLOT_PX, DashboardFigures
+
+    figs = DashboardFigures(0.0)
+    t, cycles, labelled = 0.0, [], 0
+    for i in range(1000, 1400):
+        d = 0.4 if i % 37 == 0 else 0.004  # a long cycle now and then squeezes the short ones
+        cycles.append(CycleRecord(i, t, t + d, d, 0, 0))
+        t += d
+        if len(cycles) == 7:
+            figs.update(cycles, [], [])
+            cycles = []
+            data = figs.bands.data
+            span = figs.x_range.end - figs.x_range.start
+            shown = [(m, text) for m, text in zip(data["mid"], data["label"])
+                     if text and figs.x_range.start <= m <= figs.x_range.end]
+            for (m0, a), (m1, b) in zip(shown, shown[1:]):
+                gap = (m1 - m0) * MIN_PLOT_PX / span
+                assert gap >= 3.5 * (len(a) + len(b)), (a, b, gap)
+            labelled += bool(shown)
+    assert labelled >= 50  # and there are labels to read

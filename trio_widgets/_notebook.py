@@ -39,6 +39,8 @@ class CellRegistry:
 
     def __init__(self) -> None:
         self._live: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+        # what replaced what (a re-run cell): a dashboard follows its pool to the replacement
+        self._next: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
 
     def claim(self, obj: _Closable) -> str | None:
         """Record `obj` as the current cell's, closing what the cell built before; its cell id."""
@@ -46,7 +48,21 @@ class CellRegistry:
         if cell is None:
             return None
         previous = self._live.get(cell)
-        if previous is not None and previous is not obj and not previous.closed:
-            previous.close()
+        if previous is not None and previous is not obj:
+            self._next[previous] = weakref.ref(obj)  # before closing it: whoever sees it closed finds the new one
+            if not previous.closed:
+                previous.close()
         self._live[cell] = obj
         return cell
+
+    def successor(self, obj: Any) -> Any | None:
+        """The object that replaced `obj` (the newest, if its cell ran several times), or None."""
+        seen, current = set(), obj
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            ref = self._next.get(current)
+            nxt = ref() if ref is not None else None
+            if nxt is None:
+                break
+            current = nxt
+        return current if current is not obj else None

@@ -1,17 +1,29 @@
 """Why is a loop slow? Pure functions over telemetry records, one diagnosis per client.
 
 Nothing here instruments the user's loop: everything is read from the pool's
-`RequestRecord`s (queued / delivered times, the cycle each request ran in).
+`RequestRecord`s (queued / delivered times, the cycle each request ran in), its
+`CycleRecord`s (how long the clock waited for the interpreter) and the GIL watchdog's
+`GilStall`s (who held the interpreter, where).
 
 * cycles per update (the *period*, trio_widgets.metrics): the median number of cycles between a
   client's successive forward_backward requests, over its recent updates;
-* naive: an optim_step was queued after its forward_backward had been delivered;
-* together: the next forward_backward was queued only after the previous update's
-  results had been delivered;
-* client-side stall: results were delivered, but the client's next request came more
-  than one cycle later (CPU-heavy Python on the event loop, a slow data loader, ...);
-  reported when the loop is otherwise pipelined or the stall costs more cycles than
-  the loop's structure does;
+* the loop's structure, from one update to the next: naive (an optim_step was queued after
+  its forward_backward had been delivered), together (the next forward_backward was queued
+  only after the previous update's results had been delivered), else pipelined. Only the
+  current *segment* counts: when the last steps agree with each other and not with most
+  steps before (a mode change), the updates before the change are left out, so a new mode
+  shows within 3 updates;
+* gil: in the cycles that ran this client's updates the clock waited for the interpreter at
+  least half as long as it worked, while another thread's Python held it (the watchdog
+  names the function and line). The pool shares the process, so that Python stretches
+  every cycle; sleeping or waiting on I/O holds no GIL and is never this;
+* client-side stall: results were delivered, but the client's next request came more than
+  one cycle later (CPU-heavy Python on the event loop, a slow data loader, sleeping, ...);
+  reported when the loop is otherwise pipelined or the stall costs more cycles than the
+  loop's structure does. Time in which sampling requests were in the pool (an RL loop
+  waiting for its samples) is the pool's work, not a stall;
+* sampling: each update waited at least a cycle for samples from the pool (on-policy RL), and
+  longer than for the loop's own Python in between;
 * otherwise pipelined: one cycle per update, nothing wasted.
 """
 
@@ -19,21 +31,26 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cycles
 from .ops import OPS, UPDATE_OPS
-from .telemetry import ClientInfo, CycleRecord, RequestRecord, Telemetry
+from .telemetry import ClientInfo, CycleRecord, GilStall, RequestRecord, Telemetry, UserFrame
 
 __all__ = ["Diagnosis", "cycle_seconds", "diagnose", "diagnose_client", "diagnose_telemetry", "recent_records"]
 
-Cause = Literal["pipelined", "naive", "together", "stall", "warming-up", "slow"]
+Cause = Literal["pipelined", "naive", "together", "stall", "gil", "sampling", "warming-up", "slow"]
 
 #: Cycles an update takes for each loop structure, without stalls.
 STRUCTURE_PERIOD = {"naive": 4, "together": 2, "pipelined": 1}
 MIN_UPDATES = 3
+#: gil: in the median cycle the clock waited for the interpreter at least this share of the
+#: CPU time it worked (what it asked for): the GIL alone made it take >= 1.5x as long, ...
+GIL_SHARE = 0.5
+#: ... and other threads' Python held it (the watchdog's stalls) for this share of that time.
+GIL_COVERAGE = 0.2
 
 
 @dataclass(frozen=True)
@@ -45,10 +62,16 @@ class Diagnosis:
     cycles_per_update: float | None = None
     stall_cycles: float | None = None
     updates: int = 0  # how many recent updates the diagnosis is based on
+    #: gil: the clock's median wait for the interpreter per cycle, as a share of its CPU time
+    gil_share: float | None = None
+    #: gil: where the Python that held the interpreter ran (innermost user frame first)
+    gil_frames: tuple[UserFrame, ...] = ()
+    #: cycles per update the loop waited for samples from the pool
+    sampling_cycles: float | None = None
 
     @property
     def wasted(self) -> bool:
-        return self.cause in ("naive", "together", "stall", "slow")
+        return self.cause in ("naive", "together", "stall", "slow", "gil")
 
 
 def _plural(value: float, word: str) -> str:
@@ -59,6 +82,11 @@ def _plural(value: float, word: str) -> str:
 def _is_step(op: str) -> bool:
     spec = OPS.get(op)
     return spec is not None and spec.is_step
+
+
+def _is_sample(op: str) -> bool:
+    spec = OPS.get(op)
+    return spec is not None and spec.kind == "sample"
 
 
 def cycle_seconds(cycles: Iterable[CycleRecord], default: float | None = None) -> float | None:
@@ -87,9 +115,101 @@ def _updates(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, Requ
             if _delivered(fb) and fb.status == "ok" and (opt is None or _delivered(opt))]
 
 
+def _segment_start(kinds: Sequence[str]) -> int:
+    """The first update of the current segment. kinds[i] is the structure of the step from
+    update i to i+1; when the last two or more agree and differ from most of those before
+    (the loop changed mode), the segment starts at that run's first update."""
+    run = 1
+    while run < len(kinds) and kinds[-run - 1] == kinds[-1]:
+        run += 1
+    if run < 2 or run == len(kinds):
+        return 0
+    before = kinds[:-run]
+    majority = max(dict.fromkeys(before), key=before.count)
+    return 0 if majority == kinds[-1] else len(kinds) - run
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _covered(union: list[tuple[float, float]], starts: list[float], a: float, b: float) -> float:
+    """Seconds of [a, b] inside the disjoint, sorted `union` (`starts`: their left ends)."""
+    total = 0.0
+    for lo, hi in union[max(0, bisect.bisect_right(starts, a) - 1):]:
+        if lo >= b:
+            break
+        total += max(0.0, min(hi, b) - max(lo, a))
+    return total
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.1f}×" if value < 9.95 else f"{value:.0f}×"
+
+
+def _gil(updates: Sequence[tuple[RequestRecord, RequestRecord | None]], cycles: Mapping[int, CycleRecord],
+         stalls: Sequence[GilStall]) -> tuple[float, float, float, float, GilStall] | None:
+    """(wait / compute, wait s, compute s, cycle s, the culprit's stall) when the clock waited
+    for the interpreter, in the cycles that ran these updates, at least GIL_SHARE of the CPU
+    time it worked, and other threads' Python held it (the watchdog's stalls) for at least
+    GIL_COVERAGE of that time; else None. Both relative: a slow or busy machine stretches the
+    cycles, not these shares (the run-queue wait is not counted as a wait for the GIL)."""
+    ran = [cycles.get(fb.cycle) for fb, _ in updates if fb.cycle is not None]
+    mine = [c for c in ran if c is not None and c.ended_at > c.started_at]
+    if len(mine) < MIN_UPDATES:
+        return None
+    share = statistics.median(c.gil_wait_s / max(c.cpu_s, 1e-3) for c in mine)
+    if share < GIL_SHARE:
+        return None
+    t0, t1 = min(c.started_at for c in mine), max(c.ended_at for c in mine)
+    inside = [s for s in stalls if s.ended_at > t0 and s.started_at < t1]
+    held = _union((max(s.started_at, t0), min(s.ended_at, t1)) for s in inside)
+    if sum(b - a for a, b in held) < GIL_COVERAGE * (t1 - t0):
+        return None
+    # The culprit: the function whose stalls covered the most of that time; its latest frames.
+    weight: dict[tuple[str, str], float] = {}
+    latest: dict[tuple[str, str], GilStall] = {}
+    for stall in inside:
+        key = (stall.frames[0].file, stall.frames[0].function) if stall.frames else (stall.thread, "")
+        weight[key] = weight.get(key, 0.0) + min(stall.ended_at, t1) - max(stall.started_at, t0)
+        latest[key] = stall
+    culprit = latest[max(weight, key=lambda k: weight[k])]
+    wait = statistics.median(c.gil_wait_s for c in mine)
+    compute = statistics.median(c.cpu_s for c in mine)
+    cycle = statistics.median(c.ended_at - c.started_at for c in mine)
+    return share, wait, compute, cycle, culprit
+
+
+def _gil_message(wait: float, compute: float, cycle: float, culprit: GilStall) -> str:
+    frames = culprit.frames
+    if frames:
+        top = frames[0]
+        where = top.where if top.function == "<module>" else f"in `{top.function}`, {top.where}"
+        caller = next((f for f in frames[1:] if f.function not in (top.function, "<module>")), None)
+        if caller is not None:
+            where += f", called from `{caller.function}`"
+    else:
+        where = f"in thread {culprit.thread!r}"
+    ratio = (compute + wait) / max(compute, 1e-3)
+    return (f"your Python held the interpreter for ~{wait * 1e3:.0f} ms of each {cycle * 1e3:.0f} ms cycle "
+            f"({where}); the pool shares this process, so its cycles ran {_ratio(ratio)} longer than their "
+            f"compute — move that work out of the loop, precompute it, or run it in a subprocess")
+
+
 def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, client_id: str = "",
-                    label: str = "", window: int = PERIOD_WINDOW) -> Diagnosis:
-    """The diagnosis of one client from its own records (any order; all of one client)."""
+                    label: str = "", window: int = PERIOD_WINDOW, cycles: Mapping[int, CycleRecord] | None = None,
+                    stalls: Sequence[GilStall] = (), pool_work: Sequence[RequestRecord] = ()) -> Diagnosis:
+    """The diagnosis of one client from its own records (any order; all of one client).
+
+    `cycles` (by index) and `stalls` let it tell GIL starvation; `pool_work` are sampling
+    requests (of any client) whose time in the pool is not the loop's stall.
+    """
     records = sorted(records, key=lambda r: r.request_id)
     client_id = client_id or (records[0].client_id if records else "")
     label = label or client_id
@@ -97,10 +217,8 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     if len(updates) < MIN_UPDATES:
         return Diagnosis(client_id, label, "warming-up", "measuring: waiting for a few updates",
                          updates=len(updates))
-    p = cycles_per_update([fb.cycle for fb, _ in updates], window)
-    assert p is not None
 
-    # Loop structure of each step from one update to the next.
+    # Loop structure of each step from one update to the next; then the current segment only.
     kinds: list[str] = []
     for (fb, opt), (nxt, _) in zip(updates, updates[1:]):
         fb_done = _delivered_at(fb)
@@ -109,64 +227,96 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
         else:
             last = max(fb_done, _delivered_at(opt) if opt is not None else fb_done)
             kinds.append("together" if nxt.queued_at >= last else "pipelined")
+    start = _segment_start(kinds)
+    updates, kinds = updates[start:], kinds[start:]
     structure = max(STRUCTURE_PERIOD, key=lambda k: (kinds.count(k), -STRUCTURE_PERIOD[k]))
+    p = cycles_per_update([fb.cycle for fb, _ in updates], window)
+    assert p is not None
 
     # Client-side stall: for each submission that followed a delivery, how long after that
-    # delivery it came (the earliest delivery since the client's previous submission).
-    stall_cycles = 0.0
+    # delivery it came (the earliest delivery since the client's previous submission), less
+    # the time sampling requests were in the pool meanwhile (that wait is the pool's work).
+    stall_cycles = sampling_cycles = 0.0
     if cycle_s:
         deliveries = sorted(r.delivered_at for r in records if r.delivered_at is not None)
         submissions = sorted(r.queued_at for r in records)
         first = updates[1][0].queued_at
+        sampling = _union((r.queued_at, r.delivered_at) for r in pool_work if r.delivered_at is not None)
+        sampling_starts = [a for a, _ in sampling]
         per_update: dict[int, float] = {}
+        sampled: dict[int, float] = {}
         starts = [fb.queued_at for fb, _ in updates]
         for prev, sub in zip(submissions, submissions[1:]):
             if sub < first:
                 continue
             k = bisect.bisect_right(deliveries, prev)
             if k < len(deliveries) and deliveries[k] <= sub:
-                gap = sub - deliveries[k]
+                busy = _covered(sampling, sampling_starts, deliveries[k], sub) if sampling else 0.0
                 u = bisect.bisect_right(starts, sub) - 1
-                per_update[u] = per_update.get(u, 0.0) + gap
+                per_update[u] = per_update.get(u, 0.0) + (sub - deliveries[k]) - busy
+                sampled[u] = sampled.get(u, 0.0) + busy
         gaps = [per_update.get(u, 0.0) / cycle_s for u in range(1, len(updates))]
         stall_cycles = float(statistics.median(gaps)) if gaps else 0.0
+        waits = [sampled.get(u, 0.0) / cycle_s for u in range(1, len(updates))]
+        sampling_cycles = float(statistics.median(waits)) if waits else 0.0
 
+    n = len(updates)
     excess = STRUCTURE_PERIOD[structure] - 1
     period_text = _plural(p, "cycle")
-    if stall_cycles >= 1.0 and (structure == "pipelined" or stall_cycles >= excess):
+    gil = _gil(updates, cycles, stalls) if cycles else None
+    if gil is not None:
+        share, wait, compute, cycle, culprit = gil
+        return Diagnosis(client_id, label, "gil", _gil_message(wait, compute, cycle, culprit), p, stall_cycles, n,
+                         gil_share=share, gil_frames=culprit.frames, sampling_cycles=sampling_cycles)
+    # The larger of the two waits is named: an RL loop's bit of scoring Python between its
+    # samples and its update is not a stall next to the cycles it waits for the samples.
+    if stall_cycles >= max(1.0, sampling_cycles) and (structure == "pipelined" or stall_cycles >= excess):
         later = _plural(max(1.0, round(stall_cycles)), "cycle")
         message = (f"client-side stall: results were ready but your next request came {later} later "
-                   f"({period_text} per update) — move CPU-heavy work off the event loop or overlap it "
-                   f"with the next request")
-        return Diagnosis(client_id, label, "stall", message, p, stall_cycles, len(updates))
+                   f"({period_text} per update) — your loop was busy elsewhere meanwhile (computing, or waiting "
+                   f"for data): make that cheaper, or overlap it with training (queue the next request first, "
+                   f"read ahead in a thread)")
+        return Diagnosis(client_id, label, "stall", message, p, stall_cycles, n, sampling_cycles=sampling_cycles)
+    if sampling_cycles >= 1.0:
+        message = (f"{period_text} per update, ~{_plural(sampling_cycles, 'cycle')} of them waiting for samples: "
+                   f"the loop samples, then trains on them (on-policy RL), and that time is the pool's work — to "
+                   f"overlap them, sample the next batch while this one trains (one step off-policy)")
+        return Diagnosis(client_id, label, "sampling", message, p, stall_cycles, n, sampling_cycles=sampling_cycles)
     if structure == "naive":
         message = (f"optim_step was submitted after awaiting forward_backward: {period_text} per update instead "
                    f"of 1 — submit optim_step right after forward_backward, before awaiting")
-        return Diagnosis(client_id, label, "naive", message, p, stall_cycles, len(updates))
+        return Diagnosis(client_id, label, "naive", message, p, stall_cycles, n)
     if structure == "together":
         message = (f"the next batch was submitted only after the previous update finished: {period_text} per "
                    f"update instead of 1 — queue the next batch before awaiting the current one (pipeline)")
-        return Diagnosis(client_id, label, "together", message, p, stall_cycles, len(updates))
+        return Diagnosis(client_id, label, "together", message, p, stall_cycles, n)
     if p > 1.25:
         message = (f"{period_text} per update although the loop is pipelined — requests are not reaching the "
                    f"pool every cycle (failed or cancelled requests, or a loop that waits elsewhere)")
-        return Diagnosis(client_id, label, "slow", message, p, stall_cycles, len(updates))
+        return Diagnosis(client_id, label, "slow", message, p, stall_cycles, n)
     return Diagnosis(client_id, label, "pipelined", f"{period_text} per update: pipelined, nothing wasted",
-                     p, stall_cycles, len(updates))
+                     p, stall_cycles, n)
 
 
 def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
-             clients: dict[str, ClientInfo] | None = None, *, window: int = PERIOD_WINDOW) -> dict[str, Diagnosis]:
-    """One diagnosis per client that sent forward_backward requests (label from `clients`)."""
+             clients: dict[str, ClientInfo] | None = None, *, window: int = PERIOD_WINDOW,
+             cycles: Iterable[CycleRecord] = (), stalls: Sequence[GilStall] = ()) -> dict[str, Diagnosis]:
+    """One diagnosis per client that sent forward_backward requests (label from `clients`);
+    `cycles` and `stalls` (the pool's) let it tell GIL starvation."""
     by_client: dict[str, list[RequestRecord]] = {}
+    pool_work = []
     for record in records:
         by_client.setdefault(record.client_id, []).append(record)
+        if _is_sample(record.op):
+            pool_work.append(record)
+    by_index = {c.index: c for c in cycles}
     out = {}
     for cid, mine in by_client.items():
         if not any(r.op in UPDATE_OPS for r in mine):
             continue
         info = (clients or {}).get(cid)
-        out[cid] = diagnose_client(mine, cycle_s, client_id=cid, label=info.label if info else cid, window=window)
+        out[cid] = diagnose_client(mine, cycle_s, client_id=cid, label=info.label if info else cid, window=window,
+                                   cycles=by_index, stalls=stalls, pool_work=pool_work)
     return out
 
 
@@ -183,11 +333,18 @@ def recent_records(telemetry: Telemetry, per_client: int = 96) -> list[RequestRe
     return out
 
 
+#: How much of the pool's history the advisor reads: cycles, GIL stalls.
+RECENT_CYCLES = 1024
+RECENT_STALLS = 512
+
+
 def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *, window: int = PERIOD_WINDOW
                        ) -> dict[str, Diagnosis]:
-    """`diagnose` over a pool's telemetry: recent records, measured cycle duration."""
-    cycle_s = cycle_seconds(list(telemetry.cycles), default=min_cycle_s)
+    """`diagnose` over a pool's telemetry: recent records, measured cycle duration, the clock's
+    waits for the interpreter and the GIL watchdog's stalls."""
+    cycles = list(telemetry.cycles)[-RECENT_CYCLES:]
+    cycle_s = cycle_seconds(cycles, default=min_cycle_s)
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
     return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),
-                    window=window)
+                    window=window, cycles=cycles, stalls=list(telemetry.gil)[-RECENT_STALLS:])

@@ -14,7 +14,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .futures import APIFuture
-from .types import AdamParams, Datum, ModelInput, SamplingParams
+from .types import (
+    AdamParams,
+    Checkpoint,
+    Datum,
+    GetSamplerResponse,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
+    ModelInput,
+    SamplingParams,
+    TensorData,
+    TrainingRun,
+    WeightsInfoResponse,
+)
 
 __all__ = [
     "Backend", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ForwardRequest",
@@ -34,6 +46,7 @@ class CreateModelRequest:
     train_attn: bool = True
     train_unembed: bool = True
     label: str | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,8 @@ class FromStateRequest:
     path: str
     with_optimizer: bool
     label: str | None = None
+    base_model: str | None = None  # if given, the checkpoint's base model must be this one
+    user_metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,9 @@ class ModelHandle:
     train_mlp: bool = False
     train_unembed: bool = False
     model_path: str | None = None
+    run_id: str | None = None  # a training run's id: its checkpoints' directory (tinker's model_id)
+    arch: str | None = None  # the base model's architecture (its config's model_type)
+    context_length: int | None = None
 
 
 # -- requests of a client (the op name travels beside them) ------------------------------
@@ -84,11 +102,16 @@ class OptimStepRequest:
 @dataclass(frozen=True)
 class SaveRequest:
     """save_state / save_weights_for_sampler; `make_sampler` also creates a sampling client over
-    a copy of the weights (save_weights_and_get_sampling_client); `name` None: memory only."""
+    a copy of the weights (save_weights_and_get_sampling_client); `name` None: memory only.
+    `overwrite` False refuses a name already saved; `ttl_seconds` sets when the checkpoint
+    expires; `user_metadata` is stored with it."""
 
     name: str | None
     make_sampler: bool = False
     label: str | None = None
+    overwrite: bool = True
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,15 +126,26 @@ class InspectRequest:
 
 @dataclass(frozen=True)
 class SampleRequest:
+    """The tinker options: top-k (token, logprob) at each prompt position and at each sampled
+    token; prompt logprobs of the last n positions only; the logprobs of given token ids
+    (`target_prompt_logprobs`, [len(prompt) - 1, K], -1: none); `prompt_alt_tokens_k` draws
+    at each prompt position."""
+
     prompt: ModelInput
     num_samples: int = 1
     sampling_params: SamplingParams | None = None
     include_prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens_k: int = 0
 
 
 @dataclass(frozen=True)
 class ComputeLogprobsRequest:
     prompt: ModelInput
+    prompt_logprobs_last_n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,3 +194,25 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+    # What the RestClient asks (trio_widgets/rest.py); answers are the plain types of
+    # trio_widgets.types. Ids: a training run's `run_id`, a sampler's client id.
+    def capabilities(self) -> GetServerCapabilitiesResponse: ...
+
+    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]: ...
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None: ...
+
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None: ...
+
+    def weights_info(self, path: Any) -> WeightsInfoResponse: ...
+
+    def training_run(self, run_id: str) -> TrainingRun: ...
+
+    def training_runs(self) -> list[TrainingRun]: ...
+
+    def sampler(self, sampler_id: str) -> GetSamplerResponse: ...
+
+    def session(self, session_id: str) -> GetSessionResponse: ...
+
+    def sessions(self) -> list[str]: ...

@@ -4,16 +4,30 @@ The client checks what it can without a model (types, shapes, ranges), builds pl
 requests (trio_widgets.backend) and hands them to a backend: `LocalBackend` over an
 in-process `LocalPool` by default. A refused request raises an `InvalidInputError` naming
 the field, on the caller's thread, and nothing is queued.
+
+Both SDKs' call styles run unchanged. Where they disagree:
+
+* Client creation returns an object that is the client *and* a future of it
+  (`BackcompatTrainingClientFuture` / `BackcompatSamplingClientFuture`): tinker 0.38 code
+  calls `.result()` on it or awaits it, pytrio code uses it directly.
+* `*_async` methods are not deprecated here (tinker 0.38 emits a FutureWarning for them,
+  pytrio 0.2.9 does not): `await tc.forward_backward_async(...)` gives a future, as in both.
+* Positional `create_sampling_client` calls in pytrio's order (base_model, model_path) are
+  recognised by value; see `ServiceClient.create_sampling_client`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import getpass
+import inspect
 import math
 import threading
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -36,25 +50,39 @@ from .backend import (
 from .engine.backend import LocalBackend
 from .engine.clock import LocalPool
 from .engine.models import DEFAULT_MODEL
-from .errors import InvalidInputError, RequestFailedError
+from .errors import ClientClosedError, InvalidInputError, RequestErrorCategory, RequestFailedError
 from .futures import APIFuture
 from .types import (
+    AdamOptimizerConfig,
     AdamParams,
     AdapterSnapshot,
+    CustomLossInput,
     Datum,
     ForwardBackwardOutput,
+    GetInfoResponse,
+    GetServerCapabilitiesResponse,
     LoadWeightsResponse,
+    LoraRunSpec,
+    LossHandle,
+    ModelData,
     ModelInput,
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    SupportedModel,
+    TensorData,
+    check_text_only,
+    finish_sample_response,
 )
-from .validation import check_adam_params, check_batch, check_loss, is_number
+from .validation import check_adam_params, check_batch, check_loss, check_ttl, check_user_metadata, is_number
 
-__all__ = ["SamplingClient", "ServiceClient", "TrainingClient", "default_pool", "ServerCapabilities",
-           "SupportedModel", "TrainingInfo"]
+if TYPE_CHECKING:
+    from .rest import RestClient
+
+__all__ = ["BackcompatSamplingClientFuture", "BackcompatTrainingClientFuture", "SamplingClient", "ServiceClient",
+           "TrainingClient", "configure", "configure_observability", "default_pool", "shutdown_observability"]
 
 _DEFAULT_POOL: LocalPool | None = None
 _DEFAULT_POOL_LOCK = threading.Lock()
@@ -70,38 +98,14 @@ def default_pool() -> LocalPool:
         return _DEFAULT_POOL
 
 
-@dataclass
-class SupportedModel:
-    model_name: str
-
-
-@dataclass
-class ServerCapabilities:
-    supported_models: list[SupportedModel]
-
-
-@dataclass
-class ModelData:
-    base_model: str
-    lora_rank: int
-    train_attn: bool
-    train_mlp: bool
-    train_unembed: bool
-    seed: int
-
-
-@dataclass
-class TrainingInfo:
-    model_id: str
-    model_data: ModelData
-    is_lora: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def _release(backend_ref: weakref.ref[Backend], client_id: str) -> None:
     backend = backend_ref()
     if backend is not None:
         backend.release(client_id)
+
+
+class _WrongTypeError(InvalidInputError, TypeError):
+    """A value of the wrong type: tinker raises TypeError there, our checks InvalidInputError."""
 
 
 class _Client:
@@ -146,6 +150,11 @@ class _Client:
     async def inspect_adapter_async(self) -> APIFuture[AdapterSnapshot]:
         return self.inspect_adapter()
 
+    def get_telemetry(self) -> None:
+        """tinker: its SDK's own event reporter, None when off. Off here: the pool's telemetry
+        is `pool.telemetry`."""
+        return None
+
     def get_tokenizer(self) -> Any:
         tokenizer = self._backend.tokenizer(self._handle.base_model)
         if tokenizer is None:
@@ -153,9 +162,120 @@ class _Client:
         return tokenizer
 
 
+
+_STABILITY = ("record_stability_info only serves tinker's stable_reinforce loss, which the local pool does not "
+              "have (engine/losses.py says why); leave it False")
+_LOSS_TYPE_INPUT = ("The 'loss_type_input' parameter of forward_backward_custom() is deprecated: the loss always "
+                    "receives logprobs. This parameter will be removed in a future release; remove it from your call.")
+
+
+def _sampler_options(retry_config: Any, record_stability_info: Any) -> None:
+    """tinker's sampler options: retries have no local meaning (accepted, ignored); stability
+    records are refused, since nothing here could use them."""
+    if record_stability_info:
+        raise InvalidInputError(_STABILITY, field="record_stability_info")
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if optimizer is not None and not isinstance(optimizer, AdamOptimizerConfig):
+        raise InvalidInputError(f"the local pool implements AdamW only: pass None or AdamOptimizerConfig(), got "
+                                f"{type(optimizer).__name__}", field="optimizer")
+
+
+def _check_text(data: Any, base_model: str) -> None:
+    """Image (or other non-text) chunks are refused at submit, naming the datum and base model."""
+    if isinstance(data, (list, tuple)):
+        for i, datum in enumerate(data):
+            if isinstance(datum, Datum) and isinstance(datum.model_input, ModelInput):
+                check_text_only(datum.model_input, base_model, field=f"data[{i}].model_input", datum_index=i)
+
+
+def _auto_shift(data: Any) -> list[Datum]:
+    """pytrio's auto_shift: every loss input is aligned with `model_input` (the same length,
+    e.g. `target_tokens` = the input tokens); position i is predicted from positions < i, so
+    the model reads tokens[:-1] and every input loses its first entry (label 0)."""
+    if not isinstance(data, (list, tuple)):
+        return data  # check_batch names the problem
+    shifted = []
+    for i, datum in enumerate(data):
+        if not isinstance(datum, Datum) or not isinstance(datum.model_input, ModelInput):
+            shifted.append(datum)
+            continue
+        tokens = datum.model_input.to_ints()
+        if len(tokens) < 2:
+            raise InvalidInputError(f"auto_shift needs at least 2 tokens (the first has nothing to predict it), "
+                                    f"got {len(tokens)}", field=f"data[{i}].model_input", datum_index=i)
+        inputs = {}
+        for key, td in datum.loss_fn_inputs.items():
+            if not td.shape or td.shape[0] != len(tokens):
+                raise InvalidInputError(
+                    f"with auto_shift=True every loss input is aligned with model_input ({len(tokens)} tokens), "
+                    f"got shape {td.shape}", field=f"data[{i}].loss_fn_inputs[{key!r}]", datum_index=i)
+            inputs[key] = TensorData(td.to_numpy()[1:], td.dtype)
+        shifted.append(Datum(ModelInput.from_ints(tokens[:-1]), inputs))
+    return shifted
+
+
+def _custom_loss_caller(loss_fn: Any, loss_fn_config: Any) -> Callable[[list[Datum], list[torch.Tensor]], Any]:
+    """pytrio calls `loss_fn(data, logprobs, loss_fn_config)` when a config is given and the
+    function takes it; otherwise (and in tinker) `loss_fn(data, logprobs)`."""
+    if isinstance(loss_fn, LossHandle):
+        return lambda data, logprobs: _run_loss_handle(loss_fn, data, logprobs)
+    if not callable(loss_fn):
+        raise InvalidInputError(f"loss_fn must be callable (or a LossHandle), got {type(loss_fn).__name__}",
+                                field="loss_fn")
+    if loss_fn_config is not None:
+        if not isinstance(loss_fn_config, Mapping):
+            raise InvalidInputError(f"must be a dict, got {type(loss_fn_config).__name__}", field="loss_fn_config")
+        try:
+            inspect.signature(loss_fn).bind([], [], loss_fn_config)
+        except TypeError:
+            pass
+        except ValueError:  # no signature (some builtins): call it the 2-argument way
+            pass
+        else:
+            config = loss_fn_config
+            return lambda data, logprobs: loss_fn(data, logprobs, config)
+    return lambda data, logprobs: loss_fn(data, logprobs)
+
+
+def _check_handle_inputs(handle: LossHandle, data: list[Datum]) -> None:
+    """tinker's check: every datum has each input the loss reads, at its declared rank
+    (`logprobs` has the rank of `target_tokens`)."""
+    logprobs, *inputs = handle.inputs
+    for i, datum in enumerate(data):
+        for loss_input, key in [(logprobs, "target_tokens"), *((x, x.name) for x in inputs)]:
+            where = f"data[{i}].loss_fn_inputs[{key!r}]"
+            if key not in datum.loss_fn_inputs:
+                raise InvalidInputError(f"loss {handle.name!r} reads it, and it is missing", field=where,
+                                        datum_index=i)
+            rank = len(datum.loss_fn_inputs[key].shape)
+            if rank != loss_input.rank:
+                raise InvalidInputError(f"has rank {rank}, but loss {handle.name!r} declared {loss_input.name} with "
+                                        f"rank {loss_input.rank}", field=where, datum_index=i)
+
+
+def _run_loss_handle(handle: LossHandle, data: list[Datum], logprobs_list: list[torch.Tensor]) -> Any:
+    """tinker's run_loss_handle: the per-datum losses summed; `:sum` metrics summed, `:mean`
+    metrics averaged over the data."""
+    total: Any = None
+    sums: dict[str, float] = {}
+    for datum, logprobs in zip(data, logprobs_list):
+        loss, metrics = handle.graph(logprobs, *[datum.loss_fn_inputs[n].to_torch() for n in handle.input_names])
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ValueError(f"loss {handle.name!r} must return a scalar loss, got "
+                             f"{getattr(loss, 'shape', type(loss).__name__)}")
+        total = loss if total is None else total + loss
+        for key, value in (metrics or {}).items():
+            sums[key] = sums.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)
+    return total, {k: v / len(data) if k.endswith(":mean") else v for k, v in sums.items()}
+
+
 class TrainingClient(_Client):
-    """One LoRA run in the pool. Every op returns an APIFuture at once; `*_async` twins
-    return it from an awaitable (two await boundaries: submit, then result)."""
+    """One LoRA run in the pool. Every op returns an APIFuture at once, so both hosted styles
+    work: tinker 0.38's `fb = tc.forward_backward(...); opt = tc.optim_step(...); await fb;
+    await opt` (or `.result()` on each), and the `*_async` twins, which return that future
+    from an awaitable (two await boundaries: submit, then result)."""
 
     def __init__(self, backend: Backend, handle: ModelHandle, service: ServiceClient):
         super().__init__(backend, handle)
@@ -165,123 +285,235 @@ class TrainingClient(_Client):
         state = " closed" if self.closed else ""
         return f"<TrainingClient {self.client_id} {self._handle.base_model} rank={self._handle.rank}{state}>"
 
+    # -- who this run is ----------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        """tinker: the training run's id. It names the run's checkpoint directory
+        (`tinker://<model_id>/weights/<name>`); `client_id` names its lane in the pool."""
+        run_id = self._handle.run_id
+        return run_id if run_id is not None else self.client_id
+
+    @property
+    def training_run_cuid(self) -> str:
+        """pytrio: the training run's id (the same as `model_id`)."""
+        return self.model_id
+
+    @property
+    def model_alias(self) -> str:
+        """pytrio: the base model's name as given."""
+        return self._handle.base_model
+
+    @property
+    def lora(self) -> LoraRunSpec:
+        """pytrio: how this run's adapter was made."""
+        h = self._handle
+        return LoraRunSpec(model_id=h.base_model, rank=h.rank, seed=h.seed, train_mlp=h.train_mlp,
+                           train_attn=h.train_attn, train_unembed=h.train_unembed)
+
     # -- forward ops ---------------------------------------------------------------
-    def _forward(self, op: str, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None) -> APIFuture:
+    def _forward(self, op: str, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None,
+                 auto_shift: bool) -> APIFuture:
+        _check_text(data, self._handle.base_model)
+        if not isinstance(auto_shift, bool):
+            raise InvalidInputError(f"must be True or False, got {auto_shift!r}", field="auto_shift")
+        if auto_shift:
+            data = _auto_shift(data)
         loss_fn, config = check_loss(loss_fn, loss_fn_config)
         check_batch(data, loss_fn)
         return self._submit(op, ForwardRequest(list(data), loss_fn, config))
 
-    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
-        return self._forward("forward", data, loss_fn, loss_fn_config)
+    def forward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy", loss_fn_config: dict | None = None,
+                auto_shift: bool = False) -> APIFuture[ForwardBackwardOutput]:
+        """Log-probabilities and loss, no gradient. `loss_fn` ignores case (pytrio);
+        `auto_shift=True` (pytrio): loss inputs aligned with the input, see `_auto_shift`."""
+        return self._forward("forward", data, loss_fn, loss_fn_config, auto_shift)
 
     def forward_backward(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                         loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
-        return self._forward("forward_backward", data, loss_fn, loss_fn_config)
+                         loss_fn_config: dict | None = None, auto_shift: bool = False
+                         ) -> APIFuture[ForwardBackwardOutput]:
+        """Accumulate the gradient of the loss (a sum over tokens) for the next optim_step.
+        `metrics` has tinker's `loss:sum` and pytrio's `loss_sum`, `loss_mean`, `token_count`."""
+        return self._forward("forward_backward", data, loss_fn, loss_fn_config, auto_shift)
 
-    def forward_backward_custom(
-        self, data: Sequence[Datum],
-        loss_fn: Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]],
-    ) -> APIFuture[ForwardBackwardOutput]:
-        """`loss_fn(data, logprobs)` gets one logprob tensor per datum and returns (loss, metrics).
+    def forward_backward_custom(self, data: Sequence[Datum], loss_fn: Any, loss_fn_config: dict | None = None, *,
+                                loss_type_input: Literal["logprobs"] | None = None
+                                ) -> APIFuture[ForwardBackwardOutput]:
+        """`loss_fn(data, logprobs)` gets one logprob tensor per datum and returns (loss, metrics);
+        with `loss_fn_config` (pytrio) a loss that takes a third argument gets it; a
+        `LossHandle` from `ServiceClient.create_custom_loss` (tinker) works too.
 
         As on the hosted services, two requests: a forward gives the logprobs, your loss runs
         here (on a background thread of this client, never on the pool's clock), and its
         gradient d(loss)/d(logprob) goes back as the weights of a forward_backward. Requests
-        you submit after this one wait behind it, so an optim_step applies its gradient."""
-        if not callable(loss_fn):
-            raise InvalidInputError(f"loss_fn must be callable, got {type(loss_fn).__name__}", field="loss_fn")
-        check_batch(data, "cross_entropy")
+        you submit after this one wait behind it, so an optim_step applies its gradient.
+        `metrics["loss:sum"]` (and `loss_sum`) is your loss; `surrogate_loss:sum` the
+        weighted cross-entropy that carried its gradient."""
+        if loss_type_input is not None:
+            warnings.warn(_LOSS_TYPE_INPUT, DeprecationWarning, stacklevel=2)
+        call = _custom_loss_caller(loss_fn, loss_fn_config)
+        _check_text(data, self._handle.base_model)
+        if not isinstance(data, (list, tuple)) or not all(isinstance(d, Datum) for d in data):
+            check_batch(data, "cross_entropy")  # names what is wrong
         data = list(data)
-        forward = self._submit("forward", ForwardRequest(data, "cross_entropy", {}))
+        if isinstance(loss_fn, LossHandle):
+            _check_handle_inputs(loss_fn, data)
+        forward_data = []
+        for i, d in enumerate(data):  # only the targets go to the forward, as in tinker
+            if "target_tokens" not in d.loss_fn_inputs:
+                raise InvalidInputError("a custom loss needs loss_fn_inputs['target_tokens']",
+                                        field=f"data[{i}].loss_fn_inputs", datum_index=i)
+            forward_data.append(Datum(d.model_input, {"target_tokens": d.loss_fn_inputs["target_tokens"]}))
+        check_batch(forward_data, "cross_entropy")
+        forward = self._submit("forward", ForwardRequest(forward_data, "cross_entropy", {}))
         slot = self._backend.reserve(self.client_id, "forward_backward_custom")
         reported: dict[str, float] = {}
         self._backend.run_in_background(
-            lambda: _finish_custom_loss(forward, slot, data, loss_fn, self.client_id, reported))
-        return slot.future.map(lambda out: replace(out, loss_fn_output_type="custom", metrics=dict(reported)))
+            lambda: _finish_custom_loss(forward, slot, data, call, self.client_id, reported))
+        tokens = sum(len(d.loss_fn_inputs["target_tokens"].data) for d in forward_data)
+        return slot.future.map(lambda out: replace(out, loss_fn_output_type="custom",
+                                                   metrics=_custom_metrics(reported, out, tokens)))
 
-    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        return self._submit("optim_step", OptimStepRequest(check_adam_params(adam_params)))
+    def optim_step(self, optim_params: AdamParams | None = None, *,
+                   adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        """One AdamW step with the accumulated gradient. tinker's `optim_step(params)`,
+        `optim_step(optim_params=...)` and `optim_step(adam_params=...)` (pytrio's too)."""
+        if optim_params is not None and adam_params is not None:
+            raise InvalidInputError("Specify optim_params or legacy adam_params, not both", field="optim_params")
+        params = optim_params if optim_params is not None else adam_params
+        if not isinstance(params, AdamParams):
+            got = "nothing" if params is None else type(params).__name__
+            raise _WrongTypeError(f"Expected AdamParams (the local pool implements AdamW only), got {got}",
+                                  field="adam_params")
+        return self._submit("optim_step", OptimStepRequest(check_adam_params(params)))
 
     async def forward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                            loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
-        return self.forward(data, loss_fn, loss_fn_config)
+                            loss_fn_config: dict | None = None, auto_shift: bool = False
+                            ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward(data, loss_fn, loss_fn_config, auto_shift)
 
     async def forward_backward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
-                                     loss_fn_config: dict | None = None) -> APIFuture[ForwardBackwardOutput]:
-        return self.forward_backward(data, loss_fn, loss_fn_config)
+                                     loss_fn_config: dict | None = None, auto_shift: bool = False
+                                     ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward(data, loss_fn, loss_fn_config, auto_shift)
 
-    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: Callable
+    async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: Any,
+                                            loss_fn_config: dict | None = None, *,
+                                            loss_type_input: Literal["logprobs"] | None = None
                                             ) -> APIFuture[ForwardBackwardOutput]:
-        return self.forward_backward_custom(data, loss_fn)
+        return self.forward_backward_custom(data, loss_fn, loss_fn_config, loss_type_input=loss_type_input)
 
-    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        return self.optim_step(adam_params)
+    async def optim_step_async(self, optim_params: AdamParams | None = None, *,
+                               adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        return self.optim_step(optim_params, adam_params=adam_params)
 
     # -- checkpoints and sampling ------------------------------------------------------
     # State ops run in the client's cycle in submission order, after an optim_step
-    # submitted before them. A path is checked and read at submit time.
-    def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
+    # submitted before them. A path is checked and read at submit time; paths are the
+    # checkpoint directories, and tinker's tinker://<run>/<weights|sampler_weights>/<name>
+    # names the same directory under the pool's checkpoint_dir.
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   user_metadata: dict[str, str] | None = None) -> APIFuture[SaveWeightsResponse]:
         """Adapter weights + AdamW state under `name`; the result's `path` resumes training.
-        (`ttl_seconds` is accepted for hosted-service code and ignored: local files stay.)"""
-        return self._submit("save_state", SaveRequest(name))
+        A name saved before is refused (CheckpointExistsError, tinker's ConflictError) unless
+        `overwrite=True`, which replaces it atomically. `ttl_seconds` (1 hour to 10 years)
+        deletes it after that time; `user_metadata` is stored with it (RestClient lists it)."""
+        if not isinstance(overwrite, bool):
+            raise InvalidInputError(f"must be True or False, got {overwrite!r}", field="overwrite")
+        return self._submit("save_state", SaveRequest(name, overwrite=overwrite, ttl_seconds=check_ttl(ttl_seconds),
+                                                      user_metadata=check_user_metadata(user_metadata)))
 
-    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        """Load the weights only; the AdamW moments and step count start afresh."""
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
+        """Load the weights only; the AdamW moments and step count start afresh.
+        (`weights_access_token` is for hosted weights of another account: local files need none.)"""
         return self._submit("load_state", LoadRequest(path))
 
-    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None
+                                  ) -> APIFuture[LoadWeightsResponse]:
         """Load the weights and the AdamW state (moments and step): training continues exactly."""
         return self._submit("load_state_with_optimizer", LoadRequest(path))
 
-    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None,
+                                 user_metadata: dict[str, str] | None = None
                                  ) -> APIFuture[SaveWeightsForSamplerResponse]:
         """Write the current weights as a PEFT adapter directory (the result's `path`), for
         `create_sampling_client(model_path=...)` or `peft.PeftModel.from_pretrained(base, path)`."""
-        return self._submit("save_weights_for_sampler", SaveRequest(name))
-
-    def _sampler_from(self, created: SamplerCreated) -> SamplingClient:
-        return SamplingClient(self._backend, created.sampler)
+        return self._submit("save_weights_for_sampler", SaveRequest(
+            name, ttl_seconds=check_ttl(ttl_seconds), user_metadata=check_user_metadata(user_metadata)))
 
     def _submit_snapshot(self, name: str | None) -> APIFuture[SamplerCreated]:
         return self._submit("save_weights_for_sampler", SaveRequest(name, make_sampler=True))
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
+                                             record_stability_info: bool = False,
+                                             kind: Literal["snapshot"] = "snapshot"
+                                             ) -> BackcompatSamplingClientFuture:
         """A sampling client over a copy of the weights as of the ops submitted before this call
-        (later training does not change what it samples). With `name`, also written to disk."""
-        return self._sampler_from(self._submit_snapshot(name).result())
+        (later training does not change what it samples). Returned at once, as a future of
+        the client that is also the client: using it waits for the snapshot's cycle (so
+        inside `pool.hold()`, where no cycle runs, call `.result()` on it before the hold).
+        With `name`, the snapshot is also written to disk (tinker ignores `name`)."""
+        _sampler_options(retry_config, record_stability_info)
+        if kind != "snapshot":
+            raise InvalidInputError(f"only 'snapshot' (a frozen copy of the weights) is available locally, got "
+                                    f"{kind!r}; tinker's 'inflight' shares weights across its servers", field="kind")
+        service = self._service
+        future = BackcompatSamplingClientFuture._pending(self._backend, self._submit_snapshot(name))
+        service._track(future)
+        return future
 
-    def create_sampling_client(self, model_path: str) -> SamplingClient:
-        return self._service.create_sampling_client(model_path=model_path)
+    def create_sampling_client(self, model_path: str, retry_config: Any = None,
+                               record_stability_info: bool = False) -> BackcompatSamplingClientFuture:
+        return self._service.create_sampling_client(model_path=model_path, retry_config=retry_config,
+                                                    record_stability_info=record_stability_info)
 
-    async def save_state_async(self, name: str, ttl_seconds: int | None = None) -> APIFuture[SaveWeightsResponse]:
-        return self.save_state(name, ttl_seconds)
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                               user_metadata: dict[str, str] | None = None) -> APIFuture[SaveWeightsResponse]:
+        return self.save_state(name, ttl_seconds, overwrite, user_metadata)
 
-    async def load_state_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+    async def load_state_async(self, path: str, weights_access_token: str | None = None
+                               ) -> APIFuture[LoadWeightsResponse]:
         return self.load_state(path)
 
-    async def load_state_with_optimizer_async(self, path: str) -> APIFuture[LoadWeightsResponse]:
+    async def load_state_with_optimizer_async(self, path: str, weights_access_token: str | None = None
+                                              ) -> APIFuture[LoadWeightsResponse]:
         return self.load_state_with_optimizer(path)
 
-    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None
+    async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None,
+                                             user_metadata: dict[str, str] | None = None
                                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        return self.save_weights_for_sampler(name, ttl_seconds)
+        return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
-        return self._sampler_from(await self._submit_snapshot(name))
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None, retry_config: Any = None,
+                                                         record_stability_info: bool = False,
+                                                         kind: Literal["snapshot"] = "snapshot") -> SamplingClient:
+        return await self.save_weights_and_get_sampling_client(name, retry_config, record_stability_info, kind)
 
-    async def create_sampling_client_async(self, model_path: str) -> SamplingClient:
-        return self.create_sampling_client(model_path)
+    async def create_sampling_client_async(self, model_path: str, retry_config: Any = None,
+                                           record_stability_info: bool = False) -> SamplingClient:
+        return self.create_sampling_client(model_path, retry_config, record_stability_info)
 
     # -- info ------------------------------------------------------------------------
-    def get_info(self) -> TrainingInfo:
+    def get_info(self) -> GetInfoResponse:
+        """tinker: `model_id`, `model_data.model_name`, `lora_rank`, ... answered locally."""
         h = self._handle
-        return TrainingInfo(model_id=self.client_id, model_data=ModelData(
-            base_model=h.base_model, lora_rank=h.rank, train_attn=h.train_attn, train_mlp=h.train_mlp,
-            train_unembed=h.train_unembed, seed=h.seed))
+        data = ModelData(arch=h.arch, model_name=h.base_model, tokenizer_id=h.base_model, base_model=h.base_model,
+                         lora_rank=h.rank, train_attn=h.train_attn, train_mlp=h.train_mlp,
+                         train_unembed=h.train_unembed, seed=h.seed)
+        return GetInfoResponse(model_data=data, model_id=self.model_id, optimizer_config=AdamOptimizerConfig(),
+                               is_lora=True, lora_rank=h.rank, model_name=h.base_model)
 
-    async def get_info_async(self) -> TrainingInfo:
+    async def get_info_async(self) -> GetInfoResponse:
         return self.get_info()
+
+
+def _custom_metrics(reported: dict[str, float], out: ForwardBackwardOutput, tokens: int) -> dict[str, float]:
+    """tinker's: `loss:sum` is the custom loss, `surrogate_loss:sum` what carried its gradient;
+    pytrio's keys describe the same custom loss over every target token."""
+    metrics = dict(reported)
+    metrics["surrogate_loss:sum"] = out.metrics.get("loss:sum", math.nan)
+    loss = metrics.get("loss:sum", math.nan)
+    metrics.update(loss_sum=loss, token_count=tokens, loss_mean=loss / tokens if tokens else 0.0)
+    return metrics
 
 
 def _finish_custom_loss(forward: APIFuture, slot: Reservation, data: list[Datum], loss_fn: Callable,
@@ -295,7 +527,8 @@ def _finish_custom_loss(forward: APIFuture, slot: Reservation, data: list[Datum]
         return
 
     def failed(message: str) -> None:
-        slot.fail(RequestFailedError(f"forward_backward_custom: {message}", client_id=client_id, cycle=forward.cycle))
+        slot.fail(RequestFailedError(f"forward_backward_custom: {message}", client_id=client_id, cycle=forward.cycle,
+                                     category=RequestErrorCategory.User))
 
     leaves = [o["logprobs"].to_torch().float().requires_grad_(True) for o in out.loss_fn_outputs]
     try:
@@ -357,39 +590,261 @@ class SamplingClient(_Client):
     def model_path(self) -> str | None:
         return self._handle.model_path
 
-    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture[SampleResponse]:
-        """`num_samples` continuations of `prompt`; each sequence has `tokens`, `logprobs` and
-        `stop_reason` ("stop" or "length"). `prompt_logprobs` (first None) if asked for."""
-        if topk_prompt_logprobs:
-            raise InvalidInputError("top-k prompt logprobs are not supported by the local pool; pass 0",
-                                    field="topk_prompt_logprobs")
-        return self._submit("sample", SampleRequest(prompt, num_samples, sampling_params, include_prompt_logprobs))
+    @property
+    def model_id(self) -> str:
+        """pytrio: the base model's id."""
+        return self._handle.base_model
 
-    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
-        """The log-probability of each prompt token given the ones before it (the first is None)."""
-        return self._submit("compute_logprobs", ComputeLogprobsRequest(prompt))
+    @property
+    def sampling_run_cuid(self) -> str:
+        """pytrio: this sampler's id (tinker's sampler_id, for RestClient.get_sampler)."""
+        return self.client_id
+
+    def _prompt(self, prompt: Any) -> None:
+        if isinstance(prompt, ModelInput):
+            check_text_only(prompt, self._handle.base_model, field="prompt")
+
+    def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+               target_prompt_logprobs: TensorData | None = None, prompt_alt_tokens_k: int = 0,
+               prompt_logprobs_last_n: int | None = None, *, return_text: bool = True
+               ) -> APIFuture[SampleResponse]:
+        """`num_samples` continuations of `prompt` (tinker's positional order). Each sequence has
+        `tokens`, `logprobs` (the model's, temperature 1), `stop_reason` ("stop" or "length"),
+        `sequence_id`, and `text` (pytrio; the decoded tokens, with `return_text`, where the base
+        model has a tokenizer). On request: `prompt_logprobs` (first None; only the last
+        `prompt_logprobs_last_n`), `topk_prompt_logprobs` / `topk_sample_logprobs` (the k most
+        likely (token, logprob) per position), `target_prompt_logprobs` and `prompt_alt_tokens`.
+        `return_text` is keyword-only: pytrio's sixth positional parameter is tinker's
+        `topk_sample_logprobs`."""
+        if isinstance(topk_sample_logprobs, bool):
+            raise InvalidInputError("got a bool: in pytrio's order the sixth argument is return_text, here (tinker's "
+                                    "order) it is topk_sample_logprobs; pass return_text=... by keyword",
+                                    field="topk_sample_logprobs")
+        if not isinstance(return_text, bool):
+            raise InvalidInputError(f"must be True or False, got {return_text!r}", field="return_text")
+        self._prompt(prompt)
+        future = self._submit("sample", SampleRequest(
+            prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
+            target_prompt_logprobs=target_prompt_logprobs, prompt_alt_tokens_k=prompt_alt_tokens_k))
+        length = prompt.length if isinstance(prompt, ModelInput) else len(prompt)
+        decode = None
+        if return_text:
+            tokenizer = self._backend.tokenizer(self._handle.base_model)
+            decode = tokenizer.decode if tokenizer is not None else None
+        return future.map(lambda response: finish_sample_response(response, length, decode))
+
+    def compute_logprobs(self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
+                         ) -> APIFuture[list[float | None]]:
+        """The log-probability of each prompt token given the ones before it (the first is None;
+        with `prompt_logprobs_last_n`, every entry before the last n is None too)."""
+        self._prompt(prompt)
+        return self._submit("compute_logprobs", ComputeLogprobsRequest(prompt, prompt_logprobs_last_n))
 
     async def sample_async(self, prompt: ModelInput, num_samples: int = 1,
                            sampling_params: SamplingParams | None = None, include_prompt_logprobs: bool = False,
-                           topk_prompt_logprobs: int = 0) -> SampleResponse:
+                           topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
+                           target_prompt_logprobs: TensorData | None = None, prompt_alt_tokens_k: int = 0,
+                           prompt_logprobs_last_n: int | None = None, *, return_text: bool = True
+                           ) -> SampleResponse:
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
-                                 topk_prompt_logprobs)
+                                 topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
+                                 prompt_alt_tokens_k, prompt_logprobs_last_n, return_text=return_text)
 
-    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
-        return await self.compute_logprobs(prompt)
+    async def compute_logprobs_async(self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
+                                     ) -> list[float | None]:
+        return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def get_base_model(self) -> str:
         return self._handle.base_model
 
+    async def get_base_model_async(self) -> str:
+        return self.get_base_model()
+
+# -- clients that are futures of themselves (tinker 0.38's creation methods) ---------------
+
+class _ClientFuture(APIFuture):
+    """A client that is also an `APIFuture` of itself, as tinker 0.38's creation methods
+    return: `.result()`, `await`, `.future()`, `.map()`... give the client, and the object can
+    be used as the client directly (pytrio's style, and tinker's older one).
+
+    Most clients exist at once, so this future is done. A sampling client made by
+    `save_weights_and_get_sampling_client` waits for its snapshot's cycle: until then the
+    future is pending, and using it as the client waits for it. The future never holds the
+    client itself (that would keep a dropped client alive until the garbage collector runs):
+    what it gives out is made on demand.
+    """
+
+    request_id = None
+    op = "create_client"
+    _creation: APIFuture | None = None  # the pending snapshot; None: the client exists
+
+    def _await_creation(self, timeout: float | None = None) -> None:
+        if self._creation is not None:
+            self._creation.result(timeout)
+            self._adopt(self._creation.result())
+
+    def _adopt(self, created: Any) -> None:  # pragma: no cover - only pending futures have a creation
+        raise NotImplementedError
+
+    @property
+    def cycle(self) -> int | None:
+        return self._creation.cycle if self._creation is not None else None
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._await_creation(timeout)
+        return self
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        if self._creation is not None:
+            self._adopt(await self._creation.result_async(timeout))
+        return self
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.result_async().__await__()
+
+    def future(self) -> concurrent.futures.Future:
+        """A `concurrent.futures.Future` of the client (made on each call)."""
+        return self.map(lambda client: client).future()
+
+    def done(self) -> bool:
+        return self._creation is None or self._creation.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._creation.exception(timeout) if self._creation is not None else None
+
+    def cancel(self) -> bool:
+        """A pending snapshot still queued is withdrawn (the client then never exists)."""
+        return self._creation.cancel() if self._creation is not None else False
+
+    def cancelled(self) -> bool:
+        return self._creation is not None and self._creation.cancelled()
+
+    def add_done_callback(self, fn: Callable[[Any], Any]) -> None:
+        if self._creation is None:
+            fn(self)
+        else:
+            self._creation.add_done_callback(lambda _f: fn(self))
+
+    def map(self, transform: Callable[[Any], Any]) -> APIFuture:
+        if self._creation is None:
+            try:
+                return APIFuture.completed(transform(self))
+            except Exception as exc:
+                failed: concurrent.futures.Future = concurrent.futures.Future()
+                failed.set_exception(exc)
+                return APIFuture(failed, request_id=None, op=self.op)
+        return self._creation.map(lambda created: transform(self._adopted(created)))
+
+    def _adopted(self, created: Any) -> Any:
+        self._adopt(created)
+        return self
+
+
+
+
+class BackcompatTrainingClientFuture(TrainingClient, _ClientFuture):
+    """What tinker 0.38's `create_lora_training_client` (and `create_training_client_from_state*`)
+    return: the TrainingClient, and a done future of it (`.result()` / `await` give it)."""
+
+    def __repr__(self) -> str:
+        return TrainingClient.__repr__(self)
+
+
+class BackcompatSamplingClientFuture(SamplingClient, _ClientFuture):
+    """What tinker 0.38's `create_sampling_client` and `save_weights_and_get_sampling_client`
+    return: the SamplingClient, and a future of it. A snapshot's future is pending until its
+    cycle ran; using it as the client (`.sample(...)`, pytrio's style) waits until then."""
+
+    _lock: threading.Lock
+
+    @classmethod
+    def _pending(cls, backend: Backend, creation: APIFuture[SamplerCreated]) -> BackcompatSamplingClientFuture:
+        self = cls.__new__(cls)
+        self._backend = backend
+        self._creation = creation
+        self._lock = threading.Lock()
+        me = weakref.ref(self)
+        backend_ref = weakref.ref(backend)
+
+        def created(f: APIFuture) -> None:  # on the clock thread: adopt, or release if already dropped
+            if f.cancelled() or f.exception() is not None:
+                return
+            client = me()
+            if client is None:
+                _release(backend_ref, f.result().sampler.client_id)
+            else:
+                client._adopt(f.result())
+
+        creation.add_done_callback(created)
+        return self
+
+    def _adopt(self, created: Any) -> None:
+        with self._lock:
+            if "_handle" in self.__dict__:
+                return
+            handle = created.sampler
+            self._finalizer = weakref.finalize(self, _release, weakref.ref(self._backend), handle.client_id)
+            self.client_id = handle.client_id
+            self._handle = handle
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached while the snapshot is pending (these are set once it is made)
+        if name in ("_handle", "client_id", "_finalizer") and self.__dict__.get("_creation") is not None:
+            self._await_creation()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        if "_handle" not in self.__dict__:
+            state = "cancelled" if self.cancelled() else "failed" if self.done() else "pending"
+            return f"<BackcompatSamplingClientFuture: {state}>"
+        return SamplingClient.__repr__(self)
+
+
+# -- the entry point -----------------------------------------------------------------------
+
+_CLOSE_STATUSES = ("success", "errored", "interrupted")
+
 
 class ServiceClient:
     """Entry point, as on the hosted services: `ServiceClient()` uses the process-wide pool;
-    `ServiceClient(pool)` a pool of yours; `ServiceClient(backend=...)` any backend."""
+    `ServiceClient(pool)` (or `pool=`) a pool of yours; `ServiceClient(backend=...)` any backend.
 
-    def __init__(self, pool: LocalPool | None = None, *, backend: Backend | None = None, base_url: str | None = None,
-                 api_key: str | None = None, **_ignored: Any):
-        # Extra keywords are accepted so hosted-service code runs unchanged.
+    The first positional argument is read by its type: a LocalPool is the pool, a str is
+    pytrio's api_key, a dict tinker's user_metadata (a second one is tinker's project_id).
+    `base_url=` (with `api_key=`) sends the requests to a served pool (`trio.serve`) over HTTP;
+    without it, account options (api_key, project_id, ...) are accepted and ignored.
+    `with ServiceClient(pool) as sc:` closes the clients it made on exit (not the pool).
+    """
+
+    def __init__(self, *args: Any, user_metadata: dict[str, str] | None = None, project_id: str | None = None,
+                 display_name: str | None = None, base_url: str | None = None, api_key: str | None = None,
+                 default_headers_overrides: Mapping[str, str] | None = None, pool: LocalPool | None = None,
+                 backend: Backend | None = None, **kwargs: Any):
+        if len(args) > 2:
+            raise TypeError(f"ServiceClient takes at most 2 positional arguments, got {len(args)}")
+        if args:
+            first = args[0]
+            if isinstance(first, LocalPool):
+                if pool is not None:
+                    raise TypeError("ServiceClient got a pool both by position and as pool=")
+                pool = first
+            elif isinstance(first, str):
+                api_key = first  # pytrio's api_key (ignored)
+            elif first is None or isinstance(first, dict):
+                user_metadata = first if first is not None else user_metadata
+            else:
+                raise InvalidInputError(f"expected a LocalPool, an api_key (str) or user_metadata (dict), got "
+                                        f"{type(first).__name__}", field="ServiceClient()")
+            if len(args) == 2:
+                project_id = args[1]  # tinker's project: one more account option, ignored
+        del project_id, default_headers_overrides  # accepted for hosted-service code
+        if kwargs:
+            warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}.",
+                          FutureWarning, stacklevel=2)
+        user_metadata = check_user_metadata(user_metadata)
         if backend is None and base_url is not None:  # a served pool (trio_widgets/http)
             if pool is not None:
                 raise InvalidInputError("give a pool (in-process) or a base_url (a served pool), not both",
@@ -398,67 +853,221 @@ class ServiceClient:
 
             backend = HttpBackend(base_url, api_key)
         if backend is None:
-            backend = LocalBackend(pool if pool is not None else default_pool())
+            backend = LocalBackend(pool if pool is not None else default_pool(), user_metadata=user_metadata,
+                                   display_name=display_name)
+        elif pool is not None:
+            raise TypeError("ServiceClient takes a pool or a backend, not both")
         self.backend = backend
+        self.user_metadata = user_metadata
+        self._clients: weakref.WeakSet[_Client] = weakref.WeakSet()
+        self._closed = False
+        # pytrio's identity of the session, for code that prints it: the local user
+        self.service_session_cuid: str = getattr(backend, "session_id", None) or f"session-{id(self):x}"
+        self.username: str = _local_user()
+        self.display_name: str = display_name or self.username
+        self.user_id: str = self.username
+        self.user_cuid: str = self.username
+        self.user_info: dict[str, object] = {"username": self.username, "source": "local"}
+        self.workspace_cuid: str = "local"
+        self.workspace_name: str = "local"
 
     @property
     def pool(self) -> LocalPool | None:
         """The in-process pool behind this client (None for other backends)."""
         return getattr(self.backend, "pool", None)
 
-    def get_server_capabilities(self) -> ServerCapabilities:
-        return ServerCapabilities([SupportedModel(name) for name in self.backend.supported_models()])
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<ServiceClient {self.service_session_cuid} {self.backend!r}{state}>"
 
-    async def get_server_capabilities_async(self) -> ServerCapabilities:
+    # -- lifecycle -------------------------------------------------------------------
+    def close(self, status: Literal["success", "errored", "interrupted"] = "success",
+              detail: str | None = None) -> APIFuture[None]:
+        """tinker: end the session. Every client it made is closed (what they submitted still
+        runs); the pool stays open. A second call does nothing. Returns a done future."""
+        if status not in _CLOSE_STATUSES:
+            raise InvalidInputError(f"must be one of {', '.join(_CLOSE_STATUSES)}, got {status!r}", field="status")
+        if not self._closed:
+            self._closed = True
+            for client in list(self._clients):
+                client.close()
+        return APIFuture.completed(None)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        status: Literal["success", "errored", "interrupted"] = "success"
+        if exc_type is not None:
+            status = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "errored"
+        self.close(status).result()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError("this ServiceClient was closed: create a new one")
+
+    def _track(self, client: _Client) -> None:
+        self._clients.add(client)
+
+    # -- what the service offers ---------------------------------------------------------
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
+        """Each model with its context length and limits (tinker's and pytrio's fields). tinker
+        0.38 prefers `RestClient().get_server_capabilities()`, which works here too."""
+        capabilities = getattr(self.backend, "capabilities", None)
+        if capabilities is None:  # a backend that only names its models
+            return GetServerCapabilitiesResponse([SupportedModel(n) for n in self.backend.supported_models()])
+        return capabilities()
+
+    async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         return self.get_server_capabilities()
+
+    def get_telemetry(self) -> None:
+        """tinker: its SDK's own event reporter, None when off. Off here (see `pool.telemetry`)."""
+        return None
+
+    def get_supported_models(self) -> list[str]:
+        """pytrio: the names of the models this pool can train and sample."""
+        return self.backend.supported_models()
+
+    def create_rest_client(self) -> RestClient:
+        """A RestClient over this session's pool (tinker 0.38 also lets you build `RestClient()`)."""
+        from .rest import RestClient
+
+        return RestClient(self)
+
+    def create_custom_loss(self, fn: Callable[..., Any], input_ranks: Mapping[str, int]) -> APIFuture[LossHandle]:
+        """tinker: a per-datum loss `fn(logprobs, <one parameter per loss_fn_inputs key>) ->
+        (scalar loss, {"custom/<name>:sum" or ":mean": value})`, for `forward_backward_custom`.
+        `input_ranks` gives each parameter's rank (0 scalar, 1 [T], 2 [T, K]). The function
+        runs here, as is (tinker traces it with torch.fx first)."""
+        inputs = _custom_loss_inputs(fn, input_ranks)
+        return APIFuture.completed(LossHandle(name=_fn_name(fn), inputs=inputs,
+                                              session_id=self.service_session_cuid, graph=fn))
+
+    # -- clients ---------------------------------------------------------------------
+    def _training_client(self, handle: ModelHandle) -> BackcompatTrainingClientFuture:
+        client = BackcompatTrainingClientFuture(self.backend, handle, self)
+        self._track(client)
+        return client
 
     def create_lora_training_client(self, base_model: str = DEFAULT_MODEL, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
-                                    user_metadata: dict[str, str] | None = None) -> TrainingClient:
-        """A new LoRA run. `user_metadata={"name": ...}` labels it in the dashboard."""
+                                    user_metadata: dict[str, str] | None = None, optimizer: Any = None
+                                    ) -> TrainingClient:  # a BackcompatTrainingClientFuture
+        """A new LoRA run: the client, which is also a done future of it (tinker 0.38's
+        `.result()` / `await` work). `user_metadata={"name": ...}` labels it in the dashboard.
+        `optimizer`: None or AdamOptimizerConfig() (AdamW is the only optimizer here)."""
+        self._check_open()
+        _check_optimizer(optimizer)
         handle = self.backend.create_model(CreateModelRequest(
             base_model, rank, seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed,
-            label=_label(user_metadata)))
-        return TrainingClient(self.backend, handle, self)
+            label=_label(user_metadata), user_metadata=check_user_metadata(user_metadata)))
+        return self._training_client(handle)
 
-    async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
-        return self.create_lora_training_client(*args, **kwargs)
+    async def create_lora_training_client_async(self, base_model: str = DEFAULT_MODEL, rank: int = 32,
+                                                seed: int | None = None, train_mlp: bool = True,
+                                                train_attn: bool = True, train_unembed: bool = True,
+                                                user_metadata: dict[str, str] | None = None,
+                                                optimizer: Any = None) -> TrainingClient:
+        return self.create_lora_training_client(base_model, rank, seed, train_mlp, train_attn, train_unembed,
+                                                user_metadata, optimizer)
+
+    def _resolve_sampler_paths(self, model_path: Any, base_model: Any) -> tuple[Any, Any]:
+        """(model_path, base_model) from a call in tinker's order or pytrio's
+        `create_sampling_client(base_model, model_path)`: a value that names a base model and
+        no checkpoint is a base model; one that names both is ambiguous."""
+        is_model = getattr(self.backend, "is_base_model", None)
+        is_checkpoint = getattr(self.backend, "is_checkpoint", None)
+        if is_model is None or is_checkpoint is None:
+            return model_path, base_model
+
+        def kind(value: Any) -> str | None:
+            if value is None:
+                return None
+            model, checkpoint = is_model(value), is_checkpoint(value)
+            if model and checkpoint:
+                raise InvalidInputError(f"{value!r} is both a base model and a checkpoint directory; pass "
+                                        f"model_path=... and base_model=... by keyword", field="model_path")
+            return "model" if model else "checkpoint" if checkpoint else "unknown"
+
+        path_kind, base_kind = kind(model_path), kind(base_model)
+        if path_kind == "model" and base_kind in (None, "checkpoint"):
+            return base_model, model_path  # pytrio's order: (base_model, model_path)
+        return model_path, base_model
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                               user_metadata: dict[str, str] | None = None) -> SamplingClient:
+                               retry_config: Any = None, record_stability_info: bool = False, *,
+                               user_metadata: dict[str, str] | None = None) -> BackcompatSamplingClientFuture:
         """Sample from saved weights (`model_path`: a directory from save_weights_for_sampler or
-        save_state, or any PEFT LoRA adapter directory) or from a bare `base_model`."""
+        save_state, its tinker:// path, or any PEFT LoRA adapter directory) or from a bare
+        `base_model`. Both SDKs' positional orders work: tinker's (model_path, base_model) and
+        pytrio's (base_model, model_path), told apart by what the values name. `retry_config`
+        is accepted and ignored (no retries locally)."""
+        self._check_open()
+        _sampler_options(retry_config, record_stability_info)
+        model_path, base_model = self._resolve_sampler_paths(model_path, base_model)
         handle = self.backend.create_sampler(CreateSamplerRequest(model_path, base_model, _label(user_metadata)))
-        return SamplingClient(self.backend, handle)
+        client = BackcompatSamplingClientFuture(self.backend, handle)
+        self._track(client)
+        return client
 
-    def create_training_client_from_state(self, path: str, user_metadata: dict[str, str] | None = None
-                                          ) -> TrainingClient:
+    def create_training_client_from_state(self, path: str, base_model: str | None = None,
+                                          user_metadata: dict[str, str] | None = None,
+                                          weights_access_token: str | None = None, optimizer: Any = None
+                                          ) -> TrainingClient:  # a BackcompatTrainingClientFuture
         """A new training client with the weights of a checkpoint (save_state, save_weights_for_sampler,
         or any PEFT LoRA adapter directory): same base model, rank, alpha and LoRA targets; the
         AdamW state starts afresh, as on the hosted services. To continue a run exactly, use
-        `create_training_client_from_state_with_optimizer`."""
-        handle = self.backend.create_model_from_state(FromStateRequest(path, False, _label(user_metadata)))
-        return TrainingClient(self.backend, handle, self)
+        `create_training_client_from_state_with_optimizer`. `base_model`, if given, must be the
+        checkpoint's."""
+        self._check_open()
+        _check_optimizer(optimizer)
+        handle = self.backend.create_model_from_state(FromStateRequest(
+            path, False, _label(user_metadata), base_model=base_model,
+            user_metadata=check_user_metadata(user_metadata)))
+        return self._training_client(handle)
 
-    def create_training_client_from_state_with_optimizer(self, path: str,
-                                                         user_metadata: dict[str, str] | None = None
-                                                         ) -> TrainingClient:
+    def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
+                                                         user_metadata: dict[str, str] | None = None,
+                                                         weights_access_token: str | None = None
+                                                         ) -> TrainingClient:  # a BackcompatTrainingClientFuture
         """A new training client that resumes a save_state checkpoint exactly: its weights and its
         AdamW state (moments and step count)."""
-        handle = self.backend.create_model_from_state(FromStateRequest(path, True, _label(user_metadata)))
-        return TrainingClient(self.backend, handle, self)
+        self._check_open()
+        handle = self.backend.create_model_from_state(FromStateRequest(
+            path, True, _label(user_metadata), base_model=base_model,
+            user_metadata=check_user_metadata(user_metadata)))
+        return self._training_client(handle)
 
     async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
+                                           retry_config: Any = None, record_stability_info: bool = False, *,
                                            user_metadata: dict[str, str] | None = None) -> SamplingClient:
-        return self.create_sampling_client(model_path, base_model, user_metadata)
+        return self.create_sampling_client(model_path, base_model, retry_config, record_stability_info,
+                                           user_metadata=user_metadata)
 
-    async def create_training_client_from_state_async(self, path: str, user_metadata: dict[str, str] | None = None
-                                                      ) -> TrainingClient:
-        return self.create_training_client_from_state(path, user_metadata)
+    async def create_training_client_from_state_async(self, path: str, base_model: str | None = None,
+                                                      user_metadata: dict[str, str] | None = None,
+                                                      weights_access_token: str | None = None,
+                                                      optimizer: Any = None) -> TrainingClient:
+        return self.create_training_client_from_state(path, base_model, user_metadata, weights_access_token,
+                                                      optimizer)
 
     async def create_training_client_from_state_with_optimizer_async(
-            self, path: str, user_metadata: dict[str, str] | None = None) -> TrainingClient:
-        return self.create_training_client_from_state_with_optimizer(path, user_metadata)
+            self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
+            weights_access_token: str | None = None) -> TrainingClient:
+        return self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata,
+                                                                     weights_access_token)
+
+
+def _local_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in this environment (e.g. a container without one)
+        return "local"
 
 
 def _label(user_metadata: dict[str, str] | None) -> str | None:
@@ -471,3 +1080,67 @@ def _label(user_metadata: dict[str, str] | None) -> str | None:
     if name is not None and not isinstance(name, str):
         raise InvalidInputError(f"'name' must be a string, got {type(name).__name__}", field="user_metadata")
     return name
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _custom_loss_inputs(fn: Any, input_ranks: Any) -> tuple[CustomLossInput, ...]:
+    """tinker's rules for a custom loss's parameters: `logprobs` first, then one plain
+    positional parameter per loss_fn_inputs key it reads, each with a rank in `input_ranks`."""
+    if not callable(fn):
+        raise InvalidInputError(f"must be a function, got {type(fn).__name__}", field="fn")
+    name = _fn_name(fn)
+    params = list(inspect.signature(fn).parameters.values())
+    if not params or params[0].name != "logprobs":
+        raise InvalidInputError(f"{name} must take logprobs as its first parameter, followed by the loss_fn_inputs "
+                                f"it reads, e.g. def loss(logprobs, advantages)", field="fn")
+    for param in params:
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) or param.default is not param.empty:
+            raise InvalidInputError(f"{name} parameter {param.name!r} must be a plain positional parameter without a "
+                                    f"default (each names a required loss_fn_inputs key)", field="fn")
+    names = [p.name for p in params]
+    if not isinstance(input_ranks, Mapping) or set(input_ranks) != set(names):
+        got = sorted(input_ranks) if isinstance(input_ranks, Mapping) else type(input_ranks).__name__
+        raise InvalidInputError(f"must give a rank for each parameter of {name} ({', '.join(names)}), got {got}",
+                                field="input_ranks")
+    for key in names:
+        if input_ranks[key] not in (0, 1, 2) or isinstance(input_ranks[key], bool):
+            raise InvalidInputError(f"{key}: a rank is 0 (scalar), 1 ([T]) or 2 ([T, K]), got {input_ranks[key]!r}",
+                                    field="input_ranks")
+    if input_ranks["logprobs"] == 0:
+        raise InvalidInputError("logprobs has rank 1 ([T]) or 2 ([T, K])", field="input_ranks")
+    return tuple(CustomLossInput(name=key, rank=int(input_ranks[key])) for key in names)
+
+
+# -- pytrio's module-level configuration -------------------------------------------------------
+
+_PYTRIO_OPTIONS = frozenset({
+    "api_key", "base_url", "request_timeout_seconds", "retry_max_attempts", "retry_initial_delay_seconds",
+    "retry_multiplier", "retry_max_delay_seconds", "retry_jitter_ratio", "training_retry_timeout_seconds",
+    "control_retry_timeout_seconds", "sampling_retry_timeout_seconds", "actor_capacity_poll_interval_seconds",
+    "actor_capacity_poll_jitter_ratio", "actor_capacity_wait_timeout_seconds", "sampling_timeout_seconds",
+    "sampling_first_chunk_timeout_seconds", "sampling_chunk_idle_timeout_seconds",
+    "actor_event_submit_timeout_seconds", "actor_event_polling_timeout_seconds", "training_event_max_in_flight",
+    "training_event_queue_capacity", "sampling_request_max_in_flight", "sampling_request_queue_capacity",
+    "actor_heartbeat_enabled", "actor_heartbeat_interval_seconds", "actor_heartbeat_max_in_flight", "log_level",
+    "home", "env"})
+
+
+def configure(**options: Any) -> None:
+    """pytrio: connection, retry and logging options of the hosted SDK. A local pool has no
+    connection to configure, so every known option is accepted and ignored; an unknown one
+    warns, as pytrio does."""
+    for name in sorted(set(options) - _PYTRIO_OPTIONS):
+        warnings.warn(f"Unknown configuration option {name!r} was ignored.", UserWarning, stacklevel=2)
+
+
+def configure_observability(*, enabled: bool = True) -> None:
+    """pytrio: OpenTelemetry export of the hosted SDK's spans. Nothing to export here (the
+    pool's own telemetry is `pool.telemetry`): a no-op."""
+
+
+def shutdown_observability() -> None:
+    """pytrio: flush the OpenTelemetry exporter; a no-op here."""
+

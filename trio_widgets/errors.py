@@ -8,6 +8,7 @@ also an instance of the SDK class that means the same thing, and nothing else:
 | every error below | `TinkerError` | `PyTrioError` |
 | `InvalidInputError` (rejected at submit, nothing changed) | `BadRequestError` (HTTP 400; tinker raises it e.g. for a prompt longer than the context) | `ValidationError` (SDK-side input check) |
 | `CheckpointNotFoundError` | `NotFoundError` (HTTP 404) | — |
+| `CheckpointExistsError` (`save_state` of a saved name without `overwrite=True`) | `ConflictError` (HTTP 409) | — |
 | `RequestFailedError` (failed inside a cycle) | `RequestFailedError` (same name, same meaning) | `EventFailedError` (a submitted event ended failed) |
 | `PoolClosedError`, `ClientClosedError` | — (tinker's poisoned client raises a bare `RuntimeError`; ours are RuntimeErrors too) | — |
 
@@ -28,9 +29,13 @@ from typing import Any
 __all__ = [
     # ours
     "CheckpointError",
+    "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ClientClosedError",
+    "DownloadFailedError",
+    "DownloadNotAllowedError",
     "InvalidInputError",
+    "ModelDownloadError",
     "PoolClosedError",
     "RequestFailedError",
     "UnknownModelError",
@@ -257,6 +262,21 @@ class UnknownModelError(InvalidInputError):
     """The base model is neither built in nor a local Hugging Face model."""
 
 
+class ModelDownloadError(UnknownModelError):
+    """A Hugging Face Hub model is not on this machine and was not downloaded (the message says
+    why: not allowed, unreachable, no such model, gated)."""
+
+
+class DownloadNotAllowedError(ModelDownloadError):
+    """The model would have to be downloaded, and the user has not allowed downloads:
+    `LocalPool(allow_download=True)` or `TRIO_ALLOW_DOWNLOAD=1`."""
+
+
+class DownloadFailedError(ModelDownloadError):
+    """Downloads are allowed, but the Hub could not be reached (offline, HF_HUB_OFFLINE, a
+    wrong HF_ENDPOINT, a refused connection)."""
+
+
 class CheckpointError(InvalidInputError):
     """A checkpoint path cannot be used: corrupted, incomplete, or made for another model.
 
@@ -281,6 +301,16 @@ class CheckpointNotFoundError(CheckpointError, NotFoundError, FileNotFoundError)
 
     def __str__(self) -> str:  # not OSError's "[Errno None] ..." form
         return self._text
+
+
+class CheckpointExistsError(CheckpointError, ConflictError):
+    """`save_state(name)` where a checkpoint of that name exists and `overwrite` is False.
+    Also tinker's ConflictError (409)."""
+
+    status_code = 409
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = "name"):
+        super().__init__(message, path=path, field=field)
 
 
 class RequestFailedError(RuntimeError, TinkerError, EventFailedError):

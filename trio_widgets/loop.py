@@ -12,19 +12,30 @@ Modes (docs/architecture.md, "Clock cycles"; cycles per update = the period):
 
 Per step the run records cookbook-style metrics (``step``, ``loss`` per weighted token,
 ``tokens``, ``cycle``, ``cycles`` since the previous update, ``time/get_batch``,
-``time/submit``, ``time/wait``, ``time/total``, ``learning_rate``, ``mode``) in
+``time/submit``, ``time/wait``, ``time/total``, ``time/gil_wait``: how long the pool's clock
+waited for the interpreter in the cycles that ran the update, ``learning_rate``, ``mode``) in
 ``run.metrics`` (bounded) and, with ``metrics_path``, as lines of ``metrics.jsonl``.
+
+Interrupting never leaves updates unaccounted for: cancelling ``await run`` (Kernel →
+Interrupt does) or Ctrl+C in ``run_sync(...)`` stops the run, lets what it already
+submitted complete and records it, then raises :class:`RunInterrupted` (one line in a
+notebook). A run whose task is cancelled outright withdraws the updates still queued and
+completes and records those already taken into a cycle. So ``run.metrics`` and
+``metrics.jsonl`` always list exactly the updates the weights received.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import json
 import logging
 import math
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -32,11 +43,12 @@ from typing import IO, Any, Literal, TypeVar
 
 from .errors import PoolClosedError
 from .futures import APIFuture
-from .metrics import batch_weight, json_safe, loss_per_token
+from .metrics import batch_weight, gil_wait, json_safe, loss_per_token
 from .types import AdamParams, Datum
 from .validation import is_int
 
-__all__ = ["MODES", "TrainingRun", "run_sync", "train"]
+__all__ = ["MODES", "RunEnding", "RunInterrupted", "TrainingRun", "live_runs", "run_endings", "run_sync",
+           "train"]
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +70,105 @@ def _check_lookahead(lookahead: int) -> int:
     return lookahead
 
 
+_RUNS: weakref.WeakSet[TrainingRun] = weakref.WeakSet()
+#: how runs ended, newest last (bounded): a run nobody keeps is gone as soon as its task ends,
+#: so whoever reports endings (the dashboard) reads them here
+_ENDINGS: deque[RunEnding] = deque(maxlen=256)
+_ENDING_IDS = itertools.count(1)
+_HOOKED_POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class RunEnding:
+    seq: int
+    name: str
+    client_id: str | None
+    state: str
+    reason: str
+    step: int
+    steps: int | None
+
+
+def live_runs() -> list[TrainingRun]:
+    """Every TrainingRun still referenced somewhere."""
+    return list(_RUNS)
+
+
+def run_endings(after: int = 0) -> list[RunEnding]:
+    """How runs ended (stopped, interrupted, finished, failed, pool closed), `seq` > `after`."""
+    return [e for e in list(_ENDINGS) if e.seq > after]
+
+
+def _pool_of(client: Any) -> Any:
+    return getattr(getattr(client, "_backend", None), "pool", None)
+
+
+def _say_pool_closed(pool_ref: weakref.ref) -> None:
+    """A pool closes (its cell ran again, or close()): say, on the closing thread, i.e. in the
+    output of the cell that closed it, which runs it stops."""
+    pool = pool_ref()
+    for run in list(_RUNS):
+        if pool is not None and _pool_of(run.client) is pool and not run.done() and run.state != "created":
+            run._pool_closed_said = True
+            log.warning("training run %r stops at step %d: its pool %r was closed", run.name, run.step,
+                        getattr(pool, "name", "?"))
+
+
+class RunInterrupted(Exception):
+    """Waiting for a run was interrupted (Kernel → Interrupt, Ctrl+C in run_sync): the run was
+    stopped after what it had submitted completed, and all of it is in `run.metrics`."""
+
+    def __init__(self, run: TrainingRun):
+        self.run = run
+        total = f" of {run.steps}" if run.steps is not None else ""
+        super().__init__(f"interrupted: run {run.name!r} stopped at step {run.step}{total}; every update it "
+                         f"applied is in its metrics")
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback: one line where the cell's output goes
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
+def _client_label(client: Any) -> str | None:
+    """The label the pool shows for this client (`user_metadata={"name": ...}`), if it has one."""
+    pool = getattr(getattr(client, "_backend", None), "pool", None)
+    telemetry = getattr(pool, "telemetry", None)
+    client_id = getattr(client, "client_id", None)
+    if telemetry is None or client_id is None:
+        return None
+    info = telemetry.client_info(client_id)
+    return info.label if info is not None else None
+
+
+async def _result(future: APIFuture) -> Any:
+    """A future's result, without cancelling the request if the awaiting task is cancelled
+    (the cancellation clean-up decides what to withdraw, in an order that keeps updates whole).
+    One hop from the delivering thread, like ``asyncio.wrap_future``, which would cancel it."""
+    done = future.future()
+    if not done.done():
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def settle() -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        def wake(_f: concurrent.futures.Future) -> None:
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+
+        done.add_done_callback(wake)
+        await waiter
+    return done.result()
+
+
 @dataclass
 class _Update:
     step: int
     fb: APIFuture
-    opt: APIFuture
+    opt: APIFuture | None
     weight: float
     tokens: int
     learning_rate: float
@@ -87,7 +193,7 @@ class TrainingRun:
                  metrics_path: str | os.PathLike | None = None, name: str | None = None,
                  history: int = 10_000, on_step: Callable[[dict], None] | None = None):
         self.client = client
-        self.name = name or getattr(client, "client_id", "run")
+        self.name = name or _client_label(client) or getattr(client, "client_id", "run")
         self._batches = batches
         self._mode = _check_mode(mode)
         self._lookahead = _check_lookahead(lookahead)
@@ -106,18 +212,28 @@ class TrainingRun:
         self.step = 0
         self.state: State = "created"
         self.error: BaseException | None = None
+        #: why the run stopped ("stopped", "interrupted", "the pool was closed", ...), None while it runs
+        self.stop_reason: str | None = None
         self.task: asyncio.Task | None = None
         self._lock = threading.Lock()
         self._pause_requested = False
         self._stop_requested = False
+        self._stop_reason = "stopped"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._last_fb_cycle: int | None = None
         self._last_done: float | None = None
         self._file: IO[str] | None = None
+        self._pool_closed_said = False
+        _RUNS.add(self)
+
+    @property
+    def client_id(self) -> str | None:
+        return getattr(self.client, "client_id", None)
 
     def __repr__(self) -> str:
-        return f"<TrainingRun {self.name} {self.state} step={self.step} mode={self._mode}>"
+        why = f" ({self.stop_reason})" if self.stop_reason and self.stop_reason != self.state else ""
+        return f"<TrainingRun {self.name!r} {self.state}{why} step={self.step} mode={self._mode}>"
 
     # -- settings (any thread; read at each update) ----------------------------------
     @property
@@ -168,9 +284,11 @@ class TrainingRun:
             self._pause_requested = False
         self._poke()
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "stopped") -> None:
         with self._lock:
-            self._stop_requested = True
+            if not self._stop_requested:
+                self._stop_requested = True
+                self._stop_reason = reason
         self._poke()
 
     @property
@@ -199,14 +317,33 @@ class TrainingRun:
         """Schedule the loop as a task on the running event loop (call it on that loop)."""
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self._main(), name=f"trio-train-{self.name}")
+            pool = _pool_of(self.client)
+            if pool is not None and hasattr(pool, "on_close") and pool not in _HOOKED_POOLS:
+                _HOOKED_POOLS.add(pool)  # one hook per pool, holding the pool weakly
+                pool.on_close(lambda ref=weakref.ref(pool): _say_pool_closed(ref))
         return self
 
+    def _ended(self) -> None:
+        _ENDINGS.append(RunEnding(next(_ENDING_IDS), str(self.name), self.client_id, self.state,
+                                  self.stop_reason or self.state, self.step, self.steps))
+
     async def wait(self) -> TrainingRun:
-        """Wait until the run ends; re-raises the error that ended it, if any."""
+        """Wait until the run ends; re-raises the error that ended it, if any.
+
+        If this wait is cancelled (Kernel → Interrupt on ``await run``), the run is stopped:
+        what it already submitted completes and is recorded, then :class:`RunInterrupted`
+        says where it stopped. A second interrupt leaves it stopping in the background."""
         task = self.task if self.task is not None else self.start().task
         assert task is not None
         if not task.done():
-            await asyncio.shield(task)
+            try:
+                await _task_done(task)
+            except asyncio.CancelledError:
+                if task.done():
+                    raise
+                self.stop("interrupted")
+                await _task_done(task)
+                raise RunInterrupted(self) from None
         if self.error is not None:
             raise self.error
         return self
@@ -228,6 +365,7 @@ class TrainingRun:
         iterator = batches.__aiter__() if is_async else iter(batches)
         if self.metrics_path is not None:
             self._file = open(self.metrics_path, "w", encoding="utf-8")
+        # every update submitted and not yet recorded, oldest first (the clean-ups read it)
         inflight: deque[_Update] = deque()
         self.state = "running"
         self._last_done = time.perf_counter()
@@ -255,46 +393,95 @@ class TrainingRun:
                 if mode == "naive":
                     fb = await self.client.forward_backward_async(batch, self.loss_fn, self.loss_fn_config)
                     t2 = time.perf_counter()
-                    result = await fb
+                    update = _Update(step, fb, None, weight, tokens, adam.learning_rate, mode, t1 - t0, t2 - t1)
+                    inflight.append(update)
+                    result = await _result(fb)
                     t3 = time.perf_counter()
-                    opt = await self.client.optim_step_async(adam)
+                    update.opt = await self.client.optim_step_async(adam)
                     t4 = time.perf_counter()
-                    await opt
-                    self._record(_Update(step, fb, opt, weight, tokens, adam.learning_rate, mode, t1 - t0,
-                                         (t2 - t1) + (t4 - t3)), result, wait=(t3 - t2) + (time.perf_counter() - t4))
+                    update.t_submit += t4 - t3
+                    await _result(update.opt)
+                    inflight.popleft()
+                    self._record(update, result, wait=(t3 - t2) + (time.perf_counter() - t4))
                     continue
                 fb = await self.client.forward_backward_async(batch, self.loss_fn, self.loss_fn_config)
-                opt = await self.client.optim_step_async(adam)
-                update = _Update(step, fb, opt, weight, tokens, adam.learning_rate, mode, t1 - t0,
-                                 time.perf_counter() - t1)
+                update = _Update(step, fb, None, weight, tokens, adam.learning_rate, mode, t1 - t0, 0.0)
                 inflight.append(update)
+                update.opt = await self.client.optim_step_async(adam)
+                update.t_submit = time.perf_counter() - t1
                 if mode == "together":
                     await self._drain(inflight)
                 else:
                     while len(inflight) > lookahead:
-                        await self._complete(inflight.popleft())
+                        await self._complete(inflight)
             await self._drain(inflight)
             self.state = "stopped" if self._stop_requested else "finished"
+            self.stop_reason = self._stop_reason if self._stop_requested else "finished"
         except asyncio.CancelledError:
+            await self._settle_cancelled(inflight)
             self.state = "stopped"
+            self.stop_reason = self._stop_reason if self._stop_requested else "cancelled"
             raise
         except PoolClosedError as exc:
             self.state = "stopped"
-            log.info("training run %s ended: %s", self.name, exc)
+            self.stop_reason = "the pool was closed"
+            if not self._pool_closed_said:  # else the closing cell has said it already
+                log.warning("training run %r stopped at step %d: %s", self.name, self.step, exc)
         except Exception as exc:
             self.error = exc
             # what was already submitted still completes: record it, so metrics match the weights
             while inflight:
                 try:
-                    await self._complete(inflight.popleft())
+                    await self._complete(inflight)
                 except Exception:
                     break
             self.state = "error"
+            self.stop_reason = f"{type(exc).__name__}: {exc}"
             log.warning("training run %s failed: %s", self.name, exc)
         finally:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+            self._ended()
+
+    async def _settle_cancelled(self, inflight: deque[_Update]) -> None:
+        """The run's task was cancelled: withdraw the updates still queued and complete (and
+        record) those the pool already took, so that the metrics list exactly what the
+        weights received."""
+        await self._finish_withdrawn(inflight, self._withdraw(inflight))
+
+    @staticmethod
+    def _withdraw(inflight: deque[_Update]) -> dict[int, tuple[bool, bool]]:
+        """Withdraw what is still queued, newest first and optim_step before its
+        forward_backward: a queue is FIFO, so nothing withdrawn lets a later request run
+        early. Per update: (forward_backward withdrawn, optim_step withdrawn or never sent)."""
+        withdrawn: dict[int, tuple[bool, bool]] = {}
+        for update in reversed(inflight):
+            opt_gone = update.opt is None or update.opt.cancelled() or update.opt.cancel()
+            fb_gone = opt_gone and (update.fb.cancelled() or update.fb.cancel())
+            withdrawn[id(update)] = (fb_gone, opt_gone)
+        return withdrawn
+
+    async def _finish_withdrawn(self, inflight: deque[_Update], withdrawn: dict[int, tuple[bool, bool]]) -> None:
+        """Record the updates that ran. One whose forward_backward ran but whose optim_step was
+        withdrawn (or never sent) gets a new optim_step: its gradient must not linger in the
+        adapter, to be applied by some later step; it then counts as applied."""
+        while inflight:
+            update = inflight[0]
+            fb_gone, opt_gone = withdrawn[id(update)]
+            if fb_gone:
+                inflight.popleft()  # never ran: nothing to record
+                continue
+            try:
+                if opt_gone:
+                    update.opt = await self.client.optim_step_async(self._adam_for(update))
+                await self._complete(inflight)
+            except Exception as exc:  # the pool closed meanwhile: nothing more will run
+                log.warning("training run %s: an interrupted update did not complete: %s", self.name, exc)
+                return
+
+    def _adam_for(self, update: _Update) -> AdamParams:
+        return replace(self._adam, learning_rate=update.learning_rate)
 
     async def _paused(self) -> bool:
         """Wait while paused; False if stopped meanwhile."""
@@ -315,12 +502,16 @@ class TrainingRun:
 
     async def _drain(self, inflight: deque[_Update]) -> None:
         while inflight:
-            await self._complete(inflight.popleft())
+            await self._complete(inflight)
 
-    async def _complete(self, update: _Update) -> None:
+    async def _complete(self, inflight: deque[_Update]) -> None:
+        """Wait for the oldest update in flight and record it (it leaves `inflight` only then)."""
+        update = inflight[0]
         t0 = time.perf_counter()
-        result = await update.fb
-        await update.opt
+        result = await _result(update.fb)
+        assert update.opt is not None
+        await _result(update.opt)
+        inflight.popleft()
         self._record(update, result, wait=time.perf_counter() - t0)
 
     def _record(self, update: _Update, result: Any, wait: float) -> None:
@@ -328,7 +519,9 @@ class TrainingRun:
         loss_sum = float(result.metrics.get("loss:sum", math.nan))
         cycle = update.fb.cycle
         cycles = None if self._last_fb_cycle is None or cycle is None else cycle - self._last_fb_cycle
+        pool = getattr(self.client, "pool", None)  # a LocalPool: its telemetry has the cycles' GIL waits
         self._last_fb_cycle = cycle
+        optim_cycle = update.opt.cycle if update.opt is not None else None
         row = {
             "step": update.step,
             "loss": loss_per_token(loss_sum, update.weight),
@@ -337,13 +530,14 @@ class TrainingRun:
             "weight": update.weight,
             "cycle": cycle,
             "cycles": cycles,
-            "optim_cycle": update.opt.cycle,
+            "optim_cycle": optim_cycle,
             "learning_rate": update.learning_rate,
             "mode": update.mode,
             "time/get_batch": update.t_get_batch,
             "time/submit": update.t_submit,
             "time/wait": wait,
             "time/total": now - (self._last_done if self._last_done is not None else now),
+            "time/gil_wait": gil_wait(pool.telemetry, (cycle, optim_cycle)) if pool is not None else None,
         }
         self._last_done = now
         self.step = update.step
@@ -356,6 +550,29 @@ class TrainingRun:
                 self.on_step(row)
             except Exception:
                 log.exception("on_step callback failed")
+
+
+async def _task_done(task: asyncio.Task) -> None:
+    """Wait until `task` is done, from this loop or another one (the dashboard's runs live on
+    the dashboard's own loop); cancelling the wait leaves the task alone."""
+    loop = task.get_loop()
+    if loop is asyncio.get_running_loop():
+        await asyncio.shield(task)
+        return
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def settle(_task: asyncio.Task) -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def watch() -> None:
+        task.add_done_callback(settle)
+
+    try:
+        loop.call_soon_threadsafe(watch)
+    except RuntimeError:  # that loop is closed: the task can no longer run
+        return
+    await asyncio.wrap_future(done)
 
 
 def train(client: Any, batches: Iterable[list[Datum]] | AsyncIterable[list[Datum]], *,
@@ -386,6 +603,9 @@ def run_sync(awaitable: Awaitable[T]) -> T:
     loop (a notebook cell that must block) it applies ``nest_asyncio`` to that loop, here
     and only here, and runs the loop re-entrantly until done: other tasks on the loop
     (dashboards, other runs) keep going meanwhile.
+
+    Ctrl+C (Kernel → Interrupt) cancels the awaitable; a TrainingRun then stops, records
+    what it applied and raises :class:`RunInterrupted`.
     """
     async def _wrap() -> T:
         return await awaitable
@@ -393,8 +613,18 @@ def run_sync(awaitable: Awaitable[T]) -> T:
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_wrap())
+        return asyncio.run(_wrap())  # its SIGINT handler cancels _wrap: the same clean-up
     import nest_asyncio
 
     nest_asyncio.apply(loop)
-    return loop.run_until_complete(_wrap())
+    task = loop.create_task(_wrap())
+    try:
+        return loop.run_until_complete(task)
+    except KeyboardInterrupt:
+        # SIGINT in a blocking cell lands here, not in the task: cancel it and let it clean up
+        task.cancel()
+        try:
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            pass
+        raise

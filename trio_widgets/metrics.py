@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["PERIOD_WINDOW", "batch_weight", "cycle_duration", "cycles_per_update", "format_cycles",
+__all__ = ["PERIOD_WINDOW", "batch_weight", "cycle_duration", "cycles_per_update", "format_cycles", "gil_wait",
            "json_safe", "loss_per_token", "period_history", "record_loss"]
 
 #: Updates the cycles-per-update median looks back over.
@@ -60,6 +60,14 @@ def cycle_duration(durations: Iterable[float], default: float | None = None, win
     """Median of the most recent positive cycle durations (seconds), else `default`."""
     recent = [d for d in list(durations)[-window:] if d > 0]
     return float(statistics.median(recent)) if recent else default
+
+
+def gil_wait(telemetry: Any, cycles: Iterable[int | None]) -> float | None:
+    """Seconds the pool's clock waited for the interpreter (GIL) in these cycles (each counted
+    once), from its telemetry; None when none of them is still in its buffer."""
+    records = [telemetry.cycle(i) for i in set(cycles) if i is not None]
+    known = [r.gil_wait_s for r in records if r is not None]
+    return round(sum(known), 6) if known else None
 
 
 def format_cycles(value: float) -> str:

@@ -8,6 +8,7 @@ Times are `time.perf_counter()` seconds.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -16,11 +17,12 @@ from typing import Literal
 
 from .ops import OPS
 
-__all__ = ["ClientInfo", "CycleRecord", "QueueDepthRecord", "RequestRecord", "Telemetry", "TelemetryEvent"]
+__all__ = ["ClientInfo", "CycleRecord", "GilStall", "QueueDepthRecord", "RequestRecord", "Telemetry", "TelemetryEvent",
+           "UserFrame"]
 
 log = logging.getLogger(__name__)
 
-EventKind = Literal["client", "retired", "queued", "boundary", "cycle", "delivered"]
+EventKind = Literal["client", "retired", "queued", "boundary", "cycle", "delivered", "gil"]
 
 
 @dataclass(slots=True)
@@ -30,6 +32,7 @@ class ClientInfo:
     base_model: str
     label: str
     rank: int | None = None
+    parent: str | None = None  # a sampler made from a training client: that client's id
 
 
 @dataclass(slots=True)
@@ -41,6 +44,12 @@ class CycleRecord:
     n_requests: int
     tokens: int
     ops: dict[str, int] = field(default_factory=dict)
+    # CPU seconds of the clock thread while it worked: what the cycle asked for.
+    cpu_s: float = 0.0
+    # Seconds the clock thread waited to run beyond what it asked for: off a CPU and out of
+    # the OS run queue while it worked (for the GIL, or a disk write), plus how late its
+    # end-of-cycle sleep woke. See trio_widgets/engine/gil.py.
+    gil_wait_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -69,6 +78,46 @@ class RequestRecord:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class UserFrame:
+    """Where Python was executing: file, function and line; for a notebook cell's code, the
+    cell's execution count (the n of In[n]) as well."""
+
+    file: str
+    function: str
+    line: int
+    cell: int | None = None
+
+    @property
+    def where(self) -> str:
+        """'cell In[3] line 7' or 'loader.py line 12'."""
+        if self.cell is not None:
+            return f"cell In[{self.cell}] line {self.line}"
+        return f"{os.path.basename(self.file)} line {self.line}"
+
+    @property
+    def label(self) -> str:
+        """'heavy_batches (cell In[3] line 7)'; code at a cell's or module's top level: its place."""
+        return self.where if self.function == "<module>" else f"{self.function} ({self.where})"
+
+
+@dataclass(slots=True)
+class GilStall:
+    """A stretch in which another thread's Python held the interpreter (GIL) while the pool's
+    threads waited: the watchdog's heartbeats woke late throughout (trio_widgets/engine/gil.py)."""
+
+    started_at: float
+    ended_at: float
+    lag_s: float  # the watchdog's summed wake-up lag over the stretch
+    heartbeats: int  # late heartbeats in it
+    thread: str  # the thread that held the GIL (ran on a CPU meanwhile)
+    frames: tuple[UserFrame, ...] = ()  # its innermost user frames, innermost first
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.ended_at - self.started_at)
+
+
 @dataclass(slots=True)
 class TelemetryEvent:
     kind: EventKind
@@ -81,6 +130,7 @@ class Telemetry:
         self.cycles: deque[CycleRecord] = deque(maxlen=capacity)
         self.requests: deque[RequestRecord] = deque(maxlen=capacity * 4)
         self.queue_depths: deque[QueueDepthRecord] = deque(maxlen=capacity)
+        self.gil: deque[GilStall] = deque(maxlen=capacity)
         self.clients: dict[str, ClientInfo] = {}  # live clients
         # Retired clients, newest last, so records still in the buffers keep their labels;
         # bounded like everything here (clients may come and go all day).
@@ -96,7 +146,8 @@ class Telemetry:
         """Call `callback(event)` for every new record; returns a function that unsubscribes.
 
         Callbacks run on the pool's clock thread (or the submitting thread for
-        'queued'): keep them short and thread-safe, e.g. append to a deque.
+        'queued', the GIL watchdog's for 'gil'): keep them short and thread-safe, e.g.
+        append to a deque.
         """
         with self._lock:
             self._subscribers = [*self._subscribers, callback]
@@ -150,6 +201,10 @@ class Telemetry:
         self.total_tokens += record.tokens
         self.emit("cycle", record)
 
+    def add_gil_stall(self, record: GilStall) -> None:
+        self.gil.append(record)
+        self.emit("gil", record)
+
     def request_delivered(self, record: RequestRecord) -> None:
         spec = OPS.get(record.op)
         if spec is not None and spec.is_step and record.status == "ok":
@@ -171,6 +226,17 @@ class Telemetry:
         """Recently retired and live clients, by id (a copy)."""
         with self._clients_lock:
             return {**self.retired, **self.clients}
+
+    def cycle(self, index: int) -> CycleRecord | None:
+        """The record of cycle `index` while the buffer still holds it (cycles are kept in
+        order, one per index, so a recent one is found from the end at once)."""
+        cycles = self.cycles
+        try:
+            offset = cycles[-1].index - index
+            record = cycles[-1 - offset] if 0 <= offset < len(cycles) else None
+        except IndexError:  # empty, or trimmed meanwhile
+            return None
+        return record if record is not None and record.index == index else None
 
     def requests_of(self, client_id: str) -> list[RequestRecord]:
         return [r for r in list(self.requests) if r.client_id == client_id]

@@ -5,10 +5,13 @@ Engine side: reads `Telemetry` only, imports no widget code.
 * :func:`chrome_trace` — the Trace Event Format (``{"traceEvents": [...]}``) that
   ui.perfetto.dev and chrome://tracing open: one process per pool, one track per client
   with a span per request (name = op; args: request id, cycle, queue wait, loss), a
-  "clock" track with a span per cycle, and counter tracks "queue <client>" with the
-  requests queued at each boundary.
+  "clock" track with a span per cycle, counter tracks "queue <client>" with the
+  requests queued at each boundary, and the GIL: a counter "clock GIL wait (ms)" per cycle
+  (how long the clock waited for the interpreter) and a "GIL" track with a span per
+  stretch in which other Python held it (name: the function; args: thread, cell/line, frames).
 * :func:`metrics_rows` / :func:`write_metrics_jsonl` — one JSON object per update
-  (cookbook-style keys: ``step``, ``loss``, ``tokens``, ``cycle``, ``cycles``), for a
+  (cookbook-style keys: ``step``, ``loss``, ``tokens``, ``cycle``, ``cycles``, ``time/wait``,
+  ``time/gil_wait``), for a
   loop the user wrote; the loop API (`trio_widgets.loop`) writes richer rows itself.
 """
 
@@ -20,11 +23,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from .metrics import json_safe, record_loss
+from .metrics import gil_wait, json_safe, record_loss
 from .ops import UPDATE_OPS
 from .telemetry import Telemetry
 
 __all__ = ["chrome_trace", "metrics_rows", "write_chrome_trace", "write_metrics_jsonl"]
+
+GIL_TID = 1_000_000  # the GIL track's thread id: after the clock (0), apart from the clients (1, 2, ...)
 
 
 def _us(t: float, t0: float) -> float:
@@ -37,7 +42,9 @@ def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1)
     requests = [r for r in list(telemetry.requests) if r.started_at is not None and r.finished_at is not None]
     depths = list(telemetry.queue_depths)
     clients = telemetry.all_clients()
-    starts = [c.started_at for c in cycles] + [r.queued_at for r in requests] + [d.time for d in depths]
+    stalls = list(telemetry.gil)
+    starts = ([c.started_at for c in cycles] + [r.queued_at for r in requests] + [d.time for d in depths]
+              + [s.started_at for s in stalls])
     t0 = min(starts) if starts else 0.0
 
     tids: dict[str, int] = {}
@@ -45,6 +52,9 @@ def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1)
         {"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}},
         {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "clock"}},
         {"ph": "M", "pid": pid, "tid": 0, "name": "thread_sort_index", "args": {"sort_index": 0}},
+        {"ph": "M", "pid": pid, "tid": GIL_TID, "name": "thread_name",
+         "args": {"name": "GIL (other Python held the interpreter)"}},
+        {"ph": "M", "pid": pid, "tid": GIL_TID, "name": "thread_sort_index", "args": {"sort_index": 0}},
     ]
 
     def tid_of(client_id: str) -> int:
@@ -64,7 +74,18 @@ def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1)
         events.append({"ph": "X", "pid": pid, "tid": 0, "name": f"cycle {c.index}", "cat": "cycle",
                        "ts": _us(c.started_at, t0), "dur": _us(c.ended_at, c.started_at),
                        "args": {"cycle": c.index, "busy_ms": round(c.busy_s * 1e3, 3), "requests": c.n_requests,
-                                "tokens": c.tokens, "ops": dict(c.ops), "idle": c.n_requests == 0}})
+                                "tokens": c.tokens, "ops": dict(c.ops), "idle": c.n_requests == 0,
+                                "cpu_ms": round(c.cpu_s * 1e3, 3), "gil_wait_ms": round(c.gil_wait_s * 1e3, 3)}})
+        events.append({"ph": "C", "pid": pid, "tid": 0, "name": "clock GIL wait (ms)", "ts": _us(c.started_at, t0),
+                       "args": {"ms": round(c.gil_wait_s * 1e3, 3)}})
+    for s in stalls:
+        top = s.frames[0] if s.frames else None
+        events.append({"ph": "X", "pid": pid, "tid": GIL_TID, "cat": "gil",
+                       "name": f"GIL held: {top.label}" if top else f"GIL held by {s.thread}",
+                       "ts": _us(s.started_at, t0), "dur": max(_us(s.ended_at, s.started_at), 1.0),
+                       "args": {"thread": s.thread, "where": top.where if top else None,
+                                "frames": [f"{f.function} ({f.where}) {f.file}" for f in s.frames],
+                                "lag_ms": round(s.lag_s * 1e3, 3), "heartbeats": s.heartbeats}})
     for r in requests:
         started, finished = r.started_at, r.finished_at
         if started is None or finished is None:
@@ -116,7 +137,8 @@ def metrics_rows(telemetry: Telemetry) -> list[dict[str, Any]]:
         rows.append({"run": info.label if info else r.client_id, "client_id": r.client_id, "step": step,
                      "loss": record_loss(r.metrics), "loss:sum": loss_sum,
                      "tokens": r.tokens, "cycle": r.cycle, "cycles": None if prev is None else r.cycle - prev,
-                     "time/wait": (r.delivered_at - r.queued_at) if r.delivered_at is not None else None})
+                     "time/wait": (r.delivered_at - r.queued_at) if r.delivered_at is not None else None,
+                     "time/gil_wait": gil_wait(telemetry, (r.cycle,))})
     return rows
 
 

@@ -12,8 +12,10 @@ import base64
 import binascii
 import math
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import PurePath
 from typing import Any, Literal, Union
 
 import numpy as np
@@ -28,17 +30,27 @@ __all__ = [
     "AdamOptimizerConfig",
     "AdamParams",
     "AdapterSnapshot",
+    "Checkpoint",
+    "CheckpointType",
+    "CheckpointsListResponse",
+    "Cursor",
+    "CustomLossInput",
     "Datum",
     "DmelChunk",
     "EncodedTextChunk",
     "ForwardBackwardOutput",
     "GetInfoResponse",
+    "GetSamplerResponse",
     "GetServerCapabilitiesResponse",
+    "GetSessionResponse",
     "ImageAssetPointerChunk",
     "ImageChunk",
+    "ListSessionsResponse",
     "LoadWeightsResponse",
+    "LoraRunSpec",
     "LossFnOutput",
     "LossFnType",
+    "LossHandle",
     "ModelData",
     "ModelID",
     "ModelInput",
@@ -46,6 +58,9 @@ __all__ = [
     "ModelOperationCapabilities",
     "OptimParams",
     "OptimStepResponse",
+    "ParsedCheckpointTinkerPath",
+    "PerDatumLossFn",
+    "PromptAltTokens",
     "RequestErrorCategory",
     "SampledSequence",
     "SampleResponse",
@@ -58,6 +73,9 @@ __all__ = [
     "TensorData",
     "TensorDtype",
     "TopkLogprobs",
+    "TrainingRun",
+    "TrainingRunsResponse",
+    "WeightsInfoResponse",
     "check_text_only",
     "finish_sample_response",
     "first_non_text_chunk",
@@ -527,18 +545,34 @@ class SampledSequence:
 SampleSequence = SampledSequence
 
 
+@dataclass(frozen=True)
+class PromptAltTokens:
+    """tinker: `k` independent draws (with replacement, at the request's temperature) from the
+    model's distribution at every prompt position after the first: `tokens` (int64) and
+    their model logprobs (float32, temperature 1), both `[len(prompt) - 1, k]`; row `i`
+    holds alternatives to `prompt[i + 1]`."""
+
+    tokens: TensorData
+    logprobs: TensorData
+
+
 @dataclass
 class SampleResponse:
     """`prompt_logprobs` (and `topk_prompt_logprobs`) are None unless asked for; entry 0 is
-    None (the first token has no context). `input_tokens` (pytrio) is the prompt's length,
-    filled by the sampler through `finish_sample_response`; `output_tokens` counts the
-    generated tokens. There is no prefix cache to bill, so `prompt_cache_hit_tokens` is 0."""
+    None (the first token has no context), and so is every entry before the last
+    `prompt_logprobs_last_n`. `input_tokens` (pytrio) is the prompt's length, filled by the
+    sampler through `finish_sample_response`; `output_tokens` counts the generated tokens.
+    There is no prefix cache to bill, so `prompt_cache_hit_tokens` is 0.
+    `target_prompt_logprobs` / `prompt_alt_tokens` answer tinker's request options of the
+    same names (None unless asked for)."""
 
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     input_tokens: int = 0
     prompt_cache_hit_tokens: int = 0
+    target_prompt_logprobs: TensorData | None = None
+    prompt_alt_tokens: PromptAltTokens | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -572,21 +606,30 @@ def finish_sample_response(response: SampleResponse, prompt_tokens: int,
 
 @dataclass
 class SaveWeightsResponse:
-    """`save_state`: `path` is the checkpoint directory (adapter weights + optimizer state)."""
+    """`save_state`: `path` is the checkpoint directory (adapter weights + optimizer state);
+    pytrio's `model` (the base model) and `size` (bytes written)."""
 
     path: str
+    model: str = ""
+    size: int = 0
 
 
 @dataclass
 class SaveWeightsForSamplerResponse:
-    """`save_weights_for_sampler`: `path` is a PEFT adapter directory (None if not written)."""
+    """`save_weights_for_sampler`: `path` is a PEFT adapter directory (None if not written);
+    pytrio's `model` (the base model) and `size` (bytes written, 0 if nothing was)."""
 
     path: str | None
+    model: str = ""
+    size: int = 0
 
 
 @dataclass
 class LoadWeightsResponse:
+    """`path`: the checkpoint directory read; `model_id`: the training run it was loaded into."""
+
     path: str
+    model_id: str | None = None
 
 
 @dataclass
@@ -642,6 +685,190 @@ class GetInfoResponse:
     is_lora: bool | None = None
     lora_rank: int | None = None
     model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class LoraRunSpec:
+    """pytrio's `TrainingClient.lora`: how the run's adapter was made."""
+
+    model_id: str
+    rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+
+
+# -- checkpoints, runs and sessions (RestClient) ------------------------------------------
+
+CheckpointType = Literal["training", "sampler"]  # tinker also has "external" (hosted exports)
+_PATH_SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+TINKER_SCHEME = "tinker://"
+
+
+@dataclass
+class Checkpoint:
+    """A saved checkpoint. `checkpoint_id` is tinker's `"weights/<name>"` or
+    `"sampler_weights/<name>"`; `path` (pytrio) is its directory, which every loader takes,
+    and `tinker_path` the same checkpoint as `tinker://<run>/<weights|sampler_weights>/<name>`,
+    which every loader takes too. Nothing is public: `public` is always False."""
+
+    checkpoint_id: str
+    checkpoint_type: CheckpointType
+    time: datetime
+    tinker_path: str
+    path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime | None = None
+
+
+@dataclass
+class Cursor:
+    offset: int
+    limit: int
+    total_count: int
+
+
+@dataclass
+class CheckpointsListResponse:
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+@dataclass
+class TrainingRun:
+    """A training run the pool knows: live in this process, or found on disk by its
+    checkpoints. `last_request_time` is the last submit seen in this process, else the
+    newest checkpoint's time. `model_owner` is the local user."""
+
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    last_request_time: datetime
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+@dataclass
+class TrainingRunsResponse:
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+@dataclass
+class WeightsInfoResponse:
+    """tinker: what a checkpoint holds (`RestClient.get_weights_info_by_tinker_path`)."""
+
+    base_model: str
+    is_lora: bool
+    optimizer_config: AdamOptimizerConfig = field(default_factory=AdamOptimizerConfig)
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
+@dataclass
+class GetSamplerResponse:
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+@dataclass
+class GetSessionResponse:
+    """A session is one ServiceClient: the runs and samplers it created in this process."""
+
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+
+
+@dataclass
+class ListSessionsResponse:
+    sessions: list[str]
+
+
+@dataclass
+class ParsedCheckpointTinkerPath:
+    """tinker: the parts of a checkpoint path. `from_tinker_path` reads tinker's
+    `tinker://<run>/<weights|sampler_weights>/<name>` and, since local checkpoint paths are
+    directories laid out the same way, `<checkpoint_dir>/<run>/<weights|sampler_weights>/<name>`."""
+
+    tinker_path: str
+    training_run_id: str
+    checkpoint_type: CheckpointType
+    checkpoint_id: str
+
+    @classmethod
+    def from_tinker_path(cls, tinker_path: Any) -> ParsedCheckpointTinkerPath:
+        text = tinker_path.path if isinstance(tinker_path, (SaveWeightsResponse, SaveWeightsForSamplerResponse)) \
+            else tinker_path
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"Invalid tinker path: {text!r}")
+        if text.startswith(TINKER_SCHEME):
+            parts = text[len(TINKER_SCHEME):].split("/")
+        elif "://" in text:
+            raise ValueError(f"Invalid tinker path: {text}")
+        else:
+            parts = [p for p in PurePath(text).parts if p not in ("/", "\\")][-3:]
+        if len(parts) != 3 or parts[1] not in _PATH_SEGMENTS or not parts[0] or not parts[2]:
+            raise ValueError(f"Invalid tinker path: {text} (expected tinker://<run>/<weights|sampler_weights>/<name>, "
+                             f"or a checkpoint directory <checkpoint_dir>/<run>/<weights|sampler_weights>/<name>)")
+        return cls(tinker_path=text, training_run_id=parts[0], checkpoint_type=_PATH_SEGMENTS[parts[1]],
+                   checkpoint_id=f"{parts[1]}/{parts[2]}")
+
+
+# -- custom losses (tinker's create_custom_loss) ------------------------------------------
+
+@dataclass(frozen=True)
+class CustomLossInput:
+    """One input of a custom loss: `logprobs` or a `loss_fn_inputs` key, with its rank
+    (0: a scalar, 1: `[T]`, 2: `[T, K]`)."""
+
+    name: str
+    rank: int
+
+
+def _loss_handle_key(fn: Callable, inputs: tuple[CustomLossInput, ...]) -> str:
+    import hashlib
+
+    code = getattr(fn, "__code__", None)
+    digest = hashlib.sha256(code.co_code if code is not None else repr(fn).encode())
+    digest.update(repr(inputs).encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class LossHandle:
+    """tinker: a per-datum loss made by `ServiceClient.create_custom_loss`, for
+    `forward_backward_custom`. Here `graph` is your function itself: the local pool runs it
+    on the client, untraced (tinker traces it with torch.fx and may run it on its server)."""
+
+    name: str
+    inputs: tuple[CustomLossInput, ...]
+    session_id: str
+    graph: Callable[..., Any] = field(repr=False, compare=False)
+    loss_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        return _loss_handle_key(self.graph, self.inputs)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs[1:])
+
+
+# tinker's type of the functions create_custom_loss takes: (logprobs, *inputs) -> (loss, metrics)
+PerDatumLossFn = Callable[..., tuple[torch.Tensor, Mapping[str, Any]]]
 
 
 LoRAPair = tuple[torch.Tensor, torch.Tensor]

@@ -21,7 +21,8 @@ from .errors import InvalidInputError
 from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = ["CheckedDatum", "ModelLimits", "RequestLimits", "SampleSpec", "check_adam_params", "check_batch",
-           "check_loss", "check_sample", "check_prompt", "is_int", "is_number"]
+           "check_logprob_options", "check_loss", "check_sample", "check_prompt", "check_save_extras", "check_ttl",
+           "check_user_metadata", "is_int", "is_number"]
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,15 @@ class CheckedDatum:
 
 
 def check_loss(loss_fn: Any, loss_fn_config: Any) -> tuple[str, dict[str, float]]:
-    """A known loss name and its config with defaults filled in, every value a finite number
-    in its range (a NaN clip bound would only fail later, inside the cycle)."""
-    from .engine.losses import LOSSES, resolved_config
+    """A known loss name (case and surrounding spaces ignored, as pytrio does) and its config with
+    defaults filled in, every value a finite number in its range (a NaN clip bound would only fail
+    later, inside the cycle)."""
+    from .engine.losses import normalise_loss_name, resolved_config
 
-    if not isinstance(loss_fn, str) or loss_fn not in LOSSES:
-        raise InvalidInputError(f"unknown loss_fn {loss_fn!r}; choose one of {', '.join(LOSSES)}", field="loss_fn")
+    try:
+        loss_fn = normalise_loss_name(loss_fn)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc), field="loss_fn") from None
     if loss_fn_config is not None and not isinstance(loss_fn_config, dict):
         raise InvalidInputError(f"must be a dict of numbers (or None), got {type(loss_fn_config).__name__}",
                                 field="loss_fn_config")
@@ -104,7 +108,9 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
                 request_limits: RequestLimits | None = None) -> list[CheckedDatum]:
     """A batch against the loss (and, given `limits`, the model; given `request_limits`, the
     pool's bounds): the checked data, in order."""
-    from .engine.losses import FLOAT_INPUTS, REQUIRED_INPUTS
+    import torch
+
+    from .engine.losses import FLOAT_INPUTS, REQUIRED_INPUTS, check_loss_inputs
 
     if isinstance(data, Datum):
         raise InvalidInputError("expected a list of Datum, got a single Datum (wrap it in a list)", field="data")
@@ -172,6 +178,10 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
                         f"value {values[bad[0]]} at position {int(bad[0])} is not finite (NaN or infinite)",
                         field=field_name, datum_index=i)
                 floats[key] = [float(v) for v in td.data]
+        try:
+            check_loss_inputs(loss_fn, {k: torch.tensor(v) for k, v in floats.items()})
+        except ValueError as exc:  # the message names the loss_fn_inputs key
+            raise InvalidInputError(str(exc), field=where, datum_index=i) from None
         checked.append(CheckedDatum(tokens, target, floats))
     total = sum(d.length for d in checked)
     if request_limits is not None and total > request_limits.max_request_tokens:
@@ -221,6 +231,12 @@ class SampleSpec:
     seed: int = 0
     prompt_logprobs: bool = False
     logprobs_only: bool = False
+    # tinker's logprob options (check_logprob_options)
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt positions
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_ids: tuple[tuple[int, ...], ...] | None = None  # [len(prompt) - 1][K], -1: none
+    prompt_alt_tokens_k: int = 0
 
 
 def check_prompt(prompt: Any, limits: ModelLimits | None = None, field_name: str = "prompt") -> list[int]:
@@ -320,3 +336,91 @@ def check_sample(prompt: Any, num_samples: Any, params: Any, include_prompt_logp
 
 def check_logprobs_prompt(prompt: Any, limits: ModelLimits | None = None) -> SampleSpec:
     return SampleSpec(prompt=check_prompt(prompt, limits), num_samples=0, prompt_logprobs=True, logprobs_only=True)
+
+
+def _count(value: Any, field_name: str, limit: int | None = None, what: str = "") -> int:
+    if isinstance(value, bool) or not is_int(value) or value < 0:
+        raise InvalidInputError(f"must be an integer >= 0 (0: off), got {value!r}", field=field_name)
+    if limit is not None and value > limit:
+        raise InvalidInputError(f"must be at most {limit}{what}, got {value}", field=field_name)
+    return int(value)
+
+
+def check_logprob_options(spec: SampleSpec, *, include_prompt_logprobs: bool, topk_prompt_logprobs: Any = 0,
+                          topk_sample_logprobs: Any = 0, prompt_logprobs_last_n: Any = None,
+                          target_prompt_logprobs: Any = None, prompt_alt_tokens_k: Any = 0,
+                          limits: ModelLimits | None = None) -> SampleSpec:
+    """tinker's logprob options of `sample` / `compute_logprobs`, checked and added to `spec`."""
+    vocab = limits.vocab_size if limits is not None else None
+    in_vocab = f" (the vocabulary of {limits.name})" if limits is not None else ""
+    n = len(spec.prompt)
+    last_n = prompt_logprobs_last_n
+    if last_n is not None:
+        if isinstance(last_n, bool) or not is_int(last_n) or last_n < 1:
+            raise InvalidInputError(f"must be an integer >= 1 or None, got {last_n!r}",
+                                    field="prompt_logprobs_last_n")
+        if not (include_prompt_logprobs or spec.logprobs_only):
+            raise InvalidInputError("prompt_logprobs_last_n applies to prompt logprobs; set include_prompt_logprobs",
+                                    field="prompt_logprobs_last_n")
+        if last_n > n - 1:
+            raise InvalidInputError(f"the prompt has {n} tokens, so at most {n - 1} positions have a logprob "
+                                    f"(the first has no context), got {last_n}", field="prompt_logprobs_last_n")
+        last_n = int(last_n)
+    alt_k = _count(prompt_alt_tokens_k, "prompt_alt_tokens_k")
+    for name, asked in (("target_prompt_logprobs", target_prompt_logprobs is not None),
+                        ("prompt_alt_tokens_k", alt_k > 0)):
+        if asked and n < 2:
+            raise InvalidInputError("the prompt has 1 token: no position after the first to score", field=name)
+    targets = None
+    if target_prompt_logprobs is not None:
+        where = "target_prompt_logprobs"
+        try:
+            td = TensorData.from_any(target_prompt_logprobs)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInputError(str(exc), field=where) from None
+        if td.dtype != "int64":
+            raise InvalidInputError(f"must hold int64 token ids (-1: none), got {td.dtype}", field=where)
+        if len(td.shape) != 2 or td.shape[0] != n - 1:
+            raise InvalidInputError(f"must have shape [len(prompt) - 1, K] = [{n - 1}, K], got {td.shape}",
+                                    field=where)
+        bad = [t for t in td.data if t < -1 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise InvalidInputError(f"token id {bad[0]} is neither -1 (none) nor in [0, {vocab}){in_vocab}",
+                                    field=where)
+        k = td.shape[1]
+        targets = tuple(tuple(int(t) for t in td.data[i * k:(i + 1) * k]) for i in range(n - 1))
+    return replace(spec, prompt_logprobs_last_n=last_n,
+                   topk_prompt_logprobs=_count(topk_prompt_logprobs, "topk_prompt_logprobs", vocab, in_vocab),
+                   topk_sample_logprobs=_count(topk_sample_logprobs, "topk_sample_logprobs", vocab, in_vocab),
+                   target_prompt_ids=targets, prompt_alt_tokens_k=alt_k)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+TTL_RANGE = (3600, 10 * 365 * 24 * 3600)  # tinker's: one hour to ten years
+
+
+def check_ttl(ttl_seconds: Any, field_name: str = "ttl_seconds") -> int | None:
+    if ttl_seconds is None:
+        return None
+    low, high = TTL_RANGE
+    if isinstance(ttl_seconds, bool) or not is_int(ttl_seconds) or not low <= ttl_seconds <= high:
+        raise InvalidInputError(f"must be None (keep forever) or seconds from {low} (1 hour) to {high} (10 years), "
+                                f"got {ttl_seconds!r}", field=field_name)
+    return int(ttl_seconds)
+
+
+def check_user_metadata(user_metadata: Any, field_name: str = "user_metadata") -> dict[str, str] | None:
+    if user_metadata is None:
+        return None
+    if not isinstance(user_metadata, dict):
+        raise InvalidInputError(f"must be a dict of strings, got {type(user_metadata).__name__}", field=field_name)
+    for key, value in user_metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidInputError(f"must map strings to strings, got {key!r}: {value!r}", field=field_name)
+    return dict(user_metadata)
+
+
+def check_save_extras(ttl_seconds: Any, user_metadata: Any) -> None:
+    check_ttl(ttl_seconds)
+    check_user_metadata(user_metadata)

@@ -300,6 +300,20 @@ class LabPage:
     notebook: str
     console: list[str] = field(default_factory=list)
     page_errors: list[str] = field(default_factory=list)
+    #: bokeh PATCH-DOC messages the page received over the kernel websocket (one per dashboard tick)
+    patches_received: int = 0
+    #: kernel messages that report a comm error (e.g. the kernel's "No such comm" warnings,
+    #: which JupyterLab shows in red in its log console)
+    comm_errors: list[str] = field(default_factory=list)
+    #: ids of the comms JupyterLab's widget manager opens to probe a new kernel for widgets
+    #: ("jupyter.widget.control"): before ipywidgets is imported the kernel answers "No such
+    #: comm" to those, in any notebook. Not the dashboard's doing: see `own_comm_errors`.
+    probe_comms: set[str] = field(default_factory=set)
+
+    def own_comm_errors(self) -> list[str]:
+        """Comm errors other than the widget manager's probe of a kernel without ipywidgets."""
+        return [e for e in self.comm_errors if "jupyter.widget.control" not in e
+                and not any(c in e for c in self.probe_comms)]
 
     def messages(self) -> list[str]:
         return [*self.console, *(f"pageerror: {e}" for e in self.page_errors)]
@@ -346,6 +360,94 @@ class LabPage:
             timeout=timeout * 1000,
         )
 
+    def add_cell(self, code: str) -> str:
+        """Append a code cell holding `code` (not run), make it the active cell; its model id."""
+        return str(self.page.evaluate(
+            """(code) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                nb.activeCellIndex = nb.widgets.length - 1;
+                nb.mode = 'command';
+                return window.jupyterapp.commands.execute('notebook:insert-cell-below').then(() => {
+                    nb.activeCell.model.sharedModel.setSource(code);
+                    nb.mode = 'command';
+                    nb.node.focus();  // keys go to the notebook, as after a click on the cell
+                    return nb.activeCell.model.id;
+                });
+            }""",
+            code,
+        ))
+
+    def cell_outputs(self, cell_id: str) -> str:
+        """The text of a cell's outputs (stream text, text/plain and error lines), joined."""
+        return str(self.page.evaluate(
+            """(id) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                const cell = nb.widgets.find(w => w.model.id === id);
+                if (!cell) return '';
+                return cell.model.outputs.toJSON().map(o => {
+                    if (o.output_type === 'stream') return [].concat(o.text).join('');
+                    if (o.output_type === 'error') return o.ename + ': ' + o.evalue;
+                    const d = o.data || {};
+                    return [].concat(d['text/plain'] || '').join('');
+                }).join('\\n');
+            }""",
+            cell_id,
+        ))
+
+    def cell_text(self, index: int) -> str:
+        """The output text of the notebook's `index`-th cell."""
+        cell_id = self.page.evaluate(
+            "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].model.id", index)
+        return self.cell_outputs(str(cell_id))
+
+    def run_cell(self, code: str, *, timeout: float = 60, until: str | None = None) -> tuple[str, float]:
+        """Append a cell, run it as a user does (Ctrl+Enter on the selected cell) and wait until
+        it has run (and, with `until`, its output matches that regex); (output text, seconds
+        from the key press until the page showed the result)."""
+        cell_id = self.add_cell(code)
+        t0 = time.perf_counter()
+        self.page.keyboard.press("Control+Enter")
+        self.page.wait_for_function(
+            """([id, pattern]) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                const cell = nb.widgets.find(w => w.model.id === id);
+                if (!cell || cell.model.executionCount === null) return false;
+                if (!pattern) return true;
+                const text = cell.model.outputs.toJSON().map(o => [].concat(o.text || (o.data || {})['text/plain']
+                    || (o.ename ? o.ename + ': ' + o.evalue : '')).join('')).join('\\n');
+                return new RegExp(pattern).test(text);
+            }""",
+            arg=[cell_id, until],
+            timeout=timeout * 1000,
+        )
+        seconds = time.perf_counter() - t0
+        return self.cell_outputs(cell_id), seconds
+
+    def rerun_cell(self, cell: int | str) -> None:
+        """Select a cell (its index, or its model id from `add_cell`) and run it again
+        (Ctrl+Enter), as a user does."""
+        self.page.evaluate(
+            """(cell) => {
+                const nb = window.jupyterapp.shell.currentWidget.content;
+                nb.activeCellIndex = typeof cell === 'number' ? cell : nb.widgets.findIndex(w => w.model.id === cell);
+                nb.mode = 'command';
+                nb.node.focus();
+            }""",
+            cell,
+        )
+        self.page.keyboard.press("Control+Enter")
+
+    def cell_prompt(self, index: int) -> str:
+        """The `index`-th cell's prompt: "[*]:" while it runs (or waits), "[7]:" once it ran."""
+        return str(self.page.evaluate(
+            """(i) => {
+                const cell = window.jupyterapp.shell.currentWidget.content.widgets[i];
+                const p = cell.node.querySelector('.jp-InputArea-prompt');
+                return p ? p.textContent : '';
+            }""",
+            index,
+        ))
+
     def app_eval(self, expression: str) -> Any:
         """Evaluate JS with ``app`` bound to ``window.jupyterapp``."""
         return self.page.evaluate(f"() => {{ const app = window.jupyterapp; return ({expression}); }}")
@@ -383,6 +485,25 @@ def open_notebook(
     lp = LabPage(page, lab, notebook)
     page.on("console", lambda m: lp.console.append(f"{m.type}: {m.text}"))
     page.on("pageerror", lambda e: lp.page_errors.append(str(e)))
+
+    def on_frame(payload: str | bytes) -> None:
+        # the header part of a bokeh patch names its type; it is one websocket frame per comm message
+        text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+        if "PATCH-DOC" in text:
+            lp.patches_received += 1
+        for m in re.finditer(r"No such comm[^\\\"]*|Cannot send[^\\\"]*", text):
+            lp.comm_errors.append(m.group(0))
+
+    def on_sent(payload: str | bytes) -> None:
+        text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
+        if "jupyter.widget.control" in text:
+            lp.probe_comms.update(re.findall(r'"comm_id":\s*"([^"]+)"', text))
+
+    def on_ws(ws: Any) -> None:
+        ws.on("framereceived", on_frame)
+        ws.on("framesent", on_sent)
+
+    page.on("websocket", on_ws)
     try:
         page.goto(lab.lab_url(notebook), wait_until="domcontentloaded")
         page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=timeout * 1000)

@@ -2,45 +2,148 @@
 
 Everything that needs the model happens here or in the op handlers: loading the base,
 building adapters and tenants, reading checkpoints, checking inputs against the model.
+It also answers the RestClient from what the pool served in this process and from the
+checkpoints under its `checkpoint_dir`.
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import secrets
+import threading
+import time
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from .._worker import BackgroundWorker
-from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle
-from ..errors import InvalidInputError
+from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle, SaveRequest
+from ..errors import CheckpointNotFoundError, InvalidInputError, NotFoundError
 from ..futures import APIFuture
-from ..validation import is_int
+from ..types import (
+    AdamOptimizerConfig,
+    Checkpoint,
+    GetSamplerResponse,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
+    ModelOperationCapabilities,
+    SupportedModel,
+    TrainingRun,
+    WeightsInfoResponse,
+)
+from ..validation import check_ttl, is_int
 from . import checkpoints as ckpt
 from .clock import LocalPool, Tenant
 from .handlers import handle_of
 from .lora import LoRAAdapter
+from .models import context_length_of, is_base_model_name
 
 __all__ = ["LocalBackend"]
 
 
-class LocalBackend:
-    """Runs a ServiceClient's requests on `pool` (see trio_widgets.backend.Backend)."""
+class NotFound(InvalidInputError, NotFoundError):
+    """Nothing of that id is known to the pool (tinker's NotFoundError, 404)."""
 
-    def __init__(self, pool: LocalPool):
+    status_code = 404
+
+
+# -- what a pool served in this process (for the RestClient) ---------------------------------
+
+@dataclass
+class _Served:
+    """A training run or a sampler the pool served, kept after its client is gone."""
+
+    kind: str  # "training" or "sampling"
+    client_id: str
+    base_model: str
+    rank: int
+    session_id: str
+    model_path: str | None = None
+    train_flags: tuple[bool, bool, bool] = (True, True, True)  # attn, mlp, unembed
+    user_metadata: dict[str, str] | None = None
+    last_request: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Session:
+    user_metadata: dict[str, str] | None
+    display_name: str | None
+    runs: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Ledger:
+    """Per pool, weakly keyed by it (a ledger never keeps a pool alive)."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    served: dict[str, _Served] = field(default_factory=dict)  # run id or sampler id -> record
+    by_client: dict[str, str] = field(default_factory=dict)  # client id -> run id / sampler id
+    sessions: dict[str, _Session] = field(default_factory=dict)
+
+
+_LEDGERS: weakref.WeakKeyDictionary[LocalPool, _Ledger] = weakref.WeakKeyDictionary()
+_LEDGERS_LOCK = threading.Lock()
+
+
+def _ledger(pool: LocalPool) -> _Ledger:
+    with _LEDGERS_LOCK:
+        ledger = _LEDGERS.get(pool)
+        if ledger is None:
+            ledger = _LEDGERS[pool] = _Ledger()
+        return ledger
+
+
+def _utc(unix_time: float) -> datetime:
+    return datetime.fromtimestamp(unix_time, tz=timezone.utc)
+
+
+def _owner() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in this environment (e.g. a container without one)
+        return "local"
+
+
+class LocalBackend:
+    """Runs a ServiceClient's requests on `pool` (see trio_widgets.backend.Backend). One backend
+    is one session: the runs and samplers it creates are listed under `session_id`."""
+
+    def __init__(self, pool: LocalPool, *, user_metadata: dict[str, str] | None = None,
+                 display_name: str | None = None, session: bool = True):
         self.pool = pool
         self.name = pool.name
+        self.session_id = f"session-{secrets.token_hex(6)}"
         self._worker = BackgroundWorker(f"trio-client-{pool.name}")
         # the hook holds the worker, not this backend: no cycle keeps a dropped pool alive
         pool.on_close(self._worker.stop)
+        self._ledger = _ledger(pool)
+        if session:  # a RestClient's backend reads the ledger only: it is no session
+            with self._ledger.lock:
+                self._ledger.sessions[self.session_id] = _Session(user_metadata, display_name)
 
     def __repr__(self) -> str:
-        return f"<LocalBackend {self.pool!r}>"
-
+        return f"<LocalBackend {self.pool!r} {self.session_id}>"
 
     # -- clients ------------------------------------------------------------------------
     def supported_models(self) -> list[str]:
         return self.pool.supported_models()
+
+    def is_base_model(self, name: Any) -> bool:
+        return is_base_model_name(name)
+
+    def is_checkpoint(self, path: Any) -> bool:
+        """Whether `path` names a checkpoint (a directory with a manifest or a PEFT config)."""
+        if not isinstance(path, (str, os.PathLike)):
+            return False
+        try:
+            directory = ckpt.resolve_path(path, self.pool)
+        except (InvalidInputError, OSError):
+            return False
+        return ckpt.is_checkpoint_dir(directory)
 
     def create_model(self, request: CreateModelRequest) -> ModelHandle:
         pool = self.pool
@@ -66,7 +169,7 @@ class LocalBackend:
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, int(rank), seed, train_attn=request.train_attn,
                         train_mlp=request.train_mlp, train_unembed=request.train_unembed)
         pool.add_tenant(tenant, request.label)
-        return handle_of(tenant)
+        return self._served(handle_of(tenant), request.user_metadata)
 
     def create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         pool = self.pool
@@ -74,6 +177,9 @@ class LocalBackend:
         shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
         if loaded.base_model is None:
             raise InvalidInputError(f"{shown!r} does not say which base model it adapts", field="path")
+        if request.base_model is not None and loaded.kind != "peft" and loaded.base_model != request.base_model:
+            raise ckpt.CheckpointError(f"checkpoint {shown!r} is for base model {loaded.base_model!r}, not "
+                                       f"{request.base_model!r}", path=shown, field="base_model")
         base = pool.get_base_model(loaded.base_model)
         targets = ckpt.targets_of(loaded, base, shown)
         if loaded.rank > pool.max_rank:
@@ -92,7 +198,7 @@ class LocalBackend:
                         train_unembed=flag("train_unembed", "unembed"))
         tenant.extra["resumed_from"] = loaded.path
         pool.add_tenant(tenant, request.label)
-        return handle_of(tenant, model_path=loaded.path)
+        return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata)
 
     def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
         pool = self.pool
@@ -102,7 +208,7 @@ class LocalBackend:
             base = pool.get_base_model(request.base_model)
             tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling")
             pool.add_tenant(tenant, request.label)
-            return handle_of(tenant)
+            return self._served(handle_of(tenant))
         loaded = ckpt.read_checkpoint(request.model_path, pool)
         path = request.model_path
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
@@ -118,7 +224,7 @@ class LocalBackend:
         adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
         tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling")
         pool.add_tenant(tenant, request.label)
-        return handle_of(tenant, model_path=loaded.path)
+        return self._served(handle_of(tenant, model_path=loaded.path))
 
     def release(self, client_id: str) -> None:
         if not self.pool.closed:
@@ -129,7 +235,21 @@ class LocalBackend:
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, client_id: str, op: str, request: Any) -> APIFuture:
-        return self.pool.submit(client_id, op, request)
+        future = self.pool.submit(client_id, op, request)
+        ledger = self._ledger
+        key = ledger.by_client.get(client_id)
+        if key is not None:
+            ledger.served[key].last_request = time.time()
+        if isinstance(request, SaveRequest) and request.make_sampler:
+            # a snapshot sampler belongs to this session too, once the pool has made it
+            future.add_done_callback(lambda f: self._adopt_snapshot(f))
+        return future
+
+    def _adopt_snapshot(self, future: APIFuture) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        created = future.result()
+        self._served(created.sampler)
 
     def reserve(self, client_id: str, op: str) -> Any:
         return self.pool.reserve(client_id, op)
@@ -140,3 +260,124 @@ class LocalBackend:
     def close(self) -> None:
         """Stop the client-side thread (the pool is not closed: other clients may share it)."""
         self._worker.close()
+
+    # -- what the RestClient shows ------------------------------------------------------------
+    def _served(self, handle: ModelHandle, user_metadata: dict[str, str] | None = None) -> ModelHandle:
+        training = handle.run_id is not None
+        key = handle.run_id if handle.run_id is not None else handle.client_id
+        record = _Served("training" if training else "sampling", handle.client_id, handle.base_model, handle.rank,
+                         self.session_id, handle.model_path,
+                         (handle.train_attn, handle.train_mlp, handle.train_unembed), user_metadata)
+        ledger = self._ledger
+        with ledger.lock:
+            ledger.served[key] = record
+            ledger.by_client[handle.client_id] = key
+            session = ledger.sessions.get(self.session_id)
+            if session is not None:
+                (session.runs if training else session.samplers).append(key)
+        return handle
+
+    def capabilities(self) -> GetServerCapabilitiesResponse:
+        models = []
+        for name in self.supported_models():
+            context = context_length_of(name)
+            ops = ModelOperationCapabilities(available=True, max_batch_size=None,
+                                             max_tokens_per_request=self.pool.max_tokens_per_pass,
+                                             max_seq_len=context)
+            models.append(SupportedModel(name, max_context_length=context, trainable=True, sampleable=True,
+                                         training=ops, sampling=ops))
+        return GetServerCapabilitiesResponse(models)
+
+    def _checkpoint(self, entry: ckpt.CheckpointEntry) -> Checkpoint:
+        expires = entry.meta.get("expires_at")
+        return Checkpoint(checkpoint_id=entry.checkpoint_id, checkpoint_type=ckpt.SEGMENTS[entry.segment],
+                          time=_utc(entry.created), tinker_path=ckpt.tinker_path_of(entry.directory),
+                          path=str(entry.directory), size_bytes=entry.size_bytes, public=False,
+                          user_metadata=entry.meta.get("user_metadata"),
+                          expires_at=_utc(expires) if expires is not None else None)
+
+    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
+        """Checkpoints under the pool's checkpoint_dir (of one run, or all), oldest first."""
+        return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool, run_id)]
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        ckpt.delete_checkpoint(ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id))
+
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        ttl = check_ttl(ttl_seconds)
+        directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id)
+        ckpt.set_expiry(directory, None if ttl is None else time.time() + ttl, self.pool)
+
+    def weights_info(self, path: Any) -> WeightsInfoResponse:
+        directory = ckpt.resolve_path(path, self.pool)
+        meta = ckpt.read_manifest(directory, self.pool)
+        if not meta:  # a PEFT directory from elsewhere: read it whole
+            loaded = ckpt.read_checkpoint(directory, self.pool)
+            if loaded.base_model is None:
+                raise InvalidInputError(f"{str(directory)!r} does not say which base model it adapts", field="path")
+            return WeightsInfoResponse(base_model=loaded.base_model, is_lora=True, lora_rank=loaded.rank)
+        if ckpt.expired(meta, str(directory)):
+            raise CheckpointNotFoundError(f"checkpoint {str(directory)!r} has expired", path=str(directory))
+        return WeightsInfoResponse(base_model=meta["base_model"], is_lora=True,
+                                   optimizer_config=AdamOptimizerConfig(), lora_rank=meta["rank"],
+                                   train_unembed=meta.get("train_unembed"), train_mlp=meta.get("train_mlp"),
+                                   train_attn=meta.get("train_attn"))
+
+    def training_runs(self) -> list[TrainingRun]:
+        """Runs served in this process and runs with checkpoints on disk, most recent first."""
+        by_run: dict[str, list[ckpt.CheckpointEntry]] = {}
+        for entry in ckpt.list_checkpoints(self.pool):
+            by_run.setdefault(entry.run_id, []).append(entry)
+        with self._ledger.lock:
+            served = {k: v for k, v in self._ledger.served.items() if v.kind == "training"}
+        runs = [self._run(run_id, served.get(run_id), by_run.get(run_id, [])) for run_id in {*served, *by_run}]
+        return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+
+    def training_run(self, run_id: str) -> TrainingRun:
+        if not isinstance(run_id, str) or not run_id:
+            raise InvalidInputError(f"must be a run id, got {run_id!r}", field="training_run_id")
+        with self._ledger.lock:
+            record = self._ledger.served.get(run_id)
+        entries = ckpt.list_checkpoints(self.pool, run_id)
+        if (record is None or record.kind != "training") and not entries:
+            raise NotFound(f"no training run {run_id!r} in this pool or under {ckpt.checkpoint_root(self.pool)}",
+                           field="training_run_id")
+        return self._run(run_id, record if record is not None and record.kind == "training" else None, entries)
+
+    def _run(self, run_id: str, record: _Served | None, entries: list[ckpt.CheckpointEntry]) -> TrainingRun:
+        last = {segment: next((e for e in reversed(entries) if e.segment == segment), None)
+                for segment in ckpt.SEGMENTS}
+        newest = entries[-1] if entries else None
+        rank: int | None
+        if record is not None:
+            base, rank, metadata, when = record.base_model, record.rank, record.user_metadata, record.last_request
+        else:
+            assert newest is not None
+            base = str(newest.meta.get("base_model", ""))
+            rank, metadata, when = newest.meta.get("rank"), None, newest.created
+        return TrainingRun(training_run_id=run_id, base_model=base, model_owner=_owner(), is_lora=True,
+                           last_request_time=_utc(when), lora_rank=rank,
+                           last_checkpoint=self._checkpoint(last["weights"]) if last["weights"] else None,
+                           last_sampler_checkpoint=(self._checkpoint(last["sampler_weights"])
+                                                    if last["sampler_weights"] else None),
+                           user_metadata=metadata)
+
+    def sampler(self, sampler_id: str) -> GetSamplerResponse:
+        with self._ledger.lock:
+            record = self._ledger.served.get(sampler_id) if isinstance(sampler_id, str) else None
+        if record is None or record.kind != "sampling":
+            raise NotFound(f"no sampler {sampler_id!r} was made in this pool", field="sampler_id")
+        return GetSamplerResponse(sampler_id=sampler_id, base_model=record.base_model, model_path=record.model_path)
+
+    def sessions(self) -> list[str]:
+        with self._ledger.lock:
+            return list(reversed(self._ledger.sessions))
+
+    def session(self, session_id: str) -> GetSessionResponse:
+        with self._ledger.lock:
+            found = self._ledger.sessions.get(session_id) if isinstance(session_id, str) else None
+            if found is None:
+                raise NotFound(f"no session {session_id!r} in this pool (a session is one ServiceClient)",
+                               field="session_id")
+            return GetSessionResponse(training_run_ids=list(found.runs), sampler_ids=list(found.samplers),
+                                      user_metadata=found.user_metadata, display_name=found.display_name)

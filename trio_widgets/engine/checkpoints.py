@@ -39,13 +39,20 @@ import shutil
 import stat
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
-from ..types import LoadWeightsResponse, SaveWeightsForSamplerResponse, SaveWeightsResponse
+from ..types import (
+    TINKER_SCHEME,
+    CheckpointType,
+    LoadWeightsResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+)
 from .clock import Tenant
 from .lora import AdamState, LoRAAdapter, all_finite
 from .models import BaseModel
@@ -113,11 +120,17 @@ def validate_name(name: Any, field: str = "name") -> str:
     return name
 
 
-def run_dir(pool: Any, tenant: Tenant) -> Path:
+def run_id_of(tenant: Tenant) -> str:
+    """The tenant's training-run id, made on first use: its checkpoints' directory name
+    (random, so that pools sharing a checkpoint_dir never mix runs) and tinker's `model_id`."""
     run_id = tenant.extra.get("run_id")
     if run_id is None:
         run_id = tenant.extra["run_id"] = f"{tenant.client_id}-{secrets.token_hex(4)}"
-    return checkpoint_root(pool) / run_id
+    return run_id
+
+
+def run_dir(pool: Any, tenant: Tenant) -> Path:
+    return checkpoint_root(pool) / run_id_of(tenant)
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -200,8 +213,10 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: LoRAAdapter | None = None) -> None:
-    """Write the tenant's adapter (and, for kind "state", its AdamW state) to `path`."""
+def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: LoRAAdapter | None = None, *,
+                     user_metadata: dict[str, str] | None = None, expires_at: float | None = None) -> int:
+    """Write the tenant's adapter (and, for kind "state", its AdamW state) to `path`; returns
+    the bytes written. `user_metadata` and `expires_at` (Unix time) go into the manifest."""
     from safetensors.torch import save
 
     adapter = adapter if adapter is not None else tenant.adapter
@@ -223,11 +238,16 @@ def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: 
         "targets": sorted(adapter.weights),
         "train_attn": tenant.train_attn, "train_mlp": tenant.train_mlp, "train_unembed": tenant.train_unembed,
         "step": adapter.adam.step, "client_id": tenant.client_id, "run_id": tenant.extra.get("run_id"),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "saved_at": time.time(),
         "files": {fname: {"sha256": _sha256(data), "bytes": len(data)} for fname, data in files.items()},
     }
+    if user_metadata is not None:
+        manifest["user_metadata"] = dict(user_metadata)
+    if expires_at is not None:
+        manifest["expires_at"] = float(expires_at)
     files[MANIFEST] = json.dumps(manifest, indent=2).encode()
     atomic_write_dir(path, files)
+    return sum(len(data) for data in files.values())
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -251,6 +271,28 @@ class LoadedCheckpoint:
                 "adam_step": adam.step, "exp_avg": adam.exp_avg, "exp_avg_sq": adam.exp_avg_sq}
 
 
+# directory -> tinker's checkpoint type
+SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def tinker_path_dir(text: str, pool: Any = None) -> Path:
+    """The directory of `tinker://<run>/<weights|sampler_weights>/<name>` under the pool's
+    checkpoint_dir: the layout is tinker's, so its paths name our checkpoints too."""
+    parts = text[len(TINKER_SCHEME):].split("/")
+    if len(parts) != 3 or parts[1] not in SEGMENTS:
+        raise InvalidInputError(f"{text!r} is not a checkpoint path: expected "
+                                f"tinker://<run>/<weights|sampler_weights>/<name>", field="path")
+    run, segment, name = parts
+    validate_name(run, "path")
+    validate_name(name, "path")
+    return checkpoint_root(pool) / run / segment / name
+
+
+def tinker_path_of(directory: Path) -> str:
+    """`tinker://<run>/<segment>/<name>` for a checkpoint directory laid out under a checkpoint_dir."""
+    return f"{TINKER_SCHEME}{directory.parent.parent.name}/{directory.parent.name}/{directory.name}"
+
+
 def resolve_path(path: Any, pool: Any = None) -> Path:
     """The checkpoint directory `path` names; set-aside copies stand in mid-replace."""
     if isinstance(path, (SaveWeightsResponse, SaveWeightsForSamplerResponse, LoadWeightsResponse)):
@@ -261,7 +303,9 @@ def resolve_path(path: Any, pool: Any = None) -> Path:
     if not isinstance(text, str) or "\0" in text:
         raise InvalidInputError(f"must be a checkpoint directory path (text, no NUL), got {_brief(text)}",
                                 field="path")
-    if "://" in text:
+    if text.startswith(TINKER_SCHEME):
+        text = str(tinker_path_dir(text, pool))
+    elif "://" in text:
         raise CheckpointNotFoundError(
             f"{text!r} is a hosted-service path; local checkpoints are directories on disk "
             f"(the `path` that save_state / save_weights_for_sampler returned)", path=text)
@@ -625,6 +669,10 @@ def read_checkpoint(path: Any, pool: Any = None, *, require_optimizer: bool = Fa
         if has_manifest:
             meta = _load_json(files.read(MANIFEST), MANIFEST, shown)
             kind, base_model, rank, alpha, seed = _check_manifest(meta, shown, max_rank)
+            if expired(meta, shown):
+                _remove_expired(directory)
+                raise CheckpointNotFoundError(f"checkpoint {shown!r} has expired (its ttl_seconds ran out) and was "
+                                              f"deleted", path=shown)
             blobs = {}
             for fname, size in _manifest_files(meta, shown).items():
                 data = files.read(fname, expected_size=size)
@@ -718,3 +766,176 @@ def targets_of(loaded: LoadedCheckpoint, base: BaseModel, shown: str) -> dict[st
                                   f"checkpoint has {a.shape[1]}->{b.shape[0]}", path=shown)
         targets[name] = (fan_in, fan_out)
     return targets
+
+
+# -- bookkeeping: expiry, listing and deleting (what the RestClient shows) -------------------
+
+def expired(meta: dict, shown: str, now: float | None = None) -> bool:
+    expires_at = meta.get("expires_at")
+    if expires_at is None:
+        return False
+    if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or expires_at != expires_at:
+        raise _invalid(shown, MANIFEST, "expires_at", "a Unix time or null", expires_at)
+    return float(expires_at) <= (time.time() if now is None else now)
+
+
+def _remove_expired(directory: Path) -> None:
+    """Delete an expired checkpoint; a racing reader or deleter may have been first."""
+    if is_checkpoint_dir(directory):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def is_checkpoint_dir(directory: Path) -> bool:
+    """A real directory (not a symlink to one) holding a manifest or a PEFT config."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and (os.path.lexists(directory / MANIFEST)
+                                         or os.path.lexists(directory / ADAPTER_CONFIG))
+
+
+def read_manifest(directory: Path, pool: Any = None) -> dict:
+    """The checked manifest of a checkpoint directory (bounded read, no symlinks), or
+    CheckpointError; a checkpoint without one (a PEFT directory) gives {}."""
+    shown = str(directory)
+    with _CheckpointFiles(directory, shown, file_limits(pool)) as files:
+        if files.lstat(MANIFEST) is None:
+            return {}
+        meta = _load_json(files.read(MANIFEST), MANIFEST, shown)
+    _check_manifest(meta, shown, _pool_max_rank(pool))
+    expired(meta, shown)  # a bad expires_at is refused here, not later
+    user_metadata = meta.get("user_metadata")
+    if user_metadata is not None and not (isinstance(user_metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in user_metadata.items())):
+        raise _invalid(shown, MANIFEST, "user_metadata", "a dict of strings or null", user_metadata)
+    return meta
+
+
+@dataclass
+class CheckpointEntry:
+    """One checkpoint found under a checkpoint_dir."""
+
+    run_id: str
+    segment: str  # "weights" or "sampler_weights"
+    name: str
+    directory: Path
+    meta: dict
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.segment}/{self.name}"
+
+    @property
+    def created(self) -> float:
+        """Unix time the checkpoint was written: its manifest's `saved_at` (or `created_at`), else (a PEFT
+        directory from elsewhere) the directory's mtime."""
+        exact = self.meta.get("saved_at")
+        if isinstance(exact, float) and exact == exact:
+            return exact
+        stamp = self.meta.get("created_at")
+        if isinstance(stamp, str):
+            try:
+                return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+            except ValueError:
+                pass
+        try:
+            return os.lstat(self.directory).st_mtime
+        except OSError:
+            return 0.0
+
+    @property
+    def size_bytes(self) -> int:
+        """The bytes of its files (what saving it wrote)."""
+        total = 0
+        for fname in (MANIFEST, *LAYOUT_FILES):
+            try:
+                st = os.lstat(self.directory / fname)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+        return total
+
+
+def _entries_of_run(root: Path, run_id: str, pool: Any, now: float) -> list[CheckpointEntry]:
+    entries = []
+    for segment in SEGMENTS:
+        folder = root / run_id / segment
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            directory = folder / name
+            if name.startswith(".") or not is_checkpoint_dir(directory):
+                continue  # temporary and set-aside copies of an atomic write, stray files
+            try:
+                meta = read_manifest(directory, pool)
+            except (CheckpointError, OSError):
+                continue  # a broken checkpoint is not listed (loading it names the problem)
+            if meta and expired(meta, str(directory), now):
+                _remove_expired(directory)
+                continue
+            entries.append(CheckpointEntry(run_id, segment, name, directory, meta))
+    return entries
+
+
+def list_checkpoints(pool: Any, run_id: str | None = None) -> list[CheckpointEntry]:
+    """The checkpoints of one run (or of every run) under the pool's checkpoint_dir, oldest
+    first. Expired ones are deleted instead of listed."""
+    root = checkpoint_root(pool)
+    now = time.time()
+    if run_id is not None:
+        validate_name(run_id, "training_run_id")
+        runs = [run_id]
+    else:
+        try:
+            runs = sorted(n for n in os.listdir(root) if not n.startswith("."))
+        except OSError:
+            runs = []
+    entries = [e for run in runs for e in _entries_of_run(root, run, pool, now)]
+    return sorted(entries, key=lambda e: (e.created, e.run_id, e.checkpoint_id))
+
+
+def checkpoint_dir_of(pool: Any, run_id: str, checkpoint_id: str) -> Path:
+    """The directory of `checkpoint_id` ("weights/<name>" or "sampler_weights/<name>") of a run."""
+    validate_name(run_id, "training_run_id")
+    segment, _, name = checkpoint_id.partition("/") if isinstance(checkpoint_id, str) else ("", "", "")
+    if segment not in SEGMENTS:
+        raise InvalidInputError(f"must be 'weights/<name>' or 'sampler_weights/<name>', got {checkpoint_id!r}",
+                                field="checkpoint_id")
+    validate_name(name, "checkpoint_id")
+    return checkpoint_root(pool) / run_id / segment / name
+
+
+def delete_checkpoint(directory: Path) -> None:
+    """Delete one checkpoint directory; CheckpointNotFoundError if there is none."""
+    if not is_checkpoint_dir(directory):
+        raise CheckpointNotFoundError(f"no checkpoint at {str(directory)!r}", path=str(directory))
+    # set aside first (one rename), so that no reader sees a half-deleted checkpoint
+    aside = directory.parent / f".{directory.name}.del-{secrets.token_hex(6)}"
+    os.rename(directory, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def set_expiry(directory: Path, expires_at: float | None, pool: Any = None) -> None:
+    """Rewrite a checkpoint's manifest with a new `expires_at` (None: never), atomically."""
+    if not is_checkpoint_dir(directory):
+        raise CheckpointNotFoundError(f"no checkpoint at {str(directory)!r}", path=str(directory))
+    meta = read_manifest(directory, pool)
+    if not meta:
+        raise CheckpointError(f"{str(directory)!r} was not written by trio-widgets (no {MANIFEST}): it has no "
+                              f"expiry to set", path=str(directory))
+    if expires_at is None:
+        meta.pop("expires_at", None)
+    else:
+        meta["expires_at"] = float(expires_at)
+    tmp = directory / f".{MANIFEST}.tmp-{secrets.token_hex(6)}"
+    try:
+        _write_file(tmp, json.dumps(meta, indent=2).encode())
+        os.replace(tmp, directory / MANIFEST)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(directory)

@@ -39,6 +39,7 @@ from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from ..validation import RequestLimits
+from .gil import GilWatchdog, RunMeter
 from .lora import LoRAAdapter
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 
@@ -154,6 +155,7 @@ class _Clock:
         self.running: list[Request] = []  # taken into the cycle that runs now
         self.activity = "starting"  # what the thread does now, for close() to say if it hangs
         self.failure: BaseException | None = None  # set if the thread died
+        self.watchdog: GilWatchdog | None = None  # stopped with the clock
 
     def fail_queued(self, why: str) -> None:
         """Fail every request still queued with PoolClosedError (the clock has stopped)."""
@@ -197,10 +199,13 @@ class LocalPool:
     >>> with LocalPool(min_cycle_s=0.05) as pool:
     ...     tc = ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=8)
 
-    What it does to the process, all named here: it starts one daemon thread (the clock),
-    stopped by `close()`, by leaving a `with` block, when the pool is garbage-collected, or
-    at interpreter exit; on CPU, `torch_threads` sets torch's process-wide thread count
-    ("auto": $TRIO_TORCH_THREADS, else half the usable CPUs; None leaves it alone); and with
+    What it does to the process, all named here: it starts one daemon thread (the clock,
+    "trio-clock-<name>") and, with `gil_watchdog=True` (default), a second one
+    ("trio-gil-<name>": a heartbeat every 20 ms that measures how long other Python held the
+    interpreter, and where; trio_widgets/engine/gil.py), both stopped by `close()`, by leaving
+    a `with` block, when the pool is garbage-collected, or at interpreter exit; on CPU,
+    `torch_threads` sets torch's process-wide thread count ("auto": $TRIO_TORCH_THREADS, else
+    half the usable CPUs; None leaves it alone); and with
     `owned_by_cell=True` (default), a pool built by a notebook cell closes the pool the same
     cell built before, so re-running the cell leaves no clock behind.
     """
@@ -210,7 +215,8 @@ class LocalPool:
                  max_request_tokens: int = 16_384, max_request_data: int = 1024, max_num_samples: int = 128,
                  max_sampled_tokens: int = 32_768, telemetry_capacity: int = 4096,
                  checkpoint_dir: str | os.PathLike | None = None, name: str | None = None,
-                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True):
+                 torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True,
+                 allow_download: bool | None = None, gil_watchdog: bool = True):
         if not is_number(min_cycle_s) or not (0 <= min_cycle_s <= _MAX_CYCLE_S):
             raise ValueError(f"min_cycle_s must be a number of seconds from 0 to {_MAX_CYCLE_S:.0f}, "
                              f"got {min_cycle_s!r}")
@@ -225,6 +231,10 @@ class LocalPool:
             raise ValueError(f'torch_threads must be "auto", None or an integer >= 1, got {torch_threads!r}')
         if name is not None and not isinstance(name, str):
             raise ValueError(f"name must be a string, got {type(name).__name__}")
+        if allow_download not in (None, True, False):
+            raise ValueError(f"allow_download must be True, False or None, got {allow_download!r}")
+        if gil_watchdog not in (True, False):
+            raise ValueError(f"gil_watchdog must be True or False, got {gil_watchdog!r}")
         self.min_cycle_s = float(min_cycle_s)
         self.device = resolve_device(device)
         if self.device.type == "cpu" and torch_threads is not None:
@@ -235,7 +245,10 @@ class LocalPool:
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
+        self.allow_download = allow_download
         self.name = name or f"pool-{next(_POOL_IDS)}"
+        self.serial = next(_POOL_SERIALS)  # creation order: a Dashboard() without a pool follows the newest
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
 
@@ -264,6 +277,8 @@ class LocalPool:
                                               name=f"trio-clock-{self.name}", daemon=True)
         self._finalizer = weakref.finalize(self, _shutdown_dropped, self._clock)
         self._clock.thread.start()
+        if gil_watchdog:
+            self._clock.watchdog = GilWatchdog(self.telemetry, self.name).start()
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -318,6 +333,11 @@ class LocalPool:
         with self._boundary_gate:
             yield
 
+    @property
+    def gil_watchdog(self) -> GilWatchdog | None:
+        """The heartbeat thread that measures GIL starvation (None if built without one)."""
+        return self._clock.watchdog
+
     def __enter__(self) -> LocalPool:
         return self
 
@@ -332,7 +352,7 @@ class LocalPool:
     def get_base_model(self, name: str) -> BaseModel:
         with self._models_lock:
             if name not in self._models:
-                self._models[name] = load_base_model(name, self.device)
+                self._models[name] = load_base_model(name, self.device, self.allow_download)
             return self._models[name]
 
     def supported_models(self) -> list[str]:
@@ -347,7 +367,8 @@ class LocalPool:
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
-                                             label or tenant.client_id, tenant.rank or None))
+                                             label or tenant.client_id, tenant.rank or None,
+                                             parent=tenant.extra.get("parent")))
 
     def tenant(self, client_id: str) -> Tenant:
         """The live tenant of `client_id`; ClientClosedError once it was closed."""
@@ -602,6 +623,7 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
 
 
 _POOL_IDS = itertools.count(1)
+_POOL_SERIALS = itertools.count(1)
 _IDLE_TICK_S = 0.001
 _MAX_CYCLE_S = 3600.0  # a cycle longer than an hour is a typo (and time_t overflows at inf)
 _GATE_POLL_S = 0.05  # how often a clock waiting on hold() looks whether the pool is closing
@@ -626,9 +648,13 @@ def _stop_clock(clock: _Clock, timeout: float = 30.0) -> None:
     with clock.cond:
         clock.closing = True
         clock.cond.notify_all()
+    if clock.watchdog is not None:
+        clock.watchdog.stop(timeout=0)  # signalled now, joined below: both threads end meanwhile
     thread = clock.thread
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout)
+    if clock.watchdog is not None:
+        clock.watchdog.stop(timeout)
 
 
 def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
@@ -643,10 +669,13 @@ def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                               f"({type(exc).__name__}: {exc}); the client's state may be part-updated")
         _deliver(clock.telemetry, [(r, why) for r in clock.running], clock.pending_cycle + 1)
         clock.fail_queued(f"stopped: its clock thread died ({type(exc).__name__}: {exc})")
+        if clock.watchdog is not None:  # nothing left to watch
+            clock.watchdog.stop(timeout=0)
 
 
 def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
     last: CycleRecord | None = None
+    meter = RunMeter()  # how long this thread waits for the GIL (engine/gil.py)
     while True:
         pool = pool_ref()
         if pool is None:  # dropped: what already ran is reported, not lost
@@ -664,6 +693,7 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
             continue
         try:
             boundary = time.perf_counter()
+            working = meter.mark()
             index, taken = pool._take_boundary(boundary)
         finally:
             pool._boundary_gate.release()
@@ -686,9 +716,11 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
         clock.activity = "waiting for the next boundary"
         pool._cycle_tenants = {}
         clock.pending_cycle = index
+        waited, cpu = meter.waited(working)
         busy = time.perf_counter() - boundary
         last = CycleRecord(index=index, started_at=boundary, ended_at=boundary, busy_s=busy,
-                           n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops)
+                           n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops,
+                           cpu_s=cpu, gil_wait_s=waited)
         min_cycle_s = pool.min_cycle_s
         idle = not requests
         # Hold nothing that leads back to the pool while sleeping, so that a dropped pool
@@ -700,8 +732,12 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                 # An idle clock with no minimum would spin and starve the client threads of
                 # the GIL; it waits a moment, or until the next submit wakes it.
                 clock.cond.wait(_IDLE_TICK_S)
+            asleep = None
             while not clock.closing:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
+                asleep = meter.mark()
                 clock.cond.wait(remaining)
+            if asleep is not None:  # woke later than asked: the GIL (or a busy machine) kept it
+                last.gil_wait_s += meter.overslept(asleep, deadline)

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import RequestFailedError
+from ..errors import RequestErrorCategory, RequestFailedError
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import RequestLimits, check_batch
-from .lora import LoRAAdapter, all_finite
+from .lora import LoRAAdapter, finite_flags
 from .losses import LOSSES
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
@@ -44,6 +44,7 @@ class ForwardJob:
     loss_fn: str  # a built-in loss name
     config: dict[str, float]
     backward: bool
+    token_count: int = 0  # pytrio's: the tokens the loss reads (counted at submit, off the clock)
 
     @property
     def tokens(self) -> int:
@@ -56,7 +57,17 @@ def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str,
     checked = check_batch(data, loss_fn, base.limits, request_limits)
     tensors = [PreparedDatum(torch.tensor(d.tokens, dtype=torch.long), torch.tensor(d.target_tokens, dtype=torch.long),
                              {k: torch.tensor(v, dtype=torch.float32) for k, v in d.floats.items()}) for d in checked]
-    return ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward), sum(d.weight for d in checked)
+    job = ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward,
+                     token_count=sum(_tokens_read(loss_fn, d.length, d.floats.get("weights")) for d in checked))
+    return job, sum(d.weight for d in checked)
+
+
+def _tokens_read(loss_fn: str, length: int, weights: list[float] | None) -> int:
+    """pytrio's `token_count` of one datum: the tokens with a weight other than 0 for
+    cross_entropy (all of them without `weights`), every target token for the other losses."""
+    if loss_fn != "cross_entropy" or weights is None:
+        return length
+    return sum(1 for w in weights if w != 0)
 
 
 @dataclass
@@ -132,6 +143,12 @@ class _PassResult:
 
 def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: bool) -> list[_PassResult]:
     results = [_PassResult(0.0, [None] * len(w.job.data), [None] * len(w.job.data), None) for w in jobs]
+    # What the outputs need stays on the device until the pass is over, then crosses in one
+    # transfer: a float() or .cpu() per datum would wait for a GPU once per datum.
+    order: list[tuple[int, int]] = []
+    losses: list[torch.Tensor] = []
+    logps_out: list[torch.Tensor] = []
+    elementwise_out: list[torch.Tensor] = []
     if backward:
         for work in jobs:
             work.trained.begin_pass()
@@ -143,9 +160,10 @@ def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: b
                 for (j, d), logp in zip(batch, logps):
                     elementwise = _datum_loss(jobs[j].job, d, logp, base.device)
                     datum_loss = elementwise.sum()
-                    results[j].loss_sum += float(datum_loss.detach())
-                    results[j].logprobs[d] = logp.detach().float().cpu()
-                    results[j].elementwise[d] = elementwise.detach().float().cpu()
+                    order.append((j, d))
+                    losses.append(datum_loss.detach())
+                    logps_out.append(logp.detach())
+                    elementwise_out.append(elementwise.detach())
                     total = datum_loss if total is None else total + datum_loss
                 if backward and total is not None and total.requires_grad:
                     total.backward()
@@ -154,20 +172,31 @@ def _run_pass(base: BaseModel, jobs: list[_Work], token_budget: int, backward: b
         if backward:
             for work, result in zip(jobs, results):
                 result.grads = work.trained.end_pass()
+    if order:
+        lengths = [lp.shape[0] for lp in logps_out]
+        for (j, _d), loss in zip(order, torch.stack(losses).float().tolist()):
+            results[j].loss_sum += loss  # in datum order, in float64, as the loss was always summed
+        for (j, d), lp, el in zip(order, torch.cat(logps_out).float().cpu().split(lengths),
+                                  torch.cat(elementwise_out).float().cpu().split(lengths)):
+            results[j].logprobs[d], results[j].elementwise[d] = lp, el
     return results
 
 
-def _finite(result: _PassResult) -> bool:
-    if not math.isfinite(result.loss_sum):
-        return False
-    return result.grads is None or all_finite(result.grads)
+def _finite(results: list[_PassResult]) -> list[bool]:
+    """Whether each pass result is usable: a finite loss and gradient (one sync for all)."""
+    grads = finite_flags([r.grads for r in results])
+    return [math.isfinite(r.loss_sum) and ok for r, ok in zip(results, grads)]
 
 
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:
     outputs = [{"logprobs": TensorData.from_torch(lp), "elementwise_loss": TensorData.from_torch(el)}
                for lp, el in zip(result.logprobs, result.elementwise)]
-    return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs,
-                                 metrics={"loss:sum": result.loss_sum})
+    # tinker's `name:reduction` key, and pytrio's three (the loss is a sum in both: loss_mean
+    # is a metric only)
+    tokens = job.token_count
+    metrics = {"loss:sum": result.loss_sum, "loss_sum": result.loss_sum, "token_count": tokens,
+               "loss_mean": result.loss_sum / tokens if tokens else 0.0}
+    return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs, metrics=metrics)
 
 
 def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, ForwardJob, str]],
@@ -188,10 +217,10 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             except Exception as exc:  # the shared pass itself broke (e.g. out of memory): all fail
                 for i in alive:
                     outcomes[i] = RequestFailedError(f"the cycle's packed pass failed: {type(exc).__name__}: {exc}",
-                                                     client_id=jobs[i].client_id)
+                                                     client_id=jobs[i].client_id, category=RequestErrorCategory.Server)
                     outcomes[i].__cause__ = exc
                 break
-            bad = [i for i, r in zip(alive, results) if not _finite(r)]
+            bad = [i for i, ok in zip(alive, _finite(results)) if not ok]
             if not bad:
                 for i, result in zip(alive, results):
                     if backward and result.grads is not None:
@@ -201,6 +230,7 @@ def run_forward_jobs(base: BaseModel, items: list[tuple[LoRAAdapter | None, Forw
             for i in bad:
                 outcomes[i] = RequestFailedError(
                     f"{'forward_backward' if backward else 'forward'}: the loss or the gradient is not finite "
-                    f"(NaN or infinite); this request changed nothing", client_id=jobs[i].client_id)
+                    f"(NaN or infinite); this request changed nothing", client_id=jobs[i].client_id,
+                    category=RequestErrorCategory.User)
             alive = [i for i in alive if i not in bad]
     return outcomes

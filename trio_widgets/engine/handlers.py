@@ -14,6 +14,7 @@ table (trio_widgets/ops.py).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from ..backend import (
     SampleRequest,
     SaveRequest,
 )
-from ..errors import InvalidInputError, RequestFailedError
+from ..errors import CheckpointExistsError, InvalidInputError, RequestFailedError
 from ..types import (
     AdapterSnapshot,
     LoadWeightsResponse,
@@ -36,7 +37,14 @@ from ..types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
-from ..validation import check_adam_params, check_logprobs_prompt, check_loss, check_sample
+from ..validation import (
+    check_adam_params,
+    check_logprob_options,
+    check_logprobs_prompt,
+    check_loss,
+    check_sample,
+    check_save_extras,
+)
 from . import checkpoints as ckpt
 from .clock import Prepared, Tenant
 from .compute import make_forward_job, run_forward_jobs
@@ -114,38 +122,64 @@ def prepare_save(pool: LocalPool, tenant: Tenant, op: str, request: SaveRequest)
     _trained(tenant, op)
     if request.name is not None or not request.make_sampler:  # only an in-memory sampler may go unnamed
         ckpt.validate_name(request.name)
+    check_save_extras(request.ttl_seconds, request.user_metadata)
+    if request.name is not None:
+        _refuse_existing(pool, tenant, request)  # early; run_save checks again (saves queued together)
     return Prepared(request)
+
+
+def _save_target(pool: LocalPool, tenant: Tenant, op: str, name: str) -> Any:
+    return ckpt.run_dir(pool, tenant) / ("weights" if op == "save_state" else "sampler_weights") / name
+
+
+def _refuse_existing(pool: LocalPool, tenant: Tenant, save: SaveRequest, op: str = "save_state") -> None:
+    if save.overwrite or save.name is None:
+        return
+    target = _save_target(pool, tenant, op, save.name)
+    if os.path.lexists(target):
+        raise CheckpointExistsError(f"a checkpoint named {save.name!r} exists already ({target}); pass "
+                                         f"overwrite=True to replace it", path=str(target))
 
 
 def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
     save: SaveRequest = request.payload
     adapter = _trained(tenant, request.op)
+    expires_at = time.time() + save.ttl_seconds if save.ttl_seconds is not None else None
     if request.op == "save_state":
         name = ckpt.validate_name(save.name)
-        path = ckpt.run_dir(pool, tenant) / "weights" / name
-        ckpt.write_checkpoint(path, tenant, "state", name)
+        _refuse_existing(pool, tenant, save)
+        path = _save_target(pool, tenant, request.op, name)
+        size = ckpt.write_checkpoint(path, tenant, "state", name, user_metadata=save.user_metadata,
+                                     expires_at=expires_at)
         request.record.metrics["step"] = float(adapter.adam.step)
-        return SaveWeightsResponse(path=str(path))
+        return SaveWeightsResponse(path=str(path), model=tenant.base.name, size=size)
     snapshot = adapter.snapshot()
     written = None
+    size = 0
     if save.name is not None:
-        target = ckpt.run_dir(pool, tenant) / "sampler_weights" / save.name
-        ckpt.write_checkpoint(target, tenant, "sampler", save.name, adapter=snapshot)
+        _refuse_existing(pool, tenant, save, request.op)
+        target = _save_target(pool, tenant, request.op, save.name)
+        size = ckpt.write_checkpoint(target, tenant, "sampler", save.name, adapter=snapshot,
+                                     user_metadata=save.user_metadata, expires_at=expires_at)
         written = str(target)
     if not save.make_sampler:
-        return SaveWeightsForSamplerResponse(path=written)
+        return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)
     sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
-                     kind="sampling")
+                     kind="sampling", extra={"parent": tenant.client_id})
     pool.add_tenant(sampler, save.label or f"{tenant.client_id} sampler")
     return SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written)
 
 
 def handle_of(tenant: Tenant, model_path: str | None = None) -> ModelHandle:
     adapter = tenant.adapter
-    return ModelHandle(client_id=tenant.client_id, base_model=tenant.base.name, rank=tenant.rank,
+    base = tenant.base
+    return ModelHandle(client_id=tenant.client_id, base_model=base.name, rank=tenant.rank,
                        alpha=adapter.alpha if adapter is not None else 0.0, seed=tenant.seed,
                        train_attn=tenant.train_attn, train_mlp=tenant.train_mlp, train_unembed=tenant.train_unembed,
-                       model_path=model_path)
+                       model_path=model_path,
+                       run_id=ckpt.run_id_of(tenant) if tenant.kind == "training" else None,
+                       arch=getattr(getattr(base.model, "config", None), "model_type", None),
+                       context_length=base.context_length)
 
 
 # -- load_state, load_state_with_optimizer ---------------------------------------------------
@@ -171,7 +205,7 @@ def run_load(pool: LocalPool, tenant: Tenant, request: Request) -> LoadWeightsRe
     adapter = _trained(tenant, request.op)
     adapter.load_state_dict(job.loaded.state_dict(), with_optimizer=job.with_optimizer)
     request.record.metrics["step"] = float(adapter.adam.step)
-    return LoadWeightsResponse(path=job.loaded.path)
+    return LoadWeightsResponse(path=job.loaded.path, model_id=ckpt.run_id_of(tenant))
 
 
 # -- inspect_adapter ---------------------------------------------------------------------------
@@ -190,14 +224,23 @@ def run_inspect(pool: LocalPool, tenant: Tenant, request: Request) -> AdapterSna
 
 def prepare_sample(pool: LocalPool, tenant: Tenant, op: str, request: SampleRequest) -> Prepared:
     _expect(request, SampleRequest, op)
+    limits = tenant.base.limits
     spec = check_sample(request.prompt, request.num_samples, request.sampling_params,
-                        request.include_prompt_logprobs, tenant.base.limits, pool.limits)
+                        request.include_prompt_logprobs, limits, pool.limits)
+    spec = check_logprob_options(spec, include_prompt_logprobs=request.include_prompt_logprobs,
+                                 topk_prompt_logprobs=request.topk_prompt_logprobs,
+                                 topk_sample_logprobs=request.topk_sample_logprobs,
+                                 prompt_logprobs_last_n=request.prompt_logprobs_last_n,
+                                 target_prompt_logprobs=request.target_prompt_logprobs,
+                                 prompt_alt_tokens_k=request.prompt_alt_tokens_k, limits=limits)
     return Prepared(spec, tokens=len(spec.prompt))
 
 
 def prepare_logprobs(pool: LocalPool, tenant: Tenant, op: str, request: ComputeLogprobsRequest) -> Prepared:
     _expect(request, ComputeLogprobsRequest, op)
     spec = check_logprobs_prompt(request.prompt, tenant.base.limits)
+    spec = check_logprob_options(spec, include_prompt_logprobs=True,
+                                 prompt_logprobs_last_n=request.prompt_logprobs_last_n, limits=tenant.base.limits)
     return Prepared(spec, tokens=len(spec.prompt))
 
 

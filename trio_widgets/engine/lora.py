@@ -26,10 +26,19 @@ class AdamState:
 
 def all_finite(tensor: torch.Tensor) -> bool:
     """One reduction and no temporary (NaN propagates through min/max; a sum could overflow)."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return math.isfinite(float(low)) and math.isfinite(float(high))
+    return finite_flags([tensor])[0]
+
+
+def finite_flags(tensors: list[torch.Tensor | None]) -> list[bool]:
+    """Whether each tensor is all finite (None: yes), with one device-to-host sync for all of
+    them: on a GPU each `float(...)` of a reduction would wait for the device."""
+    present = [(i, t) for i, t in enumerate(tensors) if t is not None and t.numel() > 0]
+    flags = [True] * len(tensors)
+    if present:
+        extremes = torch.stack([torch.stack(torch.aminmax(t)) for _, t in present])
+        for (i, _), ok in zip(present, torch.isfinite(extremes).all(dim=1).tolist()):
+            flags[i] = bool(ok)
+    return flags
 
 
 _scratch = threading.local()

@@ -1,4 +1,5 @@
-"""Base models: the built-in tiny Llama (no download) and local Hugging Face causal LMs.
+"""Base models: the built-in tiny Llama (no download), local Hugging Face causal LMs, and
+Hugging Face Hub models, downloaded only when the user allows it.
 
 A loaded base is frozen, put in eval mode, switched to the packed attention
 implementation, and has its LoRA-able linears wrapped by `MultiLoRALinear` once; every
@@ -7,6 +8,7 @@ tenant of that base then shares it.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..errors import UnknownModelError
+from ..errors import DownloadFailedError, DownloadNotAllowedError, ModelDownloadError, UnknownModelError
 from ..validation import ModelLimits
 from .packing import ATTN_IMPLEMENTATION, MultiLoRALinear, register_attention
 
@@ -168,6 +170,25 @@ def _build_builtin(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
     return model.to(dtype), byte_tokenizer()
 
 
+# What a causal LM needs from a Hub repo: config, safetensors weights, tokenizer files. Not the
+# ONNX / GGUF / original-checkpoint copies many repos also hold (often several times the size).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+ALLOW_DOWNLOAD_ENV = "TRIO_ALLOW_DOWNLOAD"
+_HOW_TO_ALLOW = f"pass allow_download=True to trio.LocalPool(...) or set {ALLOW_DOWNLOAD_ENV}=1"
+
+
+def download_allowed(allow_download: bool | None) -> bool:
+    """`LocalPool(allow_download=...)`: True/False as given; None reads $TRIO_ALLOW_DOWNLOAD."""
+    if allow_download is not None:
+        return bool(allow_download)
+    value = os.environ.get(ALLOW_DOWNLOAD_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ALLOW_DOWNLOAD_ENV} must be 1 or 0 (or true/false, yes/no), got {value!r}")
+
+
 def _local_model_dir(name: str) -> str | None:
     """A directory holding `name`: the path itself, or its snapshot in the local HF cache.
 
@@ -178,21 +199,74 @@ def _local_model_dir(name: str) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(name, local_files_only=True)
+        # Complete means: every file a download fetches is there (not the ONNX copies and the like);
+        # a PyTorch-pickle-only repo's *.bin files come with the same snapshot folder.
+        return snapshot_download(name, local_files_only=True, allow_patterns=HUB_FILES)
     except Exception:  # not cached, or not a valid repo id
         return None
 
 
-def _load_local(name: str, dtype: torch.dtype) -> tuple[Any, Any]:
+def _is_repo_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _download(name: str) -> str:
+    """Fetch `name` from the Hugging Face Hub into the HF cache with the hub client's own
+    `snapshot_download`: its progress bars are tqdm.auto, a widget in a notebook and text in
+    a terminal; files already cached are not fetched again."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    endpoint = constants.ENDPOINT
+    try:
+        path = snapshot_download(name, allow_patterns=HUB_FILES)
+        if not any(f.endswith(".safetensors") for f in os.listdir(path)):  # older repos: PyTorch pickles only
+            path = snapshot_download(name, allow_patterns=HUB_FILES + ["*.bin"])
+    except GatedRepoError as exc:
+        raise ModelDownloadError(
+            f"{name!r} is gated on the Hugging Face Hub: accept its terms at {endpoint}/{name} and log in "
+            f"(`hf auth login` or $HF_TOKEN), then try again", field="base_model") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelDownloadError(
+            f"unknown model {name!r}: there is none on the Hugging Face Hub at {endpoint} (or it is private: "
+            f"log in with `hf auth login` or set $HF_TOKEN); check the id", field="base_model") from exc
+    except RevisionNotFoundError as exc:
+        raise ModelDownloadError(f"{name!r} has no 'main' revision on the Hugging Face Hub at {endpoint}",
+                                 field="base_model") from exc
+    except Exception as exc:  # no network, offline mode, a refused or broken connection, a full disk
+        cause = exc.__cause__ or exc
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        raise DownloadFailedError(
+            f"could not download {name!r} from the Hugging Face Hub at {endpoint} (offline?){offline}: "
+            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''} -- check the network, "
+            f"$HF_ENDPOINT and $HF_HUB_OFFLINE, or fetch it where there is a network (`hf download {name}`) and "
+            f"pass its directory", field="base_model") from exc
+    return path
+
+
+def _load_local(name: str, dtype: torch.dtype, allow_download: bool | None = None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
     path = _local_model_dir(name)
     known = ", ".join(BUILTIN_MODELS)
-    if path is None:
+    if path is None and not _is_repo_id(name):
         raise UnknownModelError(
             f"unknown model {name!r}: it is not built in ({known}), not a local directory with a saved "
-            f"Hugging Face model, and not in the local Hugging Face cache (nothing is downloaded)",
-            field="base_model")
+            f"Hugging Face model, and not a Hugging Face Hub id", field="base_model")
+    if path is None:
+        where = (f"unknown model {name!r}: it is not built in ({known}), not a local directory, and not in the "
+                 f"local Hugging Face cache")
+        if not download_allowed(allow_download):
+            raise DownloadNotAllowedError(
+                f"{where}; downloading it from the Hugging Face Hub is not allowed: {_HOW_TO_ALLOW} "
+                f"(or save the model to a directory and pass its path)", field="base_model")
+        path = _download(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
@@ -283,7 +357,9 @@ def _load_tokenizer(path: str) -> Any:
 _REGISTER_LOCK = threading.Lock()
 
 
-def load_base_model(name: str, device: torch.device) -> BaseModel:
+def load_base_model(name: str, device: torch.device, allow_download: bool | None = None) -> BaseModel:
+    """`name` built in, from a local directory or the local HF cache, or (`allow_download`,
+    None: $TRIO_ALLOW_DOWNLOAD) fetched from the Hugging Face Hub; frozen and wrapped."""
     with _REGISTER_LOCK:
         register_attention()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -293,7 +369,7 @@ def load_base_model(name: str, device: torch.device) -> BaseModel:
         model, tokenizer = _build_builtin(name, dtype)
         source = "builtin"
     else:
-        model, tokenizer = _load_local(name, dtype)
+        model, tokenizer = _load_local(name, dtype, allow_download)
         source = os.path.abspath(name) if os.path.isdir(name) else name
     model.requires_grad_(False)
     model.eval()
@@ -305,3 +381,31 @@ def load_base_model(name: str, device: torch.device) -> BaseModel:
     vocab = int(model.get_input_embeddings().num_embeddings)
     return BaseModel(name=name, model=model, tokenizer=tokenizer, vocab_size=vocab, context_length=context,
                      device=device, dtype=dtype, lora_targets=targets, source=source)
+
+
+def is_base_model_name(name: object) -> bool:
+    """Whether `name` names a base model this machine has (built in, a local model directory,
+    or an id in the local HF cache), without loading it."""
+    if not isinstance(name, str) or not name:
+        return False
+    if name in BUILTIN_MODELS:
+        return True
+    path = _local_model_dir(name)
+    return path is not None and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def context_length_of(name: str) -> int | None:
+    """A base model's context length from its config, without loading its weights (None if
+    it cannot be read). The same number `load_base_model` uses."""
+    if name in BUILTIN_MODELS:
+        return int(_tiny_llama_config().max_position_embeddings)
+    path = _local_model_dir(name)
+    if path is None:
+        return None
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings", 2048) if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 2048

@@ -46,6 +46,7 @@ class PackPlan:
     # [batch, length] tensor whose attention needs no special handling (sampling).
     seq_lens: list[int] | None = None
     _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
+    _cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
     # (a stacked A or B leaf of one layer's segment group, the adapters' gradient views it feeds)
     grad_leaves: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
 
@@ -57,6 +58,16 @@ class PackPlan:
             if leaf.grad is not None:
                 torch._foreach_add_(sinks, list(leaf.grad.unbind(0)))
         self.grad_leaves.clear()
+
+    def cumulative_lengths(self, device: torch.device) -> torch.Tensor:
+        """[0, l0, l0+l1, ...] as int32 on `device`: where each packed sequence starts (varlen kernels)."""
+        if self._cu_seqlens is None or self._cu_seqlens.device != device:
+            assert self.seq_lens is not None
+            starts = [0]
+            for n in self.seq_lens:
+                starts.append(starts[-1] + n)
+            self._cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=device)
+        return self._cu_seqlens
 
     def length_groups(self, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
         """Sequences grouped by length, as (length, token index or None if contiguous)."""
@@ -95,6 +106,17 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
+    if query.is_cuda and _varlen_works(query.device, query.dtype):
+        # one FlashAttention call over the whole row, each sequence attending to itself only
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = plan.cumulative_lengths(query.device)
+        longest = max(plan.seq_lens)
+        whole = varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu, cu,
+                            longest, longest, scale=scaling, window_size=(-1, 0),
+                            enable_gqa=key.shape[1] != query.shape[1])
+        assert isinstance(whole, torch.Tensor)  # (no aux requested)
+        return whole.unsqueeze(0), None
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:
         key = key.repeat_interleave(n_rep, dim=1)
@@ -125,6 +147,41 @@ def segment_scales(adapters: list[LoRAAdapter], dtype: torch.dtype, device: torc
     if all(s == scales[0] for s in scales):
         return scales[0]
     return torch.tensor(scales, dtype=dtype, device=device).view(-1, 1, 1)
+
+
+_VARLEN_CHECKED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _varlen_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's varlen FlashAttention runs on this device and dtype and agrees with SDPA,
+    forward and backward: checked once on two short sequences, else the grouped SDPA path."""
+    key_ = (str(device), dtype)
+    if key_ not in _VARLEN_CHECKED:
+        ok = False
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            g = torch.Generator(device="cpu").manual_seed(0)
+            lens, heads, dim = [5, 3], 2, 64
+            q, k, v = (torch.randn(sum(lens), heads, dim, generator=g).to(device, dtype).requires_grad_()
+                       for _ in range(3))
+            cu = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
+            out = varlen_attn(q, k, v, cu, cu, max(lens), max(lens), window_size=(-1, 0))
+            assert isinstance(out, torch.Tensor)
+            def causal(s: int, e: int) -> torch.Tensor:  # one sequence alone, in fp32: the reference
+                qs, ks, vs = (t[s:e].transpose(0, 1)[None].float() for t in (q, k, v))
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)[0].transpose(0, 1)
+
+            ref = torch.cat([causal(0, 5), causal(5, 8)])
+            out.float().sum().backward()
+            # A sum of `dim` terms of O(1) values in this dtype: well within 8·dim·eps of the fp32 reference.
+            tol = 8 * dim * torch.finfo(dtype).eps
+            ok = bool((out.float() - ref).abs().max() <= tol) and all(
+                t.grad is not None and bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+        except Exception:  # no kernel for this device or dtype: the portable path it is
+            ok = False
+        _VARLEN_CHECKED[key_] = ok
+    return _VARLEN_CHECKED[key_]
 
 
 def register_attention() -> None:
@@ -182,6 +239,7 @@ class MultiLoRALinear(nn.Module):
         if not groups:
             return out
         pieces: list[torch.Tensor | None] = [None] * len(plan.segments)
+        lora_dtype = out.dtype
         for (length, _rank), group in groups.items():
             members = [i for i, _, _ in group]
             segs = [seg for _, seg, _ in group]
@@ -207,8 +265,12 @@ class MultiLoRALinear(nn.Module):
                                    xs.to(lora_a.dtype), lora_a, lora_b, scale)
                 return fused.view(out.shape).to(out.dtype)
             delta = lora_delta(None, xs.to(lora_a.dtype), lora_a, lora_b, scale)
+            lora_dtype = delta.dtype
             for i, d in zip(members, delta.unbind(0)):
-                pieces[i] = d.to(out.dtype)
-        filled = [p if p is not None else out.new_zeros(seg.end - seg.start, out.shape[-1])
+                pieces[i] = d
+        # Added in the LoRA dtype and rounded once, as the whole-row path does: a bf16 base would
+        # otherwise round each delta to bf16 before adding it (and a tenant's result would depend
+        # on whether its neighbours share its rank and length, by up to a bf16 rounding).
+        filled = [p if p is not None else out.new_zeros(seg.end - seg.start, out.shape[-1], dtype=lora_dtype)
                   for p, seg in zip(pieces, plan.segments)]
-        return out + torch.cat(filled, dim=0).view_as(out)
+        return (out.to(lora_dtype) + torch.cat(filled, dim=0).view_as(out)).to(out.dtype)

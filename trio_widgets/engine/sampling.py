@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import RequestFailedError
-from ..types import SampledSequence, SampleResponse
+from ..errors import RequestErrorCategory, RequestFailedError
+from ..types import PromptAltTokens, SampledSequence, SampleResponse, TensorData
 from ..validation import SampleSpec
 from .lora import LoRAAdapter
 from .models import BaseModel
@@ -122,11 +122,19 @@ class _Row:
     uniforms: torch.Tensor  # float64 [max_tokens]
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk: list[list[tuple[int, float]] | None] = field(default_factory=list)
     stop_reason: str | None = None
 
 
+def _topk_lists(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """The k most likely (token, logprob) of each row of `logp` [rows, vocab], logprob descending."""
+    values, ids = logp.topk(k, dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
 def _choose(logits: torch.Tensor, rows: list[_Row], step: int) -> tuple[list[int], list[float]]:
-    """The next token of each row and its model log-probability."""
+    """The next token of each row and its model log-probability (and, for rows that asked for
+    top-k sample logprobs, the top k of the same distribution)."""
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     n, vocab = logits.shape
@@ -151,6 +159,11 @@ def _choose(logits: torch.Tensor, rows: list[_Row], step: int) -> tuple[list[int
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
         out[stochastic] = order.gather(1, pick).squeeze(1)
     chosen = logp.gather(1, out[:, None]).squeeze(1)
+    k = max(r.spec.topk_sample_logprobs for r in rows)
+    if k:
+        for row, top in zip(rows, _topk_lists(logp, k)):
+            if row.spec.topk_sample_logprobs:
+                row.topk.append(top[:row.spec.topk_sample_logprobs])
     return out.tolist(), chosen.tolist()
 
 
@@ -180,13 +193,8 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec
     cache = _new_cache(model) if rows else None
     logits = _forward(model, ids, _prefill_mask(valid), positions, adapters, cache)
 
-    prompt_lps: list[list[float | None] | None] = [None] * len(items)
-    for j, (_, job) in enumerate(items):
-        if job.prompt_logprobs:
-            n = len(job.prompt)
-            lp = torch.log_softmax(logits[j, length - n:length - 1].float(), dim=-1)
-            target = torch.tensor(job.prompt[1:], dtype=torch.long, device=lp.device)
-            prompt_lps[j] = [None] + lp.gather(1, target[:, None]).squeeze(1).tolist()
+    prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1], job)
+                   for i, (_, job) in enumerate(items)]
 
     if rows and cache is not None:
         index = torch.tensor([r.job for r in rows], device=device)
@@ -231,14 +239,79 @@ def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec
     for row in rows:
         by_job[row.job].append(row)
     for j, (_, job) in enumerate(items):
+        side = prompt_side[j]
         if job.logprobs_only:
-            results.append(prompt_lps[j])
+            results.append(side.logprobs)
         else:
             sequences = [SampledSequence(tokens=r.tokens, logprobs=r.logprobs,
-                                         stop_reason="stop" if r.stop_reason == "stop" else "length")
+                                         stop_reason="stop" if r.stop_reason == "stop" else "length",
+                                         topk_logprobs=list(r.topk) if job.topk_sample_logprobs else None)
                          for r in by_job[j]]
-            results.append(SampleResponse(sequences=sequences, prompt_logprobs=prompt_lps[j]))
+            results.append(SampleResponse(sequences=sequences, prompt_logprobs=side.logprobs,
+                                          topk_prompt_logprobs=side.topk, target_prompt_logprobs=side.targets,
+                                          prompt_alt_tokens=side.alt))
     return results
+
+
+@dataclass
+class _PromptSide:
+    """What a request asked for about its prompt (each None if not asked for)."""
+
+    logprobs: list[float | None] | None = None
+    topk: list[list[tuple[int, float]] | None] | None = None
+    targets: TensorData | None = None
+    alt: PromptAltTokens | None = None
+
+
+def _prompt_side(logits: torch.Tensor, job: SampleSpec) -> _PromptSide:
+    """From the prefill's logits of positions 0..n-2 (row i predicts prompt[i + 1]): prompt
+    logprobs and top-k of the last `prompt_logprobs_last_n` positions (all but the first by
+    default; None elsewhere), the logprobs of `target_prompt_ids`, and alternative draws."""
+    side = _PromptSide()
+    n = len(job.prompt)
+    want_rows = job.prompt_logprobs or job.topk_prompt_logprobs
+    want_all = job.target_prompt_ids is not None or job.prompt_alt_tokens_k
+    if not (want_rows or want_all) or n < 2:
+        if job.prompt_logprobs:
+            side.logprobs = [None] * n
+        if job.topk_prompt_logprobs:
+            side.topk = [None] * n
+        return side
+    # positions first..n-1 are scored; only their rows need a log-softmax over the vocabulary
+    first = 1 if job.prompt_logprobs_last_n is None else n - job.prompt_logprobs_last_n
+    start = 0 if want_all else first - 1
+    lp = torch.log_softmax(logits[start:].float(), dim=-1)  # row r: position start + r + 1
+    scored = lp[first - 1 - start:]
+    unscored: list[None] = [None] * first
+    if job.prompt_logprobs:
+        target = torch.tensor(job.prompt[first:], dtype=torch.long, device=lp.device)
+        side.logprobs = unscored + scored.gather(1, target[:, None]).squeeze(1).tolist()
+    if job.topk_prompt_logprobs:
+        side.topk = [*unscored, *_topk_lists(scored, job.topk_prompt_logprobs)]
+    if job.target_prompt_ids is not None:
+        ids = torch.tensor(job.target_prompt_ids, dtype=torch.long, device=lp.device).reshape(n - 1, -1)
+        values = lp.gather(1, ids.clamp(min=0)).masked_fill(ids < 0, 0.0)
+        side.targets = TensorData(values.cpu().numpy(), "float32")
+    if job.prompt_alt_tokens_k:
+        side.alt = _alt_tokens(logits.float(), lp, job)
+    return side
+
+
+def _alt_tokens(logits: torch.Tensor, lp: torch.Tensor, job: SampleSpec) -> PromptAltTokens:
+    """k draws with replacement per prompt position at the request's temperature (greedy at 0),
+    from a generator of their own: the request's seed gives the same draws every time."""
+    k = job.prompt_alt_tokens_k
+    if job.temperature == 0:
+        ids = logits.argmax(dim=-1, keepdim=True).expand(-1, k)
+    else:
+        probs = torch.softmax(logits.double().cpu() / job.temperature, dim=-1)
+        gen = torch.Generator(device="cpu").manual_seed(_row_seed(job.seed, _ALT_STREAM))
+        ids = torch.multinomial(probs, k, replacement=True, generator=gen).to(lp.device)
+    return PromptAltTokens(tokens=TensorData(ids.cpu().numpy(), "int64"),
+                           logprobs=TensorData(lp.gather(1, ids).cpu().numpy(), "float32"))
+
+
+_ALT_STREAM = 1 << 32  # a seed index no sample row uses (rows count from 0)
 
 
 def _chunks(jobs: list[SampleSpec], budget: int) -> list[list[int]]:
@@ -270,7 +343,8 @@ def run_sample_batch(base: BaseModel, items: list[tuple[LoRAAdapter | None, Samp
         except Exception as exc:
             results = []
             for _ in chunk:
-                err = RequestFailedError(f"sampling failed: {type(exc).__name__}: {exc}")
+                err = RequestFailedError(f"sampling failed: {type(exc).__name__}: {exc}",
+                                         category=RequestErrorCategory.Server)
                 err.__cause__ = exc
                 results.append(err)
         for i, result in zip(chunk, results):

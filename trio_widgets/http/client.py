@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime
 import itertools
 import logging
 import threading
@@ -55,6 +56,7 @@ from ..errors import (
     APIConnectionError,
     APIStatusError,
     AuthenticationError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ClientClosedError,
     InternalServerError,
@@ -67,11 +69,18 @@ from ..errors import (
 )
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..types import (
+    Checkpoint,
+    GetSamplerResponse,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
     LoadWeightsResponse,
     OptimStepResponse,
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
+    SupportedModel,
+    TrainingRun,
+    WeightsInfoResponse,
     check_text_only,
 )
 from . import wire
@@ -109,6 +118,8 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
         return PermissionDeniedError(message)
     if status == 404:
         return CheckpointNotFoundError(message, path=path) if path is not None else NotFoundError(message)
+    if status == 409:
+        return CheckpointExistsError(message, path=path, field=field_name or "name")
     if status == 410:
         return PoolClosedError(message)
     if status >= 500:
@@ -365,6 +376,9 @@ class HttpBackend:
         self._samplers: dict[str, tuple[ModelHandle, itertools.count]] = {}
         self._tokenizer_ids: dict[str, str | None] = {}
         self._tokenizers: dict[str, Any] = {}
+        # what this session made, for the RestClient's questions: run id -> (handle, last submit)
+        self._runs: dict[str, tuple[ModelHandle, datetime.datetime]] = {}
+        self._sampler_ids: list[str] = []
 
     def __repr__(self) -> str:
         return f"<HttpBackend {self.base_url} session={self.session_id}>"
@@ -396,8 +410,11 @@ class HttpBackend:
                              alpha=float(extra.get("alpha", 0.0)), seed=int(extra.get("seed", 0)),
                              train_attn=bool(extra.get("train_attn", True)),
                              train_mlp=bool(extra.get("train_mlp", True)),
-                             train_unembed=bool(extra.get("train_unembed", True)))
+                             train_unembed=bool(extra.get("train_unembed", True)),
+                             run_id=model_id,  # tinker's model_id names its checkpoints: tinker://<model_id>/...
+                             arch=info["model_data"].get("arch"))
         self._lanes[model_id] = _Lane(handle)
+        self._runs[model_id] = (handle, _utcnow())
         return handle
 
     def create_model(self, request: CreateModelRequest) -> ModelHandle:
@@ -407,7 +424,7 @@ class HttpBackend:
             lora["seed"] = request.seed
         body = {"session_id": self.session_id, "model_seq_id": next(self._model_seq), "base_model": request.base_model,
                 "lora_config": lora, "optimizer_config": {"type": "adamw"}, "type": "create_model",
-                "user_metadata": {"name": request.label} if request.label else {}}
+                "user_metadata": _metadata(request.user_metadata, request.label)}
         created = self._wait(self._link.call("POST", "/create_model", json=body), "create_model")
         return self._training_handle(created["model_id"])
 
@@ -415,7 +432,9 @@ class HttpBackend:
         path = _tinker_path(request.path)
         body = {"session_id": self.session_id, "model_seq_id": next(self._model_seq), "path": path,
                 "optimizer": request.with_optimizer, "type": "load_weights",
-                "user_metadata": {"name": request.label} if request.label else {}}
+                "user_metadata": _metadata(request.user_metadata, request.label)}
+        if request.base_model is not None:
+            body["base_model"] = request.base_model
         submitted = self._link.call("POST", "/load_weights", json=body, checkpoint=path)
         self._wait(submitted, "load_weights")
         handle = self._training_handle(submitted["model_id"])
@@ -441,6 +460,9 @@ class HttpBackend:
                                 alpha=float(extra.get("alpha", 0.0)), seed=int(extra.get("seed", 0)),
                                 model_path=info.get("model_path"))
         self._samplers[sampler_id] = (known, itertools.count())
+        if sampler_id not in self._sampler_ids:
+            self._sampler_ids.append(sampler_id)
+            del self._sampler_ids[:-4096]  # bounded, like everything a long session keeps
         return known
 
     def release(self, client_id: str) -> None:
@@ -479,6 +501,10 @@ class HttpBackend:
         lane = self._lanes.get(client_id)
         if lane is None:
             raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
+        if isinstance(request, SaveRequest):
+            _check_save(request)
+        if client_id in self._runs:
+            self._runs[client_id] = (self._runs[client_id][0], _utcnow())
         item = _Outgoing(op, request, True, PoolFuture())
         item.future._ask = lambda: self._cancel(lane, item)
         with lane.lock:
@@ -559,8 +585,8 @@ class HttpBackend:
                                     "adam_params": wire.adam_to_json(request.adam_params)},
                     lambda body, _p: OptimStepResponse(metrics=dict(body.get("metrics") or {})))
         if op == "save_state" and isinstance(request, SaveRequest):
-            return ("/save_weights", {"model_id": model_id, "path": request.name, "seq_id": seq, "overwrite": True,
-                                      "type": "save_weights"},
+            return ("/save_weights", {"model_id": model_id, "path": request.name, "seq_id": seq,
+                                      "overwrite": request.overwrite, "type": "save_weights"},
                     lambda body, _p: SaveWeightsResponse(path=body["path"]))
         if op == "save_weights_for_sampler" and isinstance(request, SaveRequest):
             out: dict[str, Any] = {"model_id": model_id, "seq_id": seq, "kind": "snapshot",
@@ -594,8 +620,14 @@ class HttpBackend:
     def _sample(self, sampler_id: str, op: str, request: Any) -> APIFuture:
         handle, seqs = self._samplers[sampler_id]
         if op == "compute_logprobs" and isinstance(request, ComputeLogprobsRequest):
+            if request.prompt_logprobs_last_n is not None:
+                raise _not_served("prompt_logprobs_last_n")
             prompt, num, params, logprobs = request.prompt, 1, SamplingParams(max_tokens=1), True
         elif op == "sample" and isinstance(request, SampleRequest):
+            for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
+                             ("prompt_logprobs_last_n", None), ("target_prompt_logprobs", None)):
+                if getattr(request, key) not in (off, None):
+                    raise _not_served(key, off)
             prompt, num, logprobs = request.prompt, request.num_samples, request.include_prompt_logprobs
             params = request.sampling_params or SamplingParams()
         else:
@@ -628,6 +660,78 @@ class HttpBackend:
 
     def run_in_background(self, work: Callable[[], None]) -> None:
         self._worker.submit(work)
+
+    # -- what the RestClient asks (trio_widgets/rest.py): this session's runs and samplers -------
+    def capabilities(self) -> GetServerCapabilitiesResponse:
+        body = self._link.call("GET", "/get_server_capabilities")
+        return GetServerCapabilitiesResponse([
+            SupportedModel(str(m["model_name"]), trainable=m.get("trainable"), sampleable=m.get("sampleable"))
+            for m in body.get("supported_models", []) if isinstance(m, dict) and "model_name" in m])
+
+    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
+        """The checkpoints of one of this session's runs (the server keeps each API key's apart),
+        or of all of them."""
+        if run_id is None:
+            return [c for rid in list(self._runs) for c in self._run_checkpoints(rid, missing_ok=True)]
+        return self._run_checkpoints(run_id)
+
+    def _run_checkpoints(self, run_id: str, missing_ok: bool = False) -> list[Checkpoint]:
+        if not isinstance(run_id, str) or not run_id or "/" in run_id:
+            raise InvalidInputError(f"must be a training run id, got {run_id!r:.80}", field="training_run_id")
+        try:
+            body = self._link.call("GET", f"/training_runs/{run_id}/checkpoints")
+        except NotFoundError:
+            if missing_ok:
+                return []  # nothing saved yet
+            raise
+        out = []
+        for c in body.get("checkpoints", []):
+            when = datetime.datetime.fromisoformat(str(c["time"]).replace("Z", "+00:00"))
+            out.append(Checkpoint(checkpoint_id=c["checkpoint_id"], checkpoint_type=c["checkpoint_type"], time=when,
+                                  tinker_path=c["tinker_path"], path=c["tinker_path"]))
+        return out
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        raise _not_offered("deleting a checkpoint")
+
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        raise _not_offered("setting a checkpoint's time to live")
+
+    def weights_info(self, path: Any) -> WeightsInfoResponse:
+        raise _not_offered("reading a checkpoint's weights info")
+
+    def training_runs(self) -> list[TrainingRun]:
+        runs = [self.training_run(rid) for rid in list(self._runs)]
+        return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+
+    def training_run(self, run_id: str) -> TrainingRun:
+        known = self._runs.get(run_id) if isinstance(run_id, str) else None
+        if known is None:
+            raise NotFoundError(f"no training run {run_id!r:.80} in this session (over HTTP a session sees only "
+                                f"the runs it created)")
+        handle, last = known
+        saved = self._run_checkpoints(run_id, missing_ok=True)
+        newest = {kind: max((c for c in saved if c.checkpoint_type == kind), key=lambda c: c.time, default=None)
+                  for kind in ("training", "sampler")}
+        return TrainingRun(training_run_id=run_id, base_model=handle.base_model, model_owner=self.session_id or "",
+                           is_lora=True, last_request_time=last, lora_rank=handle.rank,
+                           last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"])
+
+    def sampler(self, sampler_id: str) -> GetSamplerResponse:
+        if not isinstance(sampler_id, str) or not sampler_id or "/" in sampler_id:
+            raise InvalidInputError(f"must be a sampler id, got {sampler_id!r:.80}", field="sampler_id")
+        info = self._link.call("GET", f"/samplers/{sampler_id}")
+        return GetSamplerResponse(sampler_id=sampler_id, base_model=info["base_model"],
+                                  model_path=info.get("model_path"))
+
+    def sessions(self) -> list[str]:
+        return [self.session_id] if self.session_id else []
+
+    def session(self, session_id: str) -> GetSessionResponse:
+        if session_id != self.session_id:
+            raise NotFoundError(f"no session {session_id!r:.80} here: over HTTP a client sees only its own "
+                                f"session ({self.session_id})")
+        return GetSessionResponse(training_run_ids=list(self._runs), sampler_ids=list(self._sampler_ids))
 
     def close(self) -> None:
         """Finish the session on the server, fail what is still pending, stop the poller and the
@@ -664,6 +768,34 @@ class _HttpSlot:
                 self._lane.outbox.remove(self._item)
             _settle(self._item.future, exc=error)
             self._backend._flush(self._lane)
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _metadata(user_metadata: dict[str, str] | None, label: str | None) -> dict[str, str]:
+    """A model's user_metadata on the wire; its `name` labels its lane (the label wins)."""
+    out = dict(user_metadata or {})
+    if label:
+        out["name"] = label
+    return out
+
+
+def _not_served(key: str, off: Any = None) -> InvalidInputError:
+    return InvalidInputError(f"is not supported by a served trio pool; leave it at {off!r}", field=key)
+
+
+def _not_offered(what: str) -> InvalidInputError:
+    return InvalidInputError(f"{what} is not offered over HTTP by a served trio pool (the server keeps each API "
+                             f"key's checkpoints; an in-process RestClient on the server's machine can)", field="op")
+
+
+def _check_save(request: SaveRequest) -> None:
+    if request.ttl_seconds is not None:
+        raise _not_served("ttl_seconds")
+    if request.user_metadata:
+        raise _not_served("user_metadata")
 
 
 def _decode_forward(payload: Any, protobuf: bool) -> Any:

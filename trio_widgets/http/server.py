@@ -77,6 +77,7 @@ from ..engine import checkpoints as ckpt
 from ..engine.backend import LocalBackend
 from ..engine.clock import LocalPool
 from ..errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ClientClosedError,
     InvalidInputError,
@@ -698,8 +699,9 @@ class _Service:
             name = ckpt.validate_name(body.get("path"), "path")
             target = self._checkpoint_dir(owner, f"tinker://{model.model_id}/weights/{name}", must_exist=False)
             if not body.get("overwrite", False) and target.exists():
-                raise InvalidInputError(f"checkpoint {name!r} exists for this model; pass overwrite=True to "
-                                        f"replace it", field="path")
+                raise CheckpointExistsError(f"checkpoint {name!r} exists for this model; pass overwrite=True to "
+                                            f"replace it", path=f"tinker://{model.model_id}/weights/{name}",
+                                            field="path")
         path = f"tinker://{model.model_id}/weights/{name}"
 
         def encode(result: SaveWeightsResponse) -> tuple[dict, bool]:
@@ -1039,6 +1041,10 @@ def _endpoint(service: _Service, handler: Handler, *, observer: bool = False, op
             return _error_response(exc.status, str(exc), exc.field)
         except CheckpointNotFoundError as exc:
             return _error_response(404, str(exc), exc.field)
+        except CheckpointExistsError as exc:  # tinker's ConflictError (which its SDK retries, unless told not to)
+            response = _error_response(409, str(exc), exc.field)
+            response.headers["x-should-retry"] = "false"
+            return response
         except InvalidInputError as exc:
             return _error_response(400, str(exc), exc.field)
         except (PoolClosedError, ClientClosedError) as exc:

@@ -146,7 +146,31 @@ def batched_bokeh_widget(obj: LayoutDOM) -> ipywidgets.DOMWidget:
       document still changes; nothing is sent.
     """
     ensure_bokehjs()
+    from bokeh.document import Document
+    from bokeh.models import CustomJS
+
+    if obj.document is None:
+        Document().add_root(obj)
+    assert obj.document is not None
+    obj.document.js_on_event("document_ready", CustomJS(code=QUIET_VIEW_JS))
     return _batched_class()(obj)
+
+
+#: Runs in the page once a view's document has rendered (after it told the kernel so). It
+#: stops the view from echoing the document's changes to the kernel: jupyter_bokeh's view
+#: sends every event it applies from a patch back as a "jsevent" (whole streamed rows
+#: included), one comm message each, which the kernel must read on its shell, queued ahead
+#: of the user's next cell; the kernel ignores them all anyway (see BatchedBokehModel). Only
+#: MessageSent events (document_ready of a later render) still go through.
+QUIET_VIEW_JS = """
+const doc = cb_obj;
+if (doc == null || doc._callbacks == null || doc.__trio_quiet) return;
+doc.__trio_quiet = true;
+for (const [callback, batches] of [...doc._callbacks]) {
+  doc._callbacks.delete(callback);
+  doc._callbacks.set((event) => { if (event != null && event.kind === "MessageSent") callback(event); }, batches);
+}
+"""
 
 
 _BATCHED_CLASS = None
@@ -201,8 +225,35 @@ def _batched_class() -> type:
                 if events:
                     self._send_patch(events)
 
+        _refs: dict | None = None
+        _refs_key: int = -1
+
+        def _patch_message(self, events: list) -> Any:
+            """bokeh's PATCH-DOC for `events`, without rebuilding the reference map of every model
+            in the document each time (milliseconds per tick with ~800 models; the dashboard
+            adds none after it is built, so the map is reused until the synced set changes)."""
+            try:
+                from bokeh.core.serialization import Serializer
+                from bokeh.document.json import PatchJson
+                from bokeh.protocol.messages.patch_doc import patch_doc
+
+                doc = events[0].document
+                synced = doc.models.synced_references
+                if self._refs is None or self._refs_key != len(synced):
+                    self._refs = {id(obj): obj.ref for obj in synced}
+                    self._refs_key = len(synced)
+                serializer = Serializer()
+                serializer._references = dict(self._refs)
+                content = PatchJson(events=serializer.encode(events))
+                doc.models.flush_synced(lambda model: not serializer.has_ref(model))
+                msg = patch_doc(patch_doc.create_header(), {}, content)
+                msg.add_buffers(*serializer.buffers)
+                return msg
+            except (AttributeError, ImportError):  # pragma: no cover - bokeh changed its internals
+                return Protocol().create("PATCH-DOC", events)
+
         def _send_patch(self, events: list) -> None:
-            msg = Protocol().create("PATCH-DOC", events)
+            msg = self._patch_message(events)
             self.send({"msg": "patch", "payload": msg.header_json})
             self.send({"msg": "patch", "payload": msg.metadata_json})
             self.send({"msg": "patch", "payload": msg.content_json})

@@ -1,33 +1,37 @@
 """Dashboard: a live view of a LocalPool, with controls, in one ipywidgets layout.
 
->>> pool = trio.LocalPool(min_cycle_s=0.05)
->>> dash = trio.Dashboard(pool)
->>> dash            # displays; press Start, or run your own loop on `pool`
+>>> dash = trio.Dashboard()   # shows the newest pool, and the next one when it is replaced
+>>> dash = trio.Dashboard(pool)   # or this pool (and what replaces it if its cell runs again)
 
 How it updates (docs/architecture.md, "Widgets"):
 
 * the pool's telemetry calls a `TelemetryFeed` on the clock thread, which appends to
   bounded deques and does nothing else;
-* one asyncio task on the kernel's event loop (the loop the dashboard was built on)
-  wakes at most `refresh_hz` (10) times a second, drains the deques, and makes every
-  bokeh change of that tick inside one batch: one PATCH-DOC (three comm messages) per
-  tick however many sources were streamed; HTML (status, advisor) is sent only when its
-  text changed;
+* the dashboard runs its own thread ("trio-dashboard-N") with an asyncio loop: one task
+  wakes at most `refresh_hz` (10) times a second, drains the deques and makes every bokeh
+  change of that tick inside one batch (one PATCH-DOC, three comm messages, however many
+  sources were streamed); HTML (status, advisor) is sent only when its text changed. Its
+  own thread, so that it stays live while a cell blocks the kernel (a `.result()` loop);
 * widget callbacks (buttons, settings; they may run on a subshell thread with ipykernel 7)
-  only append to a deque and `call_soon_threadsafe` the handler onto that loop, so all
-  bokeh mutations, run starts and exports happen on one thread;
-* `close()` — or the pool closing, or re-running the cell that built it — stops the task
-  and unsubscribes.
+  only append to a deque and wake that loop, so all bokeh mutations, run starts and
+  exports happen on the dashboard's thread; the Start runs train on its loop too;
+* `close()` — or re-running the cell that built it — stops the runs it started (what they
+  submitted is recorded), stops the thread, leaves a static snapshot where it was shown, and
+  closes its widgets (the output first, then the widgets, so the page never talks to a
+  closed one). A dashboard whose kernel went away says so in the page (CSS on the
+  frontend's "disconnected" class).
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
+import itertools
 import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, cast
 
@@ -36,14 +40,14 @@ from bokeh.core.property.validation import validate
 
 from .._notebook import CellRegistry
 from ..advisor import Diagnosis, diagnose_telemetry
-from ..client import default_pool
 from ..engine import DEFAULT_MODEL, LocalPool
-from ..loop import MODES, TrainingRun
+from ..engine import clock as _clock
+from ..loop import MODES, TrainingRun, run_endings
 from ..metrics import cycles_per_update, format_cycles, period_history
-from ..ops import UPDATE_OPS
+from ..ops import OPS, UPDATE_OPS
 from ..trace import metrics_rows, write_chrome_trace, write_metrics_jsonl
 from ._bokeh_setup import batched_bokeh_widget
-from .controls import Controls
+from .controls import Controls, check_setting
 from .feed import TelemetryFeed
 from .figures import CLIENT_COLORS, DashboardFigures
 from .sweep import SweepLauncher, lr_multipliers
@@ -53,24 +57,35 @@ __all__ = ["Dashboard", "lr_multipliers"]  # lr_multipliers: the sweep's, kept i
 log = logging.getLogger(__name__)
 
 _CELL_DASHBOARDS = CellRegistry()
+_DASHBOARD_IDS = itertools.count(1)
+#: seconds an update (or any request) counts as recent for the pool's state pill
+_ACTIVE_S = 2.0
+#: the status and advisor text change at most this often (each change restyles the page), unless
+#: the pill or a notice changed
+_TEXT_EVERY_S = 0.5
 
 _CSS = """<style>
 .trio-dashboard { font-family: Inter, 'Segoe UI', Helvetica, Arial, sans-serif; background: #ffffff;
-  border: 1px solid #e5e7eb; border-radius: 10px; padding: 10px 14px 12px 14px; box-sizing: border-box; }
-.trio-dashboard .trio-title { font-size: 16px; font-weight: 650; color: #111827; letter-spacing: .01em; }
+  border: 1px solid #e5e7eb; border-radius: 10px; padding: 8px 12px 10px 12px; box-sizing: border-box;
+  max-width: 100%; min-width: 0; }
+.trio-dashboard .trio-title { font-size: 15px; font-weight: 650; color: #111827; letter-spacing: .01em; }
 .trio-dashboard .trio-title .trio-sub { font-size: 12px; font-weight: 400; color: #6b7280; margin-left: 8px; }
-.trio-dashboard .trio-status { font-size: 12.5px; color: #374151; line-height: 1.5; }
+.trio-dashboard .trio-status { font-size: 12.5px; color: #374151; line-height: 1.55; }
 .trio-dashboard .trio-status b { color: #111827; font-variant-numeric: tabular-nums; }
 .trio-dashboard .trio-pill { display: inline-block; padding: 0 8px; border-radius: 999px; font-size: 11px;
   font-weight: 600; text-transform: uppercase; letter-spacing: .04em; margin-right: 6px; }
-.trio-dashboard .trio-pill.idle, .trio-dashboard .trio-pill.stopped { background: #f3f4f6; color: #4b5563; }
-.trio-dashboard .trio-pill.running { background: #dcfce7; color: #166534; }
-.trio-dashboard .trio-pill.starting, .trio-dashboard .trio-pill.watching { background: #e0f2fe; color: #075985; }
+.trio-dashboard .trio-pill.idle, .trio-dashboard .trio-pill.waiting { background: #f3f4f6; color: #4b5563; }
+.trio-dashboard .trio-pill.training { background: #dcfce7; color: #166534; }
+.trio-dashboard .trio-pill.sampling { background: #e0f2fe; color: #075985; }
 .trio-dashboard .trio-pill.paused { background: #fef3c7; color: #92400e; }
-.trio-dashboard .trio-pill.closed, .trio-dashboard .trio-pill.error { background: #fee2e2; color: #991b1b; }
+.trio-dashboard .trio-pill.closed { background: #fee2e2; color: #991b1b; }
+.trio-dashboard .trio-pill.snapshot { background: #e5e7eb; color: #374151; }
+.trio-dashboard .trio-runs { color: #4b5563; margin-left: 6px; }
 .trio-dashboard .trio-cpu { display: inline-block; margin-right: 12px; white-space: nowrap; }
 .trio-dashboard .trio-dot { display: inline-block; width: 9px; height: 9px; border-radius: 50%;
   margin-right: 5px; vertical-align: baseline; }
+.trio-dashboard .trio-notice { color: #92400e; }
+.trio-dashboard .trio-notice.bad { color: #991b1b; }
 .trio-dashboard .trio-advisor { font-size: 12.5px; color: #1f2937; border-top: 1px solid #f1f5f9;
   padding-top: 6px; }
 .trio-dashboard .trio-advisor .trio-adv-title { font-weight: 600; color: #111827; margin-bottom: 2px; }
@@ -80,8 +95,21 @@ _CSS = """<style>
 .trio-dashboard .trio-badge.ok { background: #dcfce7; color: #166534; }
 .trio-dashboard .trio-badge.waste { background: #fee2e2; color: #991b1b; }
 .trio-dashboard .trio-badge.wait { background: #f3f4f6; color: #6b7280; }
-.trio-dashboard .trio-exports { font-size: 11.5px; color: #6b7280; }
+.trio-dashboard .trio-exports, .trio-dashboard .trio-setting-note { font-size: 11.5px; color: #6b7280; }
+.trio-dashboard .trio-ask { color: #92400e; font-weight: 600; }
 .trio-dashboard .widget-label { color: #4b5563; }
+.trio-dashboard .widget-toggle-button, .trio-dashboard .widget-button { white-space: nowrap; }
+.trio-dashboard .trio-snapshot-note { font-size: 11px; color: #6b7280; margin-top: 4px; }
+/* the kernel restarted or the dashboard closed: the page keeps the last picture; say so */
+.trio-dashboard.jupyter-widgets-disconnected::before { content: "Disconnected: the kernel restarted or this \
+dashboard was closed. What you see is frozen; run its cell again for a live one."; display: block;
+  font-family: inherit; font-size: 12.5px; font-weight: 600; color: #991b1b; background: #fee2e2;
+  border-radius: 6px; padding: 4px 8px; margin-bottom: 6px; }
+.trio-dashboard .jupyter-widgets-disconnected::before { content: none !important; display: none !important; }
+.trio-dashboard.jupyter-widgets-disconnected .trio-pill,
+.trio-dashboard.jupyter-widgets-disconnected .trio-rate { display: none; }
+.trio-dashboard.jupyter-widgets-disconnected .trio-status,
+.trio-dashboard.jupyter-widgets-disconnected .trio-advisor { opacity: .5; }
 </style>"""
 
 
@@ -92,26 +120,37 @@ def _si(value: float) -> str:
     return f"{value:.0f}"
 
 
+def _newest_pool() -> LocalPool | None:
+    pools = [p for p in list(_clock._LIVE_POOLS) if not p.closed]
+    return max(pools, key=lambda p: getattr(p, "serial", 0), default=None)
+
+
 class Dashboard(W.VBox):
     """Live cycle timeline, queue depth, loss curves, status, advisor and controls for a pool.
 
-    The dashboard observes the pool: requests from any loop on it show up. Its Start
-    button trains `runs` LoRA clients (a learning-rate sweep ×0.5/×1/×2 for 3 runs) on the
-    built-in addition task with :func:`trio_widgets.loop.train`.
+    The dashboard observes the pool: requests from any loop on it show up. ``Dashboard()``
+    without a pool shows the newest pool in the kernel and moves to a newer one when it is
+    built (a cell that builds a pool ran again); ``Dashboard(pool)`` shows that pool, and
+    what replaces it when the cell that built it runs again. Its Start button trains `runs`
+    LoRA clients (a learning-rate sweep ×0.5/×1/×2 for 3 runs) on the built-in addition task
+    with :func:`trio_widgets.loop.train`.
 
     Methods `start()`, `pause()`, `resume()`, `stop()` do what the buttons do, from any
-    thread. Exports: `export_trace()`, `export_metrics()`, `save_html()`.
+    thread. Exports (`export_trace()`, `export_metrics()`, `save_html()`) write into
+    `export_dir` ("trio-exports" by default).
     """
 
     def __init__(self, pool: LocalPool | str | None = None, *, api_key: str | None = None, window: int = 24,
-                 refresh_hz: float = 10.0,
-                 max_clients: int = 8, base_model: str = DEFAULT_MODEL, rank: int = 8,
+                 refresh_hz: float = 10.0, lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8,
                  learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
-                 lookahead: int = 1, export_dir: str | os.PathLike = ".", title: str = "trio · live training"):
+                 lookahead: int = 1, export_dir: str | os.PathLike = "trio-exports",
+                 title: str = "trio · live training", max_clients: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not (0 < refresh_hz <= 10):
             raise ValueError(f"refresh_hz must be in (0, 10], got {refresh_hz!r}")
+        if max_clients is not None:  # its old name
+            lanes = max_clients
         remote = None
         if isinstance(pool, str):  # a served pool's URL: its telemetry streams in (trio_widgets/http/remote.py)
             from ..http.remote import RemotePool
@@ -121,31 +160,33 @@ class Dashboard(W.VBox):
             except BaseException:
                 # what close() reads when this half-built widget is dropped (ipywidgets' __del__ calls it)
                 self._closed = True
-                self._owned: list[W.Widget] = []
                 raise
             pool = cast(LocalPool, remote)  # it has what the views read of a pool
-        pool = pool if pool is not None else default_pool()
+        self.follow = pool is None  # (a served pool is watched until it stops; never replaced)
+        if pool is None:
+            pool = _newest_pool()
         t0 = time.perf_counter()
-        figs = DashboardFigures(t0, window=window, max_clients=max_clients, width=680, loss_width=390)
+        figs = DashboardFigures(t0, window=window, lanes_visible=lanes)
         plot = batched_bokeh_widget(figs.layout)
+        plot.layout = W.Layout(width="100%", min_width="0")
 
-        header = W.HTML(f"{_CSS}<div class='trio-title'>{html.escape(title)}"
-                        f"<span class='trio-sub'>{html.escape(pool.name)} · min cycle "
-                        f"{pool.min_cycle_s * 1e3:.0f} ms · {html.escape(pool.device.type)}</span></div>")
-        status = W.HTML("<span class='trio-pill idle'>idle</span> cycle 0")
+        self._title = title
+        header = W.HTML("")
+        status = W.HTML("<span class='trio-pill waiting'>waiting</span>")
         status.add_class("trio-status")
         advisor = W.HTML("<div class='trio-advisor'><div class='trio-adv-title'>Advisor</div>"
                          "<i>waiting for training requests…</i></div>")
         settings: dict[str, Any] = {"mode": mode, "lookahead": lookahead, "lr": learning_rate,
                                     "batch_size": batch_size, "runs": runs, "log": False}
-        controls = Controls(settings, max_clients, self._request)
-        super().__init__(children=[header, status, controls.bar, plot, advisor, controls.exports])
+        controls = Controls(settings, self._request)
+        super().__init__(children=[header, status, controls.bar, plot, advisor, controls.exports],
+                         layout=W.Layout(width="100%", max_width="100%", overflow="hidden"))
         self.add_class("trio-dashboard")
 
-        self.pool = pool
+        self.pool: LocalPool | None = pool
         self._remote = remote  # watched, not driven: Start trains in-process only
         self.controls = controls
-        self.sweep = SweepLauncher(pool, base_model, rank, settings)
+        self.sweep = SweepLauncher(pool, base_model, rank, settings)  # type: ignore[arg-type]
         self._settings = settings
         self._figs = figs
         self._bokeh = plot
@@ -156,31 +197,41 @@ class Dashboard(W.VBox):
         self.export_dir = os.fspath(export_dir)
         self.refresh_hz = float(refresh_hz)
         self._closed = False
+        self._stopping = False
         self._pool_closed = False
         self._error: str | None = None
         self._commands: deque[tuple[str, Any]] = deque(maxlen=256)
         self._update_cycles: dict[str, deque[int]] = {}
         self._rates: deque[tuple[float, int]] = deque(maxlen=64)
         self._diagnoses: dict[str, Diagnosis] = {}
+        self._notices: deque[tuple[str, bool]] = deque(maxlen=3)  # (html, bad): what just happened, one line each
+        self._endings_seen = run_endings()[-1].seq if run_endings() else 0
+        # every client this dashboard has drawn (bounded): a run on them ending is reported
+        self._shown_ids: deque[str] = deque(maxlen=512)
+        self._pending_lr: float | None = None
+        self._last_update_at = float("-inf")
+        self._last_busy_at = float("-inf")
         self._status_text = ""
+        self._status_key: tuple | None = None
+        self._status_at = float("-inf")
         self._advisor_text = ""
         self._advised_at = float("-inf")
         self._expect_views = 0
         self._ready_seen = 0
         self._displayed_at: float | None = None
+        self._display_id = f"trio-dashboard-{uuid.uuid4().hex}"
+        self._shown = False
         self.ticks = 0
         self.tick_thread: threading.Thread | None = None
-        self._task: asyncio.Task | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-        self._feed = TelemetryFeed(pool.telemetry)
+        self._feed: TelemetryFeed | None = None
+        if pool is not None:
+            self._attach(pool)
+        self._update_header()
         _CELL_DASHBOARDS.claim(self)  # the cell that built one before runs again: one live dashboard per cell
-        try:
-            self._loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._loop = None  # no loop (a script): call tick() yourself, or build it inside one
-        else:
-            self._task = self._loop.create_task(self._pump(), name="trio-dashboard")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"trio-dashboard-{next(_DASHBOARD_IDS)}",
+                                        daemon=True)
+        self._thread.start()
 
     # -- public controls (any thread) -------------------------------------------------------
     def start(self) -> None:
@@ -211,13 +262,29 @@ class Dashboard(W.VBox):
         return "watching" if self._remote is not None else self.sweep.state
 
     @property
+    def pool_state(self) -> str:
+        """What the pill says about the pool: training, sampling, paused, idle, closed or waiting."""
+        if self.pool is None:
+            return "waiting"
+        if self._pool_closed or self.pool.closed:
+            return "closed"
+        now = time.perf_counter()
+        if now - self._last_update_at <= _ACTIVE_S:
+            return "training"
+        if self.sweep.state in ("paused", "pausing"):
+            return "paused"
+        if now - self._last_busy_at <= _ACTIVE_S:
+            return "sampling"
+        return "idle"
+
+    @property
     def runs(self) -> list[TrainingRun]:
         """The runs of the last Start."""
         return self.sweep.runs
 
     @property
     def running(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._thread.is_alive()
 
     @property
     def diagnoses(self) -> dict[str, Diagnosis]:
@@ -228,6 +295,11 @@ class Dashboard(W.VBox):
         return self._status.value
 
     @property
+    def notices(self) -> list[str]:
+        """The one-line messages the status line shows (newest last)."""
+        return [text for text, _bad in self._notices]
+
+    @property
     def figures(self) -> DashboardFigures:
         return self._figs
 
@@ -235,19 +307,14 @@ class Dashboard(W.VBox):
     def bokeh_widget(self) -> W.DOMWidget:
         return self._bokeh
 
-    # -- commands: any thread in, loop thread out ---------------------------------------------
+    # -- commands: any thread in, dashboard thread out ---------------------------------------------
     def _request(self, command: str, arg: Any = None) -> None:
-        if self._closed:
+        if self._closed or self._stopping:
             return
         self._commands.append((command, arg))
-        loop = self._loop
-        if loop is None:
-            if threading.current_thread() is threading.main_thread():
-                self._process_commands()
-            return
         try:
-            loop.call_soon_threadsafe(self._process_commands)
-        except RuntimeError:  # loop closed
+            self._loop.call_soon_threadsafe(self._process_commands)
+        except RuntimeError:  # the loop closed meanwhile
             pass
 
     def _process_commands(self) -> None:
@@ -262,69 +329,247 @@ class Dashboard(W.VBox):
                 log.exception("dashboard command %s failed", command)
                 self._error = f"{command}: {exc}"
 
+    def _notice(self, text: str, bad: bool = False) -> None:
+        """One line in the status where the user looks (plain text)."""
+        self._notices.append((text, bad))
+
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
-            if self._pool_closed:
+            if self._remote is not None:
+                self._notice("this dashboard watches a served pool: its participants train; Start trains "
+                             "in-process only (trio.Dashboard(pool))", True)
                 return
-            if self._loop is None:
-                raise RuntimeError("Start needs a running event loop: build the Dashboard in a notebook cell")
+            if self.pool is None or self._pool_closed:
+                self._notice("Start needs a pool: build one (trio.LocalPool(...)) and press Start again", True)
+                return
             self.sweep.start(self._loop)
         elif command in ("pause", "resume", "stop"):
             self.sweep.control(command)
         elif command == "setting":
-            key, value = arg
-            self._settings[key] = value
-            self.sweep.apply(key, value)
-            self.controls.show(key, value)
+            self._setting(*arg)
+        elif command == "confirm":
+            if self._pending_lr is not None:
+                self._apply_setting("lr", self._pending_lr)
+                self._notice(f"lr set to {self._pending_lr:g} (outside the usual range, as you confirmed)")
+                self._pending_lr = None
+                self.controls.ask(None)
+        elif command == "lanes":
+            self._figs.scroll_lanes(int(arg) - 1)
         elif command == "export":
             what = {"trace": self.export_trace, "metrics": self.export_metrics, "html": self.save_html}[arg]
             path = what()
             size = os.path.getsize(path)
             self.controls.note(f"wrote <code>{html.escape(path)}</code> ({_si(size)}B)")
+        elif command == "call":  # a method called from another thread, run here (exports)
+            fn, done = arg
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.set_exception(exc)
 
-    # -- the periodic task -------------------------------------------------------------------------
+    def _setting(self, key: str, value: Any) -> None:
+        current = self._settings[key]
+        if value == current or (key == "lr" and self._pending_lr is not None and value == self._pending_lr):
+            return  # nothing new: often the echo of a value we put in the field ourselves
+        verdict, value, text = check_setting(key, value, current)
+        if key == "lr":
+            self._pending_lr = None
+            self.controls.ask(None)
+        if verdict == "refuse":
+            self.controls.show(key, current)
+            self.controls.say(html.escape(text))
+            return
+        if verdict == "confirm":
+            self._pending_lr = value
+            self.controls.ask(html.escape(text))
+            return
+        self.controls.say(html.escape(text))
+        self._apply_setting(key, value)
+
+    def _apply_setting(self, key: str, value: Any) -> None:
+        self._settings[key] = value
+        self.sweep.apply(key, value)
+        self.controls.show(key, value)
+        if key == "lr":
+            self._relabel_runs()
+
+    def _relabel_runs(self) -> None:
+        for run in self.sweep.runs:
+            if run.client_id is not None:
+                self._figs.relabel(run.client_id, self.sweep.label(run))
+
+    # -- the dashboard's thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._pump())
+        except Exception:
+            log.exception("the dashboard's loop failed")
+        finally:
+            try:
+                tasks = asyncio.all_tasks(self._loop)
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            finally:
+                self._loop.close()
+
     async def _pump(self) -> None:
         interval = 1.0 / self.refresh_hz
+        while not self._stopping:
+            # nothing to draw without an open pool: look for one twice a second
+            idle = self.pool is None or self._pool_closed
+            await asyncio.sleep(max(interval, 0.5) if idle else interval)
+            if self._stopping:
+                break
+            try:
+                self.tick()
+            except Exception:
+                log.exception("dashboard tick failed")
+        # closing: the Start runs stop at their next update and record what they applied
         try:
-            while not self._closed:
-                await asyncio.sleep(interval)
-                if self._closed:
-                    break
-                try:
-                    self.tick()
-                except Exception:
-                    log.exception("dashboard tick failed")
-                if self.pool.closed:
-                    self._on_pool_closed()
-                    break
-        except asyncio.CancelledError:
-            pass
+            await self.sweep.close(timeout=10.0)
+            await asyncio.sleep(0)
+            self.tick()  # draw their last updates: the snapshot shows where they stopped
+        except Exception:
+            log.exception("stopping the dashboard's runs failed")
+        if self._feed is not None:
+            self._feed.close()
 
     def tick(self) -> None:
-        """One update: drain the feed, stream into the figures (one batched message),
-        refresh status / advisor text if it changed. Runs on the dashboard's loop thread."""
+        """One update: follow the pool, drain the feed, stream into the figures (one batched
+        message), refresh status / advisor text if it changed. Runs on the dashboard's thread."""
         self.tick_thread = threading.current_thread()
         self.ticks += 1
-        clients, cycles, boundaries, delivered = self._feed.drain()
+        self._follow_pool()
         self._sync_views()
         with self._bokeh.batch(), validate(False):  # rows we build are well-formed: skip bokeh's checks
-            for info in clients:
-                self._figs.add_client(info)
             self._figs.set_log_scale(bool(self._settings["log"]))
-            self._figs.update(cycles, boundaries, delivered)
-        for r in delivered:
-            if r.op in UPDATE_OPS and r.cycle is not None and r.status == "ok":
-                self._update_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
-        for info in self._feed.drain_retired():
-            self._update_cycles.pop(info.client_id, None)
+            if self._feed is not None:
+                clients, cycles, boundaries, delivered = self._feed.drain()
+                for info in clients:
+                    self._figs.add_client(info, self._label_of(info.client_id, info.label))
+                    self._shown_ids.append(info.client_id)
+                self._figs.update(cycles, boundaries, delivered)
+                self._figs.stream_gil(self._feed.drain_gil())
+                self._note_activity(cycles, delivered)
+                for info in self._feed.drain_retired():
+                    self._update_cycles.pop(info.client_id, None)
+                    self._figs.retire_client(info.client_id)
+            self.controls.show_lanes(self._figs.first_lane, self._figs.lane_count, self._figs.lanes_visible)
+        self._watch_runs()
         now = time.perf_counter()
-        self._rates.append((now, self.pool.telemetry.total_tokens))
+        if self.pool is not None and not self._pool_closed:
+            self._rates.append((now, self.pool.telemetry.total_tokens))
         if now - self._advised_at >= 1.0:  # the advisor reads whole buffers: once a second
             self._advised_at = now
             self._update_advisor()
-        self._update_status()
+        self._update_status(now)
         self._update_buttons()
 
+    def _label_of(self, client_id: str, default: str) -> str:
+        for run in self.sweep.runs:
+            if run.client_id == client_id:
+                return self.sweep.label(run)
+        return default
+
+    def _note_activity(self, cycles: list, delivered: list) -> None:
+        now = time.perf_counter()
+        if any(c.n_requests for c in cycles):
+            self._last_busy_at = now
+        for r in delivered:
+            if r.status != "ok":
+                continue
+            spec = OPS.get(r.op)
+            if spec is not None and (spec.is_step or r.op in UPDATE_OPS):
+                self._last_update_at = now
+                if r.op in UPDATE_OPS and r.cycle is not None:
+                    self._update_cycles.setdefault(r.client_id, period_history()).append(r.cycle)
+
+    def _watch_runs(self) -> None:
+        """Say in one line how a run we showed ended (stopped, interrupted, pool closed...)."""
+        endings = run_endings(self._endings_seen)
+        if not endings:
+            return
+        self._endings_seen = endings[-1].seq
+        for e in endings:
+            if e.client_id is None or e.client_id not in self._shown_ids:
+                continue  # a run on another pool
+            total = f" of {e.steps}" if e.steps is not None else ""
+            if e.reason == "finished":
+                self._notice(f"run {e.name!r} finished: {e.step}{total} updates")
+            else:
+                self._notice(f"run {e.name!r} stopped at step {e.step}{total}: {e.reason}",
+                             bad=e.state == "error" or e.reason == "the pool was closed")
+
+    # -- following a pool ------------------------------------------------------------------------------
+    def _attach(self, pool: LocalPool) -> None:
+        self.pool = pool
+        self._pool_closed = False
+        self._feed = TelemetryFeed(pool.telemetry)
+        self._rates.clear()
+
+    def _follow_pool(self) -> None:
+        """Move to the pool that replaced ours (its cell ran again) or, without a pool of our
+        own, to the newest one; otherwise note that ours closed."""
+        pool = self.pool
+        successor = None
+        if pool is not None and pool.closed:
+            successor = _clock._CELL_POOLS.successor(pool)
+            if successor is not None and not successor.closed and successor not in _clock._LIVE_POOLS:
+                return  # being built right now (it closed ours on its way): next tick
+            if successor is not None and successor.closed:
+                successor = None
+            if successor is not None:
+                self._switch(successor)
+                self._notice(f"the cell that built pool {pool.name!r} ran again: now showing its new pool "
+                             f"{successor.name!r}")
+                return
+        if self.follow:
+            newest = _newest_pool()
+            if newest is not None and newest is not pool and (
+                    pool is None or pool.closed or getattr(newest, "serial", 0) > getattr(pool, "serial", 0)):
+                self._switch(newest)
+                if pool is None:
+                    self._notice(f"showing pool {newest.name!r}")
+                elif pool.closed:
+                    self._notice(f"pool {pool.name!r} was closed: now showing {newest.name!r}")
+                else:
+                    self._notice(f"now showing the newest pool {newest.name!r} (was {pool.name!r})")
+                return
+        if pool is not None and pool.closed and not self._pool_closed:
+            self._on_pool_closed()
+
+    def _switch(self, pool: LocalPool) -> None:
+        if self._feed is not None:
+            self._feed.close()
+        self._figs.reset()
+        self._update_cycles.clear()
+        self._diagnoses = {}
+        self._attach(pool)
+        self.sweep.retarget(pool)
+        self._update_header()
+
+    def _on_pool_closed(self) -> None:
+        self._pool_closed = True
+        if self._feed is not None:
+            self._feed.close()
+        assert self.pool is not None
+        self._notice(f"pool {self.pool.name!r} was closed" + (": waiting for a new one" if self.follow else ""))
+
+    def _update_header(self) -> None:
+        title = f"{_CSS}<div class='trio-title'>{html.escape(self._title)}"
+        pool = self.pool
+        if pool is None:
+            sub = "waiting for a pool: build one (trio.LocalPool) in any cell"
+        else:
+            sub = f"{pool.name} · min cycle {pool.min_cycle_s * 1e3:.0f} ms · {pool.device.type}"
+        value = f"{title}<span class='trio-sub'>{html.escape(sub)}</span></div>"
+        if self._header.value != value:
+            self._header.value = value
+
+    # -- what the page shows ---------------------------------------------------------------------------
     def _sync_views(self) -> None:
         """After a display, send nothing until the new view has rendered, then resend the
         whole document once (see `batched_bokeh_widget`)."""
@@ -338,7 +583,12 @@ class Dashboard(W.VBox):
                     bk.resync()
                 bk.live = True
         if not bk.live and self._displayed_at is not None and time.perf_counter() - self._displayed_at > 3.0:
-            bk.live = True  # no view said it rendered (no browser, e.g. nbclient): send anyway
+            # No view said it rendered: no browser (nbclient), or the kernel cannot read the page's
+            # messages yet (a cell blocks it). Send anyway, from the whole document: a view that
+            # rendered meanwhile would otherwise miss what changed since.
+            if bk.stale:
+                bk.resync()
+            bk.live = True
 
     def _tokens_per_s(self) -> float:
         if len(self._rates) < 2:
@@ -349,43 +599,65 @@ class Dashboard(W.VBox):
                 return (tokens - n) / (now - t) if now > t else 0.0
         return 0.0
 
-    def _update_status(self) -> None:
-        t = self.pool.telemetry
-        state = self.state
-        parts = [f"<span class='trio-pill {state if state != 'pausing' else 'paused'}'>{state}</span>"
-                 f"cycle <b>{self.pool.cycle_index}</b> · updates <b>{t.total_updates}</b> · "
-                 f"<b>{_si(self._tokens_per_s())}</b> tokens/s"]
-        per_client = []
-        for cid, views in self._figs.clients.items():
-            p = cycles_per_update(self._update_cycles.get(cid, ()))
-            if p is None:
-                continue
-            per_client.append(f"<span class='trio-cpu'><span class='trio-dot' style='background:{views.color}'>"
-                              f"</span>{html.escape(views.label)}: <b>{format_cycles(p)}</b> "
-                              f"{'cycle' if format_cycles(p) == '1' else 'cycles'}/update</span>")
-        if per_client:
-            parts.append("<br>" + "".join(per_client))
-        for error in (self._error, self.sweep.error):
-            if error:
-                parts.append(f"<br><span style='color:#991b1b'>{html.escape(error)}</span>")
-        for run in self.runs:
-            if run.error is not None:
-                parts.append(f"<br><span style='color:#991b1b'>{html.escape(str(run.name))}: "
-                             f"{html.escape(str(run.error))}</span>")
-        text = "".join(parts)
+    def _update_status(self, now: float | None = None) -> None:
+        state = self.pool_state
+        key = (state, len(self._notices), self._notices[-1] if self._notices else None, self._error, self.sweep.state)
+        if now is not None and key == self._status_key and now - self._status_at < _TEXT_EVERY_S:
+            return  # the numbers move on every tick; the page need not restyle for each of them
+        self._status_key, self._status_at = key, now if now is not None else time.perf_counter()
+        text = self._status_html(state)
         if text != self._status_text:
             self._status_text = text
             self._status.value = text
 
+    def _status_html(self, state: str) -> str:
+        pool = self.pool
+        head = f"<span class='trio-pill {state}'>{state}</span>"
+        if pool is not None:
+            t = pool.telemetry
+            head += f"cycle <b>{pool.cycle_index}</b> · updates <b>{t.total_updates}</b>"
+            if state not in ("closed", "snapshot"):
+                head += f"<span class='trio-rate'> · <b>{_si(self._tokens_per_s())}</b> tokens/s</span>"
+        runs = self.sweep.state
+        if runs not in ("idle",) and self.sweep.runs:
+            head += f"<span class='trio-runs'>· Start runs: {runs}</span>"
+        elif runs == "starting":
+            head += "<span class='trio-runs'>· starting runs…</span>"
+        parts = [head]
+        per_client = []
+        for cid, view in self._figs.clients.items():
+            if view.retired:
+                continue
+            p = cycles_per_update(self._update_cycles.get(cid, ()))
+            if p is None:
+                continue
+            text = format_cycles(p)
+            per_client.append(f"<span class='trio-cpu'><span class='trio-dot' style='background:{view.color}'>"
+                              f"</span>{html.escape(view.label)}: <b>{text}</b> "
+                              f"{'cycle' if text == '1' else 'cycles'}/update</span>")
+        if per_client:
+            parts.append("<br>" + "".join(per_client))
+        for error in (self._error, self.sweep.error):
+            if error:
+                parts.append(f"<br><span class='trio-notice bad'>{html.escape(error)}</span>")
+        for text, bad in self._notices:
+            parts.append(f"<br><span class='trio-notice{' bad' if bad else ''}'>{html.escape(text)}</span>")
+        return "".join(parts)
+
     def _update_advisor(self) -> None:
+        if self.pool is None:
+            return
         self._diagnoses = diagnose_telemetry(self.pool.telemetry, self.pool.min_cycle_s or None)
         rows = []
-        for cid, d in self._diagnoses.items():
-            views = self._figs.clients.get(cid)
-            color = views.color if views is not None else CLIENT_COLORS[-1]
-            label = views.label if views is not None else d.label
+        order = {cid: i for i, cid in enumerate(self._figs.clients)}  # as the lanes and the status list them
+        for cid, d in sorted(self._diagnoses.items(), key=lambda item: order.get(item[0], len(order))):
+            view = self._figs.clients.get(cid)
+            if view is not None and view.retired:
+                continue
+            color = view.color if view is not None else CLIENT_COLORS[-1]
+            label = view.label if view is not None else d.label
             badge = ("ok", "pipelined") if d.cause == "pipelined" else (
-                ("wait", "measuring") if d.cause == "warming-up" else ("waste", d.cause))
+                ("wait", "measuring") if d.cause == "warming-up" else ("waste" if d.wasted else "wait", d.cause))
             rows.append(f"<div class='trio-adv-row'><span class='trio-dot' style='background:{color}'></span>"
                         f"<b>{html.escape(label)}</b><span class='trio-badge {badge[0]}'>{badge[1]}</span>"
                         f"{html.escape(d.message)}</div>")
@@ -396,32 +668,80 @@ class Dashboard(W.VBox):
             self._advisor_w.value = text
 
     def _update_buttons(self) -> None:
-        self.controls.enable(self.state)  # ("watching" enables none)
+        # ("watching", a served pool's dashboard, enables none)
+        self.controls.enable(self.state if self.pool is not None else "closed")
 
-    # -- display: hold patches until the new view has rendered ----------------------------------------
+    # -- display: hold patches until the new view has rendered; a snapshot when closed ------------------
     def _repr_mimebundle_(self, **kwargs: Any):
         self._expect_views += 1
         self._displayed_at = time.perf_counter()
         self._bokeh.live = False
         return super()._repr_mimebundle_(**kwargs)
 
+    def _ipython_display_(self) -> None:
+        # Shown under a display id, so that close() can put a static snapshot in its place
+        from IPython.display import display
+
+        if self._closed:
+            display(self._snapshot_bundle(), raw=True)
+            return
+        self._shown = True
+        display(self._repr_mimebundle_(), raw=True, display_id=self._display_id)
+
+    def _snapshot_bundle(self) -> dict[str, str]:
+        """The last picture as static HTML: header, status, advisor and the figures (BokehJS
+        is already in the page; without it the text remains)."""
+        from bokeh.embed import components
+
+        try:
+            script, div = components(self._figs.layout)
+        except Exception:  # a figure that cannot be embedded must not break close()
+            log.exception("dashboard snapshot of the figures failed")
+            script, div = "", ""
+        when = time.strftime("%H:%M:%S")
+        self._watch_runs()  # how the Start runs ended belongs in the last picture
+        body = (f"<div class='trio-dashboard trio-snapshot'>{self._header.value}"
+                f"<div class='trio-status'>{self._status_html('snapshot')}</div>{div}{self._advisor_w.value}"
+                f"<div class='trio-snapshot-note'>Snapshot of the dashboard when it closed ({when}); "
+                f"it no longer updates.</div></div>{script}")
+        return {"text/html": body, "text/plain": f"<trio dashboard snapshot, closed {when}>"}
+
     # -- exports -------------------------------------------------------------------------------------
     def _path(self, path: str | os.PathLike | None, default: str) -> str:
-        return os.fspath(path) if path is not None else os.path.join(self.export_dir, default)
+        if path is not None:
+            return os.fspath(path)
+        os.makedirs(self.export_dir, exist_ok=True)
+        return os.path.join(self.export_dir, default)
+
+    def _on_thread(self, fn: Any) -> Any:
+        """Run `fn` on the dashboard's thread (it owns the figures) and return its result."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return fn()
+        import concurrent.futures
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._request("call", (fn, done))
+        return done.result(timeout=60)
 
     def export_trace(self, path: str | os.PathLike | None = None) -> str:
         """Chrome / Perfetto trace JSON of what the pool's buffers hold (open in ui.perfetto.dev)."""
+        if self.pool is None:
+            raise RuntimeError("no pool to export yet")
         return write_chrome_trace(self.pool.telemetry, self._path(path, "trio-trace.json"), name=self.pool.name)
 
     def export_metrics(self, path: str | os.PathLike | None = None) -> str:
         """metrics.jsonl: the Start runs' per-step metrics, plus telemetry rows for other clients."""
         rows = [{"run": run.name, **row} for run in self.runs for row in list(run.metrics)]
         mine = {run.client.client_id for run in self.runs}
-        rows += [row for row in metrics_rows(self.pool.telemetry) if row["client_id"] not in mine]
+        if self.pool is not None:
+            rows += [row for row in metrics_rows(self.pool.telemetry) if row["client_id"] not in mine]
         return write_metrics_jsonl(rows, self._path(path, "metrics.jsonl"))
 
     def save_html(self, path: str | os.PathLike | None = None) -> str:
         """A standalone HTML snapshot (BokehJS inline: opens offline) of the figures and text."""
+        return self._on_thread(lambda: self._save_html(path))
+
+    def _save_html(self, path: str | os.PathLike | None) -> str:
         from bokeh.embed import file_html
         from bokeh.resources import INLINE
 
@@ -430,42 +750,42 @@ class Dashboard(W.VBox):
                 f"<div class='trio-status'>{self._status.value}</div>{self._advisor_w.value}</div>")
         before, tag, after = page.rpartition("<body>")  # the last one: BokehJS's source has "<body>" too
         page = before + tag + "\n" + head + after
-        path = self._path(path, "trio-dashboard.html")
-        with open(path, "w", encoding="utf-8") as f:
+        target = self._path(path, "trio-dashboard.html")
+        with open(target, "w", encoding="utf-8") as f:
             f.write(page)
-        return path
+        return target
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def _on_pool_closed(self) -> None:
-        self._pool_closed = True
-        self._feed.close()
-        self._update_status()
-        self._update_buttons()
-
-    def _shutdown(self) -> None:
-        self._closed = True
-        self._feed.close()
-        if self._remote is not None:
-            self._remote.close()
-        self.sweep.close(timeout=10.0)
-        task, loop = self._task, self._loop
-        if task is not None and not task.done() and loop is not None and not loop.is_closed():
-            try:
-                if asyncio.get_running_loop() is loop:
-                    task.cancel()
-                else:
-                    loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:
-                loop.call_soon_threadsafe(task.cancel)
-
     def close(self) -> None:
-        """Stop the periodic task, unsubscribe from the pool, stop the Start runs, close the widgets."""
-        if not self._closed:
-            self._shutdown()
+        """Stop the Start runs (what they submitted is recorded), the thread and the feed; leave
+        a static snapshot where the dashboard was shown; close the widgets."""
+        if self._closed:
+            return
+        self._stopping = True
+        try:
+            self._loop.call_soon_threadsafe(lambda: None)  # wake the pump
+        except RuntimeError:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(30.0)
+        self._closed = True
+        if self._feed is not None:
+            self._feed.close()
+        if self._remote is not None:
+            self._remote.close()  # its reader thread and the server's stream
+        # The output first: the page drops the widget views, then the comms close unobserved
+        # (closing a comm a view still uses makes the page send to it: "No such comm").
+        if self._shown:
+            try:
+                from IPython.display import update_display
+
+                update_display(self._snapshot_bundle(), raw=True, display_id=self._display_id)
+            except Exception:
+                log.exception("could not leave a snapshot of the dashboard")
         owned, self._owned = self._owned, []
+        super().close()
         for w in owned:
             w.close()
-        super().close()
 
     @property
     def closed(self) -> bool:
@@ -478,4 +798,4 @@ class Dashboard(W.VBox):
 
     @property
     def subscribed(self) -> bool:
-        return self._feed.subscribed
+        return self._feed is not None and self._feed.subscribed

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry, TelemetryEvent
+from ..telemetry import ClientInfo, CycleRecord, GilStall, QueueDepthRecord, RequestRecord, Telemetry, TelemetryEvent
 
 __all__ = ["TelemetryFeed"]
 
@@ -30,12 +30,15 @@ class TelemetryFeed:
         self.cycles: deque[CycleRecord] = deque(maxlen=maxlen)
         self.boundaries: deque[QueueDepthRecord] = deque(maxlen=maxlen)
         self.delivered: deque[RequestRecord] = deque(maxlen=maxlen)
+        self.gil: deque[GilStall] = deque(maxlen=maxlen)
         self.events = 0  # events seen (a plain counter: a racy increment can only undercount)
         self._unsubscribe: Callable[[], None] | None = telemetry.subscribe(self)
         self._backfill: tuple[list, list, list, list] | None = None
         self._seen_ids: set[int] = set()
         self._max_cycle = self._max_boundary = -1
         self._dedupe = 0
+        # GIL stalls the pool's buffer already holds come first (drain_gil drops live repeats).
+        self._gil_backfill = list(telemetry.gil)[-maxlen:] if backfill else []
         if backfill:
             self._take_backfill()
 
@@ -51,6 +54,8 @@ class TelemetryFeed:
             self.boundaries.append(record)
         elif isinstance(record, ClientInfo):
             (self.clients if event.kind == "client" else self.retired).append(record)
+        elif isinstance(record, GilStall):
+            self.gil.append(record)
         self.events += 1
 
     # -- consumer (one thread) ---------------------------------------------------------
@@ -102,6 +107,14 @@ class TelemetryFeed:
             boundaries = [*old_boundaries, *boundaries]
             delivered = [*old_requests, *delivered]
         return clients, cycles, boundaries, delivered
+
+    def drain_gil(self) -> list[GilStall]:
+        """Stretches in which other Python held the GIL, new since the last call (oldest first)."""
+        stalls = self._pop_all(self.gil)
+        if self._gil_backfill:
+            old, self._gil_backfill = self._gil_backfill, []
+            stalls = [*old, *(s for s in stalls if s.started_at > old[-1].started_at)]
+        return stalls
 
     def drain_retired(self) -> list[ClientInfo]:
         """Clients the pool let go of since the last call."""

@@ -1,8 +1,24 @@
 """The dashboard's bokeh figures: cycle timeline, queue depth, loss curves.
 
 Built once; afterwards :meth:`DashboardFigures.update` only *streams* new rows into the
-sources (with rollover) and moves the shared time range. Call everything on one thread
-(the dashboard's periodic task on the kernel loop).
+sources and moves the shared time range. Call everything on one thread (the dashboard's).
+
+What the browser holds is bounded, and so is what it redraws per tick, however long the
+pool trains (issue 14): the timeline's sources roll over at what its window shows, each
+loss curve is a :class:`~trio_widgets.widgets.series.LossSeries` (every recent step, a
+decimated history before it), only the visible loss figure (linear or log) is fed, and
+legends have fixed items (a legend labelled from a data column is rebuilt, canvases and
+all, whenever the column's first values change, i.e. on every tick of a rolling source).
+
+Lanes: one per live client on the timeline; a sampler made from a training client
+(``save_weights_and_get_sampling_client``) shares its parent's lane; a retired client gives
+its lane back. Lanes beyond ``lanes_visible`` are reached by scrolling (:meth:`scroll_lanes`);
+none is dropped.
+
+Every bokeh model (renderers, legend items, tickers) is made here, up front: a model added
+to a live document makes bokeh walk the whole document (a quarter of a second with these
+figures, holding the GIL), so later changes only set plain values: data, labels, colours,
+visibility. Loss curves live in `max_curves` slots, reused oldest-retired first.
 """
 
 from __future__ import annotations
@@ -11,32 +27,40 @@ import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
-from bokeh.layouts import column, row
-from bokeh.models import BasicTicker, ColumnDataSource, FixedTicker, HoverTool, Range1d
+from bokeh.core.properties import value
+from bokeh.layouts import column
+from bokeh.models import BasicTicker, ColumnDataSource, CustomJS, FixedTicker, HoverTool, Range1d
 from bokeh.models.annotations import LabelSet, Legend, LegendItem
 from bokeh.plotting import figure
 
 from ..metrics import cycle_duration, record_loss
-from ..ops import UPDATE_OPS, op_color
-from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord
+from ..ops import OPS, UPDATE_OPS, op_color
+from ..telemetry import ClientInfo, CycleRecord, GilStall, QueueDepthRecord, RequestRecord
+from .series import LossSeries
 
 __all__ = ["CLIENT_COLORS", "DashboardFigures"]
 
-CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569")
+CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569",
+                 "#ea580c", "#0891b2", "#92400e", "#65a30d")
 # cycle bands, alternating: slate for cycles that ran work, pale amber for idle ones
 _BAND_FILL = {False: ("#e2e8f0", "#edf1f6"), True: ("#fbf0d9", "#fdf7ea")}
 _FONT = "Inter, 'Segoe UI', Helvetica, Arial, sans-serif"
+#: the narrowest the timeline is drawn (a 900 px notebook column): cycle labels are thinned for it
+MIN_PLOT_PX = 560
+_LABEL_STEPS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
 def _style(fig, title: str) -> None:
     fig.title.text = title
     fig.title.text_font = _FONT
-    fig.title.text_font_size = "11pt"
+    fig.title.text_font_size = "10.5pt"
     fig.title.text_color = "#111827"
     fig.outline_line_color = "#e5e7eb"
     fig.background_fill_color = "#ffffff"
     fig.border_fill_color = "#ffffff"
+    fig.min_border_right = 16  # the last tick label is not clipped
     for axis in (*fig.xaxis, *fig.yaxis):
         axis.axis_line_color = "#d1d5db"
         axis.major_tick_line_color = "#d1d5db"
@@ -46,155 +70,436 @@ def _style(fig, title: str) -> None:
         axis.axis_label_text_font_size = "8pt"
         axis.axis_label_text_color = "#6b7280"
         axis.axis_label_text_font_style = "normal"
-    fig.xgrid.grid_line_color = None
     fig.ygrid.grid_line_color = "#f1f5f9"
     fig.toolbar.logo = None
 
 
-class _ClientViews:
-    __slots__ = ("client_id", "label", "lane", "color", "loss", "step", "ema", "ema_weight")
+def _legend(**kw: Any) -> Legend:
+    base = dict(label_text_font_size="8pt", glyph_width=14, glyph_height=9, spacing=6, padding=3, margin=2,
+                border_line_color=None, background_fill_alpha=0.0)
+    base.update(kw)
+    return Legend(**base)
 
-    def __init__(self, client_id: str, label: str, lane: int, color: str):
-        self.client_id, self.label, self.lane, self.color = client_id, label, lane, color
-        self.loss = ColumnDataSource(data={"step": [], "loss": [], "smooth": []})
-        self.step = 0
+
+class _Curve:
+    """A slot for one training client's loss curve: its series, a source per loss figure
+    (only the shown one holds data), its renderers and legend items (made once, reused)."""
+
+    __slots__ = ("index", "client_id", "series", "sources", "renderers", "proxies", "items", "ema", "ema_weight",
+                 "steps")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.client_id: str | None = None
+        self.series = LossSeries()
+        self.sources = (ColumnDataSource(data={"step": [], "loss": [], "smooth": []}),
+                        ColumnDataSource(data={"step": [], "loss": [], "smooth": []}))
+        self.renderers: list = []
+        self.proxies: list = []
+        self.items: list[LegendItem] = []
         self.ema = 0.0
         self.ema_weight = 0.0
+        self.steps = 0
+
+
+class ClientView:
+    """How one client shows: its label, lane (None once retired), colour and loss curve."""
+
+    __slots__ = ("client_id", "label", "kind", "owner", "lane", "color", "curve", "retired", "_figs")
+
+    def __init__(self, figs: DashboardFigures, info: ClientInfo, label: str, owner: str, lane: int | None,
+                 color: str):
+        self._figs = figs
+        self.client_id, self.kind, self.label, self.owner = info.client_id, info.kind, label, owner
+        self.lane, self.color = lane, color
+        self.curve: _Curve | None = None
+        self.retired = False
+
+    @property
+    def loss(self) -> ColumnDataSource:
+        """The source of the loss figure now shown (linear or log)."""
+        if self.curve is None:
+            return ColumnDataSource(data={"step": [], "loss": [], "smooth": []})
+        return self.curve.sources[self._figs.log_index]
+
+
+_EMPTY: dict[str, list] = {"step": [], "loss": [], "smooth": []}
+_NAN = float("nan")
+_FAILED = "failed"
 
 
 class DashboardFigures:
-    """Timeline + queue depth (one time axis) beside the loss curves, as one bokeh layout."""
+    """Timeline and queue depth (one time axis) above the loss curves, as one bokeh layout
+    that stretches to the width of its cell (from a 900 px notebook column up)."""
 
-    def __init__(self, t0: float, *, window: int = 24, max_clients: int = 8, bars: int = 1500,
-                 loss_points: int = 2000, smoothing: float = 0.1, width: int = 760, loss_width: int = 430):
+    def __init__(self, t0: float, *, window: int = 24, lanes_visible: int = 10, max_curves: int = 16,
+                 smoothing: float = 0.1, recent: int = 200, history: int = 200, loss_height: int = 250):
         self.t0 = t0
         self.window = max(4, int(window))
-        self.max_clients = max_clients
-        self.bar_rollover = bars
-        self.loss_rollover = loss_points
+        self.lanes_visible = max(1, int(lanes_visible))
+        self.max_curves = max(1, int(max_curves))
         self.smoothing = smoothing
-        self.band_rollover = 4 * self.window
-        self.queue_rollover = 4 * self.window
-        self.width = width
-        self.clients: dict[str, _ClientViews] = {}
+        self.recent, self.history = recent, history
+        self.band_rollover = self.window + 4
+        self.queue_rollover = self.window + 4
+        self.clients: dict[str, ClientView] = {}
+        self.lanes: dict[int, str] = {}  # lane -> owning client id (live clients only)
+        self.first_lane = 0  # the first lane shown (scroll_lanes)
+        self.log_index = 0  # which loss figure (and source) is shown: 0 linear, 1 log
+        self.streams = 0  # stream() calls made (for tests: one per source per update at most)
+        self.hidden_curves = 0  # training clients without a curve (more live runs than slots)
+        self._color_seq = 0
         self._band_starts: deque[float] = deque(maxlen=self.window)
         self._last_end: float | None = None
         self._cycle_s: deque[float] = deque(maxlen=32)
-        self._durations: deque[float] = deque(maxlen=self.window)
-        self._last_label_mid: float | None = None
+        self._band_rows: deque[tuple[float, float, str, float, int]] = deque(maxlen=self.band_rollover)
+        self._boundary_t: deque[float] = deque(maxlen=4096)
+        self._boundary_i: deque[int] = deque(maxlen=4096)
         self._depth_max: deque[int] = deque(maxlen=self.window)
-        self._boundary_t: list[float] = []
-        self._boundary_i: list[int] = []
-        self.streams = 0  # stream() calls made (for tests: one per source per update at most)
 
         self.x_range = Range1d(start=0.0, end=1.0)
         self._lanes_range = Range1d(start=-0.6, end=0.95)
-        tl = figure(height=250, width=width, x_range=self.x_range, y_range=self._lanes_range,
-                    tools="xpan,xwheel_zoom,reset", toolbar_location=None, x_axis_label="time (s)")
-        _style(tl, "Cycle timeline — a lane per client; bands are cycles (amber: idle)")
-        tl.yaxis.ticker = FixedTicker(ticks=[])
+        tl = figure(height=self._timeline_height(1), sizing_mode="stretch_width", x_range=self.x_range,
+                    y_range=self._lanes_range, tools="", toolbar_location=None, x_axis_label="time (s)")
+        _style(tl, "Cycle timeline: a lane per client, a band per cycle (amber: idle)")
+        # the queue-depth plot below shows the shared time axis: one axis fewer to measure and draw
+        tl.xaxis.visible = False
+        tl.xgrid.visible = False
+        self._lane_ticker = FixedTicker(ticks=[])
+        tl.yaxis.ticker = self._lane_ticker
         tl.yaxis.major_label_overrides = {}
-        tl.ygrid.grid_line_color = None
-        self.bands = ColumnDataSource(data={"left": [], "right": [], "fill": [], "mid": [],
-                                            "label": [], "index": []})
-        tl.quad(left="left", right="right", bottom=-(max_clients + 0.5), top=1.5, source=self.bands,
-                fill_color="fill", line_color="#ffffff", line_width=0.5, level="underlay")
+        tl.ygrid.visible = False
+        self.bands = ColumnDataSource(data={"left": [], "right": [], "fill": [], "mid": [], "label": [],
+                                            "index": []})
+        tl.quad(left="left", right="right", bottom=-10_000, top=1.5, source=self.bands, fill_color="fill",
+                line_color="#ffffff", line_width=0.5, level="underlay")
         tl.add_layout(LabelSet(x="mid", y=0.62, text="label", source=self.bands, text_font_size="7.5pt",
                                text_align="center", text_color="#64748b"))
         self.bars = ColumnDataSource(data={
             "left": [], "right": [], "bottom": [], "top": [], "color": [], "op": [], "rid": [], "client": [],
             "cycle": [], "wait_ms": [], "waited": [], "run_ms": [], "status": []})
-        bar_glyphs = tl.quad(left="left", right="right", bottom="bottom", top="top", source=self.bars,
-                       fill_color="color", line_color="color", fill_alpha=0.9)
-        tl.add_tools(HoverTool(renderers=[bar_glyphs], tooltips=[
+        self._bar_glyphs = tl.quad(left="left", right="right", bottom="bottom", top="top", source=self.bars,
+                                   fill_color="color", line_color="color", fill_alpha=0.9)
+        tl.add_tools(HoverTool(renderers=[self._bar_glyphs], tooltips=[
             ("request", "#@rid @op"), ("client", "@client"), ("cycle", "@cycle"),
             ("waited in queue", "@wait_ms{0.0} ms (@waited cycles)"), ("ran", "@run_ms{0.00} ms"),
             ("status", "@status")]))
-        tl.add_layout(Legend(items=[LegendItem(label={"field": "op"}, renderers=[bar_glyphs])],
-                             orientation="horizontal",
-                             location="top_left", label_text_font_size="8pt", glyph_width=14, glyph_height=10,
-                             spacing=12, padding=4, margin=2, border_line_color=None,
-                             background_fill_alpha=0.0), "below")
+        # a fixed legend item per op (an empty glyph of its colour), shown once the op is seen
+        self._op_items: dict[str, LegendItem] = {}
+        for name, color in [*((op, op_color(op)) for op in OPS), (_FAILED, "#991b1b")]:
+            # one row that is never drawn (NaN): the legend draws its item from row 0
+            swatch = tl.quad(left=[_NAN], right=[_NAN], bottom=[_NAN], top=[_NAN], fill_color=color, line_color=color)
+            spec = OPS.get(name)
+            self._op_items[name] = LegendItem(label=value(spec.label if spec else name), renderers=[swatch],
+                                              visible=False)
+        tl.add_layout(_legend(items=list(self._op_items.values()), orientation="horizontal", location="top_left"),
+                      "below")
         self.timeline = tl
+        self._add_gil_shading(tl)
 
         self._depth_range = Range1d(start=0, end=4)
-        qd = figure(height=160, width=width, x_range=self.x_range, y_range=self._depth_range,
-                    tools="xpan,xwheel_zoom,reset", toolbar_location=None, y_axis_label="queued")
+        qd = figure(height=150, sizing_mode="stretch_width", x_range=self.x_range, y_range=self._depth_range,
+                    tools="", toolbar_location=None, y_axis_label="queued", x_axis_label="time (s)")
         _style(qd, "Queue depth at each cycle boundary")
-        qd.yaxis.ticker = BasicTicker(desired_num_ticks=4, min_interval=1)
-        # one source for every lane (a column per lane): one stream per tick, not one per client
-        self.queue = ColumnDataSource(data={"t": [], **{f"d{i}": [] for i in range(max_clients)}})
-        # Legends exist from the start (items are appended per client): a legend added later
-        # and configured in the same patch makes BokehJS fail with "cannot find a view".
-        qd.add_layout(Legend(items=[], location="top_left", orientation="horizontal", label_text_font_size="8pt",
-                             background_fill_alpha=0.6, border_line_color=None, padding=2, spacing=8,
-                             glyph_width=14, glyph_height=8), "center")
+        qd.xgrid.visible = False
+        qd.yaxis.ticker = BasicTicker(desired_num_ticks=3, min_interval=1)
+        # a column per visible lane (its client and samplers summed): one stream per tick
+        self.queue = ColumnDataSource(data={"t": [], **{f"d{i}": [] for i in range(self.lanes_visible)}})
+        self._queue_steps = []
+        for i in range(self.lanes_visible):
+            # equal depths overlap exactly: earlier lanes are drawn wider, so every line stays visible
+            step = qd.step(x="t", y=f"d{i}", source=self.queue, mode="after", line_color=CLIENT_COLORS[0],
+                           line_width=max(1.5, 6.0 - 1.5 * (i % 4)), line_alpha=0.9, visible=False)
+            self._queue_steps.append(step)
+        self._queue_hover = HoverTool(renderers=list(self._queue_steps), tooltips=[("queued", "$y{0}")],
+                                      mode="vline")
+        qd.add_tools(self._queue_hover)
         self.queue_fig = qd
 
         self.loss_figs = []
         for kind in ("linear", "log"):
-            lf = figure(height=410, width=loss_width, y_axis_type=kind, tools="pan,wheel_zoom,box_zoom,reset",
-                        toolbar_location=None, x_axis_label="step", y_axis_label="loss per token",
-                        visible=(kind == "linear"))
-            _style(lf, "Loss per token (thin: raw, thick: smoothed)" + (" — log scale" if kind == "log" else ""))
-            lf.add_layout(Legend(items=[], location="top_right", label_text_font_size="8pt",
-                                 background_fill_alpha=0.8, border_line_color="#e5e7eb", click_policy="hide",
-                                 padding=4, spacing=1), "center")
+            lf = figure(height=loss_height, sizing_mode="stretch_width", y_axis_type=kind,
+                        tools="box_zoom,reset", toolbar_location=None, x_axis_label="step",
+                        y_axis_label="loss per token", visible=(kind == "linear"))
+            _style(lf, "Loss per token (thin: raw, thick: smoothed)" + (", log scale" if kind == "log" else ""))
             self.loss_figs.append(lf)
-        self.layout = row(column(tl, qd, spacing=2), column(*self.loss_figs), spacing=8)
+        self._curves = [_Curve(i) for i in range(self.max_curves)]
+        for lf, fig_index in zip(self.loss_figs, (0, 1)):
+            items, lines = [], []
+            for curve in self._curves:
+                source = curve.sources[fig_index]
+                raw = lf.line(x="step", y="loss", source=source, line_color=CLIENT_COLORS[0], line_alpha=0.25,
+                              line_width=1, visible=False)
+                # identical curves (same data, same seed) would hide each other: earlier ones are wider
+                width = 5.5 - 1.1 * (curve.index % 4)
+                smooth = lf.line(x="step", y="smooth", source=source, line_color=CLIENT_COLORS[0],
+                                 line_width=width, line_alpha=0.95, visible=False)
+                # The legend draws a stand-in (same style, no data): BokehJS rebuilds a legend,
+                # a canvas per item, whenever anything its items reach changes, and the real
+                # line's source changes on every tick.
+                proxy = lf.line(x=[_NAN], y=[_NAN], line_color=CLIENT_COLORS[0], line_width=min(width, 3.5))
+                item = LegendItem(label=value(""), renderers=[proxy], visible=False)
+                curve.renderers += [raw, smooth]
+                curve.proxies.append(proxy)
+                curve.items.append(item)
+                items.append(item)
+                lines.append([raw, smooth])
+            legend = _legend(items=items, location="top_left", click_policy="hide", label_width=40)
+            # a click hides the stand-in (greying the item) and, here, the real lines
+            legend.js_on_event("legend_item_click", CustomJS(args={"items": items, "lines": lines}, code="""
+                const i = items.indexOf(cb_obj.item);
+                if (i < 0) return;
+                const shown = cb_obj.item.renderers.every((r) => r.visible);
+                for (const r of lines[i]) r.visible = shown;
+            """))
+            lf.add_layout(legend, "right")
+        self.layout = column(tl, qd, *self.loss_figs, sizing_mode="stretch_width", spacing=4)
 
-    # -- clients (lanes) ----------------------------------------------------------------------
-    def add_client(self, info: ClientInfo) -> bool:
-        if info.client_id in self.clients or len(self.clients) >= self.max_clients:
+    # -- lanes and clients ------------------------------------------------------------------
+    @staticmethod
+    def _timeline_height(lanes: int) -> int:
+        return 96 + 30 * max(2, lanes)
+
+    def _free_lane(self) -> int:
+        lane = 0
+        while lane in self.lanes:
+            lane += 1
+        return lane
+
+    def _next_color(self) -> str:
+        """A colour no shown client has, if one is left (lanes are reused; curves stay)."""
+        used = {v.color for v in self.clients.values()}
+        for i in range(len(CLIENT_COLORS)):
+            color = CLIENT_COLORS[(self._color_seq + i) % len(CLIENT_COLORS)]
+            if color not in used:
+                self._color_seq += i + 1
+                return color
+        self._color_seq += 1
+        return CLIENT_COLORS[(self._color_seq - 1) % len(CLIENT_COLORS)]
+
+    def add_client(self, info: ClientInfo, label: str | None = None) -> bool:
+        """Show a client: a lane of its own, or its parent's (a sampler of a live training client)."""
+        if info.client_id in self.clients and not self.clients[info.client_id].retired:
             return False
-        labels = {v.label for v in self.clients.values()}
-        label = info.label if info.label not in labels else f"{info.label} ({info.client_id})"
-        lane = len(self.clients)
-        views = _ClientViews(info.client_id, label, lane, CLIENT_COLORS[lane % len(CLIENT_COLORS)])
-        self.clients[info.client_id] = views
-        n = len(self.clients)
-        tl = self.timeline
-        self._lanes_range.start = -(n - 1) - 0.6
-        tl.yaxis.ticker = FixedTicker(ticks=[-v.lane for v in self.clients.values()])
-        tl.yaxis.major_label_overrides = {-v.lane: v.label for v in self.clients.values()}
-        # equal depths overlap exactly: earlier lanes are drawn wider, so every line stays visible
-        step = self.queue_fig.step(x="t", y=f"d{lane}", source=self.queue, mode="after", line_color=views.color,
-                                   line_width=max(1.5, 6.0 - 1.5 * lane), line_alpha=0.9, name=f"d{lane}")
-        self.queue_fig.add_tools(HoverTool(renderers=[step], tooltips=[("client", label), ("queued", f"@d{lane}")],
-                                           mode="vline"))
-        legend = self.queue_fig.legend[0]
-        legend.items = [*legend.items, LegendItem(label=label, renderers=[step])]
-        for lf in self.loss_figs:
-            raw = lf.line(x="step", y="loss", source=views.loss, line_color=views.color, line_alpha=0.25,
-                          line_width=1)
-            smooth = lf.line(x="step", y="smooth", source=views.loss, line_color=views.color, line_width=2.5)
-            lf.legend[0].items = [*lf.legend[0].items, LegendItem(label=label, renderers=[raw, smooth])]
+        labels = {v.label for v in self.clients.values() if not v.retired}
+        label = label or info.label
+        if label in labels:
+            label = f"{label} ({info.client_id})"
+        parent = getattr(info, "parent", None)
+        owner_view = self.clients.get(parent) if parent else None
+        if owner_view is not None and not owner_view.retired and owner_view.lane is not None:
+            view = ClientView(self, info, label, owner_view.client_id, owner_view.lane, owner_view.color)
+        else:
+            lane = self._free_lane()
+            view = ClientView(self, info, label, info.client_id, lane, self._next_color())
+            self.lanes[lane] = info.client_id
+        old = self.clients.pop(info.client_id, None)
+        if old is not None and old.curve is not None:
+            self._free_curve(old.curve)
+        self.clients[info.client_id] = view
+        self._rebalance_curves()
+        self._relabel_lanes()
         return True
 
-    def set_log_scale(self, on: bool) -> None:
-        linear, log = self.loss_figs
-        if log.visible != on:
-            log.visible, linear.visible = on, not on
+    def retire_client(self, client_id: str) -> None:
+        """The pool let go of the client: its lane is free again; its loss curve stays until
+        its slot is needed for a newer client."""
+        view = self.clients.get(client_id)
+        if view is None or view.retired:
+            return
+        view.retired = True
+        lane = view.lane
+        if view.owner == client_id and lane is not None and self.lanes.get(lane) == client_id:
+            members = [v for v in self.clients.values() if not v.retired and v.owner == client_id]
+            if members:  # its samplers live on: the lane passes to them
+                heir = members[0]
+                for v in members:
+                    v.owner = heir.client_id
+                self.lanes[lane] = heir.client_id
+            else:
+                del self.lanes[lane]
+        view.lane = None
+        if view.curve is None:
+            del self.clients[client_id]
+        self._rebalance_curves()
+        self._relabel_lanes()
 
-    # -- streaming -----------------------------------------------------------------------------------
+    def relabel(self, client_id: str, label: str) -> None:
+        """A new label for a client (e.g. a run whose learning rate changed)."""
+        view = self.clients.get(client_id)
+        if view is None or view.label == label:
+            return
+        view.label = label
+        if view.curve is not None:
+            for item in view.curve.items:
+                item.label = value(label)  # a plain string would name a data column
+        self._relabel_lanes()
+
+    def _lane_label(self, lane: int) -> str:
+        owner = self.clients[self.lanes[lane]]
+        samplers = sum(1 for v in self.clients.values() if not v.retired and v.owner == owner.client_id
+                       and v.client_id != owner.client_id)
+        return owner.label + (f" +{samplers} sampler{'s' if samplers > 1 else ''}" if samplers else "")
+
+    def _relabel_lanes(self) -> None:
+        n = self.lane_count
+        self.first_lane = max(0, min(self.first_lane, n - self.lanes_visible))
+        shown = max(1, min(n, self.lanes_visible))
+        start = self.first_lane
+        self._lanes_range.update(start=-(start + shown - 1) - 0.6, end=-start + 0.95)
+        height = self._timeline_height(shown)
+        if self.timeline.height != height:
+            self.timeline.height = height
+        ticks = [-lane for lane in sorted(self.lanes)]
+        if self._lane_ticker.ticks != ticks:
+            self._lane_ticker.ticks = ticks
+        labels: dict[float | str, Any] = {-lane: self._lane_label(lane) for lane in self.lanes}
+        axis = self.timeline.yaxis[0]
+        if axis.major_label_overrides != labels:
+            axis.major_label_overrides = labels
+        for slot, step in enumerate(self._queue_steps):
+            owner = self.lanes.get(start + slot)
+            visible = owner is not None
+            if step.visible != visible:
+                step.visible = visible
+            if owner is not None and step.glyph.line_color != self.clients[owner].color:
+                step.glyph.line_color = self.clients[owner].color
+
+    @property
+    def lane_count(self) -> int:
+        """Lanes in use (the highest one in use, plus one)."""
+        return max(self.lanes, default=-1) + 1
+
+    def scroll_lanes(self, first: int) -> None:
+        """Show lanes `first` ... `first + lanes_visible - 1` (the queue view starts afresh)."""
+        first = max(0, int(first))
+        if first == self.first_lane:
+            return
+        self.first_lane = first
+        self.queue.data = {k: [] for k in self.queue.data}
+        self._relabel_lanes()
+
+    def _assign_curve(self, view: ClientView) -> bool:
+        """A slot for a training client's loss curve: a free one, else the oldest retired one's;
+        False if every slot shows a live client."""
+        free = [c for c in self._curves if c.client_id is None]
+        if not free:
+            retired = [c for c in self._curves if c.client_id is not None and self.clients[c.client_id].retired]
+            if not retired:
+                return False
+            oldest = retired[0]
+            assert oldest.client_id is not None
+            del self.clients[oldest.client_id]
+            self._free_curve(oldest)
+            free = [oldest]
+        curve = free[0]
+        self._curves.remove(curve)
+        self._curves.append(curve)  # oldest first: the next eviction takes the longest-retired
+        curve.client_id = view.client_id
+        curve.series = LossSeries(self.recent, self.history)
+        curve.ema = curve.ema_weight = 0.0
+        curve.steps = 0
+        for source in curve.sources:
+            source.data = dict(_EMPTY)
+        for r in curve.renderers:
+            r.glyph.line_color = view.color
+            r.visible = False  # then True: the page may have hidden it (a legend click we never hear of)
+            r.visible = True
+        for r in curve.proxies:
+            r.glyph.line_color = view.color
+            r.visible = False
+            r.visible = True
+        for item in curve.items:
+            item.label = value(view.label)
+            item.visible = True
+        view.curve = curve
+        return True
+
+    def _rebalance_curves(self) -> None:
+        """Live training clients without a curve (more than `max_curves`) get the slots of
+        retired ones first, oldest client first."""
+        waiting = [v for v in self.clients.values() if v.kind == "training" and not v.retired and v.curve is None]
+        for view in waiting:
+            if not self._assign_curve(view):
+                break
+        hidden = sum(1 for v in waiting if v.curve is None)
+        if hidden != self.hidden_curves:
+            self.hidden_curves = hidden
+            self._title_loss()
+
+    def _free_curve(self, curve: _Curve) -> None:
+        curve.client_id = None
+        for r in curve.renderers:
+            r.visible = False
+        for item in curve.items:
+            item.visible = False
+        for source in curve.sources:
+            source.data = dict(_EMPTY)
+
+    def _title_loss(self) -> None:
+        n = self.hidden_curves
+        extra = f" ({n} more run{'s' if n > 1 else ''} not drawn: {self.max_curves} curves at most)" if n else ""
+        for lf, kind in zip(self.loss_figs, ("", ", log scale")):
+            title: Any = lf.title
+            title.text = f"Loss per token (thin: raw, thick: smoothed){kind}{extra}"
+
+    def set_log_scale(self, on: bool) -> None:
+        index = 1 if on else 0
+        if index == self.log_index:
+            return
+        linear, log = self.loss_figs
+        log.visible, linear.visible = on, not on
+        self.log_index = index
+        for curve in self._curves:  # only the shown figure holds data: the other is not redrawn
+            curve.sources[1 - index].data = dict(_EMPTY)
+            curve.series.resend()
+        self._flush_curves()
+
+    def reset(self) -> None:
+        """Forget every client and row (the dashboard follows another pool)."""
+        for curve in self._curves:
+            if curve.client_id is not None:
+                self._free_curve(curve)
+        self.clients.clear()
+        self.lanes.clear()
+        self.hidden_curves = 0
+        self._color_seq = 0
+        self._title_loss()
+        for source in (self.bands, self.bars, self.queue):
+            source.data = {k: [] for k in source.data}
+        for item in self._op_items.values():
+            item.visible = False
+        self._band_starts.clear()
+        self._band_rows.clear()
+        self._last_end = None
+        self._boundary_t.clear()
+        self._boundary_i.clear()
+        self._relabel_lanes()
+
+    # -- streaming -----------------------------------------------------------------------------
     def _rel(self, t: float) -> float:
         return round(t - self.t0, 6)
 
     def cycle_estimate(self) -> float:
         return cycle_duration(self._cycle_s, default=None, window=len(self._cycle_s) or 1) or 0.05
 
-    def _label(self, index: int, left: float, right: float) -> str:
-        """The band's label, or "" where it would overlap the previous one (about 6 px a digit)."""
-        span = sum(self._durations) or 1e-9
-        px_per_s = self.width / span
-        mid = (left + right) / 2
-        need = 6.0 * len(str(index)) + 8
-        if self._last_label_mid is not None and (mid - self._last_label_mid) * px_per_s < need:
-            return ""
-        self._last_label_mid = mid
-        return str(index)
+    def _label_step(self, rows: list[tuple[float, float, str, float, int]]) -> int:
+        """Label the multiples of k (k = 1, 2, 5, 10, ...), the smallest k for which no two
+        labels on screen touch at the narrowest width (a 900 px column). Cycles of uneven
+        length squeeze the short ones together, so the gaps are measured where they are."""
+        if not rows:
+            return 1
+        span = max(1e-9, rows[-1][1] - self._band_starts[0]) if self._band_starts else 1e-9
+        px_per_s = MIN_PLOT_PX / span
+        shown = [(mid, index) for _l, _r, _f, mid, index in rows if mid >= self._band_starts[0]]
+        for k in _LABEL_STEPS:
+            marks = [(mid, index) for mid, index in shown if index % k == 0]
+            if all((m1 - m0) * px_per_s >= 7.0 * (len(str(i0)) + len(str(i1))) / 2 + 12
+                   for (m0, i0), (m1, i1) in zip(marks, marks[1:])):
+                return k
+        return _LABEL_STEPS[-1]
 
-    def _stream(self, source: ColumnDataSource, data: dict, rollover: int) -> None:
+    def _stream(self, source: ColumnDataSource, data: dict, rollover: int | None) -> None:
         source.stream(data, rollover=rollover)
         self.streams += 1
 
@@ -217,57 +522,59 @@ class DashboardFigures:
         return changed
 
     def _stream_bands(self, cycles: list[CycleRecord]) -> bool:
-        """The timeline's cycle bands (and the durations the labels and bars are sized by)."""
+        """The timeline's cycle bands (and the durations the bars are sized by). The few rows
+        are sent whole each time: which cycles get a label depends on the whole window."""
         if not cycles:
             return False
         for c in cycles:
             if c.ended_at > c.started_at:
                 self._cycle_s.append(c.ended_at - c.started_at)
-            self._durations.append(max(0.0, c.ended_at - c.started_at))
-        data: dict[str, list] = {k: [] for k in self.bands.data}
-        for c in cycles:
             left, right = self._rel(c.started_at), self._rel(max(c.ended_at, c.started_at))
-            idle = c.n_requests == 0
-            data["left"].append(left)
-            data["right"].append(right)
-            data["mid"].append(round((left + right) / 2, 6))
-            data["fill"].append(_BAND_FILL[idle][c.index % 2])
-            data["label"].append(self._label(c.index, left, right))
-            data["index"].append(c.index)
+            fill = _BAND_FILL[c.n_requests == 0][c.index % 2]
+            self._band_rows.append((left, right, fill, round((left + right) / 2, 6), c.index))
             self._band_starts.append(left)
             self._last_end = right
-        self._stream(self.bands, data, self.band_rollover)
+        rows = list(self._band_rows)
+        k = self._label_step(rows)
+        self.bands.data = {"left": [r[0] for r in rows], "right": [r[1] for r in rows],
+                           "fill": [r[2] for r in rows], "mid": [r[3] for r in rows],
+                           "label": [str(r[4]) if r[4] % k == 0 else "" for r in rows],
+                           "index": [r[4] for r in rows]}
         return True
 
     def _stream_queue(self, boundaries: list[QueueDepthRecord]) -> bool:
-        """Queue depths at each boundary: one column per lane, one source for all lanes."""
+        """Queue depths at each boundary: a column per lane (its client and samplers summed)."""
         if not boundaries:
             return False
         self._boundary_t.extend(b.time for b in boundaries)
         self._boundary_i.extend(b.cycle for b in boundaries)
-        if len(self._boundary_t) > 8192:
-            del self._boundary_t[:4096], self._boundary_i[:4096]
+        columns = [f"d{i}" for i in range(self.lanes_visible)]
+        first, last = self.first_lane, self.first_lane + self.lanes_visible
+        column_of = {cid: f"d{v.lane - first}" for cid, v in self.clients.items()
+                     if v.lane is not None and first <= v.lane < last}
         rows: dict[str, list] = {k: [] for k in self.queue.data}
-        lanes = [(f"d{v.lane}", cid) for cid, v in self.clients.items()]
-        absent = [k for k in rows if k != "t" and k not in {name for name, _ in lanes}]
         for b in boundaries[-self.queue_rollover:]:
             rows["t"].append(self._rel(b.time))
-            depth_max = 0
-            for name, cid in lanes:
-                depth = b.depths.get(cid, 0)
-                rows[name].append(depth)
-                depth_max = max(depth_max, depth)
-            for name in absent:
-                rows[name].append(0)
-            self._depth_max.append(depth_max)
-        changed = False
-        if self.clients:
+            depth = dict.fromkeys(columns, 0)
+            for cid, n in b.depths.items():
+                name = column_of.get(cid)
+                if name is not None:
+                    depth[name] += n
+            for k in columns:
+                rows[k].append(depth[k])
+            self._depth_max.append(max(depth.values(), default=0))
+        changed = bool(self.lanes)
+        if changed:
             self._stream(self.queue, rows, self.queue_rollover)
-            changed = True
         top = max(4, max(self._depth_max, default=0) + 1)
         if self._depth_range.end != top:
             self._depth_range.end = top
         return changed
+
+    def _show_op(self, op: str) -> None:
+        item = self._op_items.get(op)
+        if item is not None and not item.visible:
+            item.visible = True
 
     def _stream_bars(self, delivered: list[RequestRecord]) -> bool:
         """A bar per request that ran, in its client's lane, coloured by op (red: failed)."""
@@ -276,9 +583,12 @@ class DashboardFigures:
         for r in delivered:
             if r.started_at is None or r.finished_at is None:
                 continue  # cancelled, or failed before it ran
-            views = self.clients[r.client_id]
+            view = self.clients[r.client_id]
+            if view.lane is None:
+                continue  # retired before its results were drawn
+            self._show_op(r.op if r.status == "ok" else _FAILED)
             left = self._rel(r.started_at)
-            y = -views.lane
+            y = -view.lane
             bars["left"].append(left)
             bars["right"].append(round(max(self._rel(r.finished_at), left + min_w), 6))
             bars["bottom"].append(y - 0.3)
@@ -286,7 +596,7 @@ class DashboardFigures:
             bars["color"].append(op_color(r.op) if r.status == "ok" else "#991b1b")
             bars["op"].append(r.op)
             bars["rid"].append(r.request_id)
-            bars["client"].append(views.label)
+            bars["client"].append(view.label)
             bars["cycle"].append(r.cycle if r.cycle is not None else -1)
             bars["wait_ms"].append(round((r.started_at - r.queued_at) * 1e3, 2))
             waited = self._waited_cycles(r)
@@ -299,27 +609,45 @@ class DashboardFigures:
         self._stream(self.bars, {k: v[-keep:] for k, v in bars.items()}, keep)
         return True
 
+    @property
+    def bar_rollover(self) -> int:
+        """Bars kept: about what the window shows (three ops a cycle in every visible lane)."""
+        return 3 * self.window * max(2, min(self.lanes_visible, self.lane_count))
+
     def _stream_losses(self, delivered: list[RequestRecord]) -> bool:
-        """Each client's loss per token (raw and smoothed) of its successful updates."""
-        losses: dict[str, dict[str, list]] = {}
+        """Each training client's loss per token (raw and smoothed) of its successful updates."""
         for r in delivered:
             if r.op not in UPDATE_OPS or r.status != "ok":
                 continue
             loss = record_loss(r.metrics)
             if not math.isfinite(loss):
                 continue
-            views = self.clients[r.client_id]
-            views.step += 1
+            curve = self.clients[r.client_id].curve
+            if curve is None:
+                continue
+            curve.steps += 1
             a = self.smoothing
-            views.ema = (1 - a) * views.ema + a * loss
-            views.ema_weight = (1 - a) * views.ema_weight + a
-            d = losses.setdefault(r.client_id, {"step": [], "loss": [], "smooth": []})
-            d["step"].append(views.step)
-            d["loss"].append(round(loss, 6))
-            d["smooth"].append(round(views.ema / views.ema_weight, 6))
-        for cid, d in losses.items():
-            self._stream(self.clients[cid].loss, d, self.loss_rollover)
-        return bool(losses)
+            curve.ema = (1 - a) * curve.ema + a * loss
+            curve.ema_weight = (1 - a) * curve.ema_weight + a
+            curve.series.add(curve.steps, loss, curve.ema / curve.ema_weight)
+        return self._flush_curves()
+
+    def _flush_curves(self) -> bool:
+        changed = False
+        for curve in self._curves:
+            if curve.client_id is None:
+                continue
+            out = curve.series.flush()
+            if out is None:
+                continue
+            kind, rows = out
+            source = curve.sources[self.log_index]
+            if kind == "replace":
+                source.data = rows
+            else:
+                self._stream(source, rows, None)  # bounded by the series (it replaces when it compacts)
+            changed = True
+        return changed
 
     def _follow_time(self) -> bool:
         """The shared time axis shows the cycles the bands still hold."""
@@ -333,5 +661,34 @@ class DashboardFigures:
         self.x_range.update(start=start, end=end)
         return True
 
+    # -- GIL stalls: shading across the lanes -------------------------------------------------
+    def _add_gil_shading(self, tl) -> None:
+        """Red shading over the lanes where other Python held the interpreter (GIL) and the
+        pool waited for it (above the cycle bands, below the request bars)."""
+        self.gil = ColumnDataSource(data={"left": [], "right": [], "what": []})
+        shade = tl.quad(left="left", right="right", bottom=-10_000, top=1.5, source=self.gil,
+                        fill_color="#dc2626", fill_alpha=0.14, line_color=None, level="underlay")
+        tl.add_tools(HoverTool(renderers=[shade], tooltips=[("GIL held by", "@what")]))
+
+    def stream_gil(self, stalls: Iterable[GilStall]) -> bool:
+        """Stream the watchdog's stalls into the shading; returns whether any was new."""
+        data: dict[str, list] = {"left": [], "right": [], "what": []}
+        for s in stalls:
+            top = s.frames[0] if s.frames else None
+            data["left"].append(self._rel(s.started_at))
+            data["right"].append(self._rel(max(s.ended_at, s.started_at)))
+            data["what"].append(top.label if top else s.thread)
+        if not data["left"]:
+            return False
+        self._stream(self.gil, {k: v[-self.band_rollover:] for k, v in data.items()}, self.band_rollover)
+        return True
+
     def loss_points(self, client_id: str) -> int:
-        return len(self.clients[client_id].loss.data["step"])
+        """Rows the browser holds for a client's loss curve (bounded however long it trains)."""
+        curve = self.clients[client_id].curve
+        return len(curve.sources[self.log_index].data["step"]) if curve is not None else 0
+
+    def rows_in_browser(self) -> int:
+        """Every row of every source (for tests and benchmarks: bounded)."""
+        sources = [self.bands, self.bars, self.queue, self.gil, *(c.sources[i] for c in self._curves for i in (0, 1))]
+        return sum(len(next(iter(s.data.values()), [])) for s in sources)

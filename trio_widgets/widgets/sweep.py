@@ -1,7 +1,9 @@
 """The dashboard's Start button: a learning-rate sweep of training runs on the built-in task.
 
-Everything here runs on the dashboard's event loop except building the clients (loading a
-base model takes seconds): that happens on one named, tracked thread that `close()` joins.
+Everything here runs on the dashboard's event loop (its own thread) except building the
+clients (loading a base model takes seconds): that happens on one named, tracked thread that
+`close()` joins. Runs are named run1, run2, ... (run1 #2 after a second Start); the
+dashboard labels them with their current learning rate (:meth:`SweepLauncher.label`).
 """
 
 from __future__ import annotations
@@ -92,12 +94,17 @@ class SweepLauncher:
                 run.lookahead = int(value)
 
     # -- building runs ---------------------------------------------------------------------------
-    def _make_clients(self, n: int, lr: float, multipliers: list[float]) -> list[TrainingClient]:
+    @staticmethod
+    def label(run: TrainingRun) -> str:
+        """What the dashboard calls a run: its name and its current learning rate."""
+        return f"{run.name} lr={run.learning_rate:.2g}"
+
+    def _make_clients(self, n: int) -> list[TrainingClient]:
         service = ServiceClient(self.pool)
         self._starts += 1
         clients = []
-        for i, mult in enumerate(multipliers[:n]):
-            name = f"run{i + 1} lr={lr * mult:.2g}" if n > 1 else f"run lr={lr * mult:.2g}"
+        for i in range(n):
+            name = f"run{i + 1}" if n > 1 else "run"
             if self._starts > 1:
                 name = f"{name} #{self._starts}"
             clients.append(service.create_lora_training_client(
@@ -118,7 +125,7 @@ class SweepLauncher:
         for run in self.runs:  # they have ended: their clients' adapters and lanes are freed
             run.client.close()
         try:
-            clients = await self._in_thread(self._make_clients, n, float(s["lr"]), multipliers)
+            clients = await self._in_thread(self._make_clients, n)
             if self._closed or self.pool.closed:
                 for tc in clients:
                     tc.close()
@@ -164,13 +171,27 @@ class SweepLauncher:
         return await done
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop the runs, release the clients of those that ended, wait for a start in progress."""
+    async def close(self, timeout: float = 30.0) -> None:
+        """Stop the runs (on the dashboard's loop), wait until what they submitted is recorded,
+        release their clients, and wait for a start in progress."""
         self._closed = True
         for run in self.runs:
             run.stop()
+        tasks = [run.task for run in self.runs if run.task is not None and not run.task.done()]
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:  # a wedged pool: cancel (the run withdraws what is queued)
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=5.0)
+        for run in self.runs:
             if run.done():
                 run.client.close()
         builder = self._builder
         if builder is not None and builder is not threading.current_thread():
-            builder.join(timeout)
+            builder.join(timeout)  # it only loads a base model: seconds at most
+
+    def retarget(self, pool: LocalPool) -> None:
+        """The dashboard follows another pool: later Starts train there (the old runs ended with it)."""
+        self.pool = pool
+        self.runs, self.multipliers = [], []

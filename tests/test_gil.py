@@ -1,0 +1,290 @@
+"""GIL starvation, measured while a pool runs: the clock's wait per cycle, the watchdog's
+stalls (who held the interpreter, where), and what starts and stops the watchdog.
+
+Real pools, real threads, real Python holding the GIL; assertions are about who is
+blamed and where, never about how long anything took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import json
+import socket
+import sys
+import threading
+import time
+import weakref
+
+from conftest import random_batch
+
+import trio_widgets as trio
+from trio_widgets.engine.gil import GilWatchdog, RunMeter, is_user_file, user_frames
+from trio_widgets.telemetry import GilStall, Telemetry, UserFrame
+from trio_widgets.trace import chrome_trace, metrics_rows
+
+
+def hog(cpu_s: float) -> int:
+    """Pure Python for `cpu_s` seconds of this thread's CPU time: it holds the GIL throughout."""
+    start = time.thread_time()
+    x = 0
+    while time.thread_time() - start < cpu_s:
+        for i in range(1000):
+            x += i * i
+    return x
+
+
+_source, _first = inspect.getsourcelines(hog)
+HOG_LINES = range(_first, _first + len(_source))
+
+
+def settle(watchdog: GilWatchdog) -> None:
+    """Let a stretch in progress end: it closes after two on-time heartbeats."""
+    beats = watchdog.heartbeats
+    while watchdog.heartbeats < beats + 4:
+        time.sleep(watchdog.interval_s)
+
+
+def blamed(pool, thread: str) -> list[GilStall]:
+    return [s for s in pool.telemetry.gil if s.thread == thread]
+
+
+def test_python_holding_the_gil_is_named_by_thread_function_and_line():
+    with trio.LocalPool(min_cycle_s=0.02, name="gil-hog") as pool:
+        watchdog = pool.gil_watchdog
+        assert watchdog is not None and watchdog.thread is not None and watchdog.thread.name == "trio-gil-gil-hog"
+        settle(watchdog)
+        before = len(pool.telemetry.gil)
+        hog(0.5)  # on this (the main) thread
+        settle(watchdog)
+        loader = threading.Thread(target=hog, args=(0.5,), name="data-loader")
+        loader.start()
+        loader.join()
+        settle(watchdog)
+        stalls = list(pool.telemetry.gil)[before:]
+        cycles = list(pool.telemetry.cycles)
+    mine = [s for s in stalls if s.thread == threading.current_thread().name]
+    assert mine, stalls
+    top, caller = mine[0].frames[0], mine[0].frames[1]
+    assert (top.function, top.file, top.cell) == ("hog", __file__, None) and top.line in HOG_LINES, top
+    assert caller.function == "test_python_holding_the_gil_is_named_by_thread_function_and_line"
+    assert top.where == f"test_gil.py line {top.line}" and top.label == f"hog ({top.where})"
+    theirs = [s for s in stalls if s.thread == "data-loader"]
+    # (threading's own frames under it are not user code)
+    assert theirs and theirs[0].frames[0].function == "hog" and len(theirs[0].frames) == 1
+    assert all(s.heartbeats >= 2 and s.ended_at > s.started_at for s in stalls)
+    # the clock, sleeping between its idle cycles, woke late while the GIL was held
+    assert any(c.gil_wait_s > 0 for c in cycles if c.started_at >= mine[0].started_at)
+
+
+def test_sampling_frames_keeps_no_dropped_pool_alive():
+    """The watchdog reads every thread's frames, locals and all: it must let go of them, or a
+    pool the user dropped (a local of a sampled frame) would run on until a garbage collection."""
+
+    def work():
+        victim = trio.LocalPool(min_cycle_s=0.02, name="victim", gil_watchdog=False)
+        hog(0.4)  # sampled while `victim` is a local of this frame
+        return weakref.ref(victim)
+
+    gc.disable()  # nothing may depend on the cycle collector
+    try:
+        with trio.LocalPool(min_cycle_s=0.02, name="gil-watcher") as pool:
+            settle(pool.gil_watchdog)
+            ref = work()
+            settle(pool.gil_watchdog)
+            sampled = [s for s in pool.telemetry.gil if s.frames and s.frames[0].function == "hog"]
+            deadline = time.monotonic() + 30
+            while ref() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)  # (its clock thread may hold it for the rest of a cycle)
+            gone = ref() is None
+    finally:
+        gc.enable()
+    assert sampled and sampled[0].frames[1].function == "work"
+    assert gone
+
+
+def test_sleeping_and_waiting_on_io_hold_no_gil():
+    with trio.LocalPool(min_cycle_s=0.02, name="gil-sleep") as pool:
+        settle(pool.gil_watchdog)
+        before = len(pool.telemetry.gil)
+        time.sleep(0.3)
+        a, b = socket.socketpair()
+        with a, b:
+            a.settimeout(0.3)
+            try:
+                a.recv(1)  # blocks, GIL released, until the timeout
+            except TimeoutError:
+                pass
+        event = threading.Event()
+        event.wait(0.3)
+        settle(pool.gil_watchdog)
+        stalls = list(pool.telemetry.gil)[before:]
+    assert not [s for s in stalls if s.thread == threading.current_thread().name], stalls
+
+
+def test_the_watchdog_starts_and_stops_with_its_pool():
+    def threads(name):
+        return [t.name for t in threading.enumerate() if t.is_alive() and t.name.endswith(name)
+                and t.name.startswith(("trio-clock-", "trio-gil-"))]
+
+    pool = trio.LocalPool(min_cycle_s=0.01, name="wd-close")
+    assert sorted(threads("wd-close")) == ["trio-clock-wd-close", "trio-gil-wd-close"]
+    pool.close()
+    assert threads("wd-close") == [] and not pool.gil_watchdog.thread.is_alive()
+
+    with trio.LocalPool(min_cycle_s=0.01, name="wd-off", gil_watchdog=False) as pool:
+        assert pool.gil_watchdog is None and threads("wd-off") == ["trio-clock-wd-off"]
+
+    pool = trio.LocalPool(min_cycle_s=0.01, name="wd-dropped")
+    watchdog = pool.gil_watchdog
+    del pool  # garbage-collected: its finalizer stops both threads
+    deadline = time.monotonic() + 30
+    while threads("wd-dropped") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threads("wd-dropped") == [] and not watchdog.thread.is_alive()
+
+
+def test_the_clock_meter_counts_time_off_the_cpu_and_out_of_the_run_queue():
+    meter = RunMeter()
+    mark = meter.mark()
+    hog(0.05)
+    _, cpu = meter.waited(mark)
+    assert cpu >= 0.05
+    mark = meter.mark()
+    time.sleep(0.05)  # off the CPU for at least 50 ms: all of it counts, less any run-queue wait after
+    waited, _ = meter.waited(mark)
+    assert waited >= 0.04
+    asleep = meter.mark()
+    deadline = time.perf_counter() + 0.01
+    time.sleep(0.02)
+    assert meter.overslept(asleep, deadline) > 0  # woke after the deadline it was asked to keep
+    meter.close()
+
+
+def test_user_code_is_told_from_libraries():
+    assert is_user_file(__file__)
+    assert not is_user_file(json.__file__) and not is_user_file(trio.__file__) and not is_user_file("<string>")
+
+    def inner():
+        return user_frames(inspect.currentframe())
+
+    frames = inner()
+    assert [f.function for f in frames[:2]] == ["inner", "test_user_code_is_told_from_libraries"]
+    # a thread with no user code on its stack: its innermost frame stands in
+    event = threading.Event()
+    waiter = threading.Thread(target=event.wait, args=(30,), name="waiter")
+    waiter.start()
+    try:
+        while True:
+            frame = sys._current_frames().get(waiter.ident)
+            if frame is not None and frame.f_code.co_name == "wait" and frame.f_back.f_code.co_name == "wait":
+                break
+            time.sleep(0.001)
+        (only,) = user_frames(frame)
+    finally:
+        event.set()
+        waiter.join()
+    assert only.file == threading.__file__ and only.function == "Condition.wait" and only.cell is None
+
+
+def test_the_watchdog_feeds_the_trace_metrics_and_dashboard():
+    telemetry = Telemetry()
+    frames = (UserFrame("/tmp/ipykernel_1/abc.py", "heavy_batches", 7, 3), UserFrame("/x/main.py", "main", 2))
+    stall = GilStall(1.0, 1.2, 0.05, 9, "MainThread", frames)
+    telemetry.add_gil_stall(stall)
+    trace = chrome_trace(telemetry)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "GIL (other Python held the interpreter)" in names
+    (span,) = [e for e in trace["traceEvents"] if e.get("cat") == "gil"]
+    assert span["name"] == "GIL held: heavy_batches (cell In[3] line 7)"
+    assert span["args"]["where"] == "cell In[3] line 7"
+    assert span["dur"] == 200_000.0 and span["args"]["thread"] == "MainThread"
+
+    async def main():
+        # (no watchdog: building the dashboard holds the GIL for a while, which it would record)
+        with trio.LocalPool(min_cycle_s=0.02, name="gil-dash", gil_watchdog=False) as pool:
+            pool.telemetry.add_gil_stall(stall)  # before the dashboard: its backfill
+            dash = trio.Dashboard(pool)
+            later = GilStall(2.0, 2.1, 0.02, 4, "MainThread", frames)
+            pool.telemetry.add_gil_stall(later)  # live
+            dash.tick()
+            dash.tick()
+            shade = dict(dash.figures.gil.data)
+            dash.close()
+            return shade, dash.figures.t0
+
+    shade, t0 = asyncio.run(main())
+    assert shade["what"] == ["heavy_batches (cell In[3] line 7)"] * 2
+    assert shade["left"] == [round(1.0 - t0, 6), round(2.0 - t0, 6)]
+
+
+def test_a_clock_waiting_for_the_gil_is_in_metrics_rows():
+    async def main(tc):
+        return await trio.train(tc, [random_batch(0, n=1, length=8)] * 3, learning_rate=1e-3)
+
+    with trio.LocalPool(min_cycle_s=0.02, name="gil-rows") as pool:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+        run = asyncio.run(main(tc))
+        rows = metrics_rows(pool.telemetry)
+    assert len(run.metrics) == 3 and all(isinstance(r["time/gil_wait"], float) for r in run.metrics)
+    assert len(rows) == 3 and all(isinstance(r["time/gil_wait"], float) for r in rows)
+
+
+KERNEL_DEFINE = """\
+import json, time
+import trio_widgets as trio
+
+def hog(cpu_s):
+    start = time.thread_time()
+    x = 0
+    while time.thread_time() - start < cpu_s:
+        x += 1
+pool = trio.LocalPool(min_cycle_s=0.02, name="kernel-gil")
+"""
+
+KERNEL_HOG = """\
+hog(0.5)
+time.sleep(0.2)
+print("STALLS " + json.dumps([[s.thread, [[f.function, f.cell, f.line, f.where] for f in s.frames]]
+                              for s in pool.telemetry.gil]))
+pool.close()
+"""
+
+
+def test_in_a_kernel_a_cell_is_named_by_its_number_and_line():
+    """ipykernel compiles each cell to /tmp/ipykernel_<pid>/<hash>.py: the stall names In[n]."""
+    from jupyter_client.manager import start_new_kernel
+
+    def execute(kc, code):
+        """(the cell's execution count, what it printed)"""
+        msg_id = kc.execute(code, store_history=True)
+        out = []
+        while True:
+            m = kc.get_iopub_msg(timeout=120)
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            if m["msg_type"] == "stream":
+                out.append(m["content"]["text"])
+            elif m["msg_type"] == "error":
+                raise AssertionError("\n".join(m["content"]["traceback"]))
+            elif m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                break
+        while True:  # (a kernel_info reply from the start may come first)
+            reply = kc.get_shell_msg(timeout=120)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]["execution_count"], "".join(out)
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        count, _ = execute(kc, KERNEL_DEFINE)
+        _, text = execute(kc, KERNEL_HOG)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    stalls = json.loads(text.split("STALLS ", 1)[1])
+    mine = [frames for thread, frames in stalls if thread == "MainThread" and frames[0][0] == "hog"]
+    assert mine, stalls
+    (function, cell, line, where), (caller, caller_cell, caller_line, _) = mine[0][:2]
+    assert cell == count and line in (7, 8) and where == f"cell In[{count}] line {line}", mine[0]  # its loop
+    assert (caller, caller_cell, caller_line) == ("<module>", count + 1, 1), mine[0]

@@ -1,0 +1,365 @@
+"""Did other Python starve the pool? Measured while it runs, attributed to a line.
+
+The pool runs in the user's process, so Python that holds the interpreter lock (GIL) in
+another thread (a CPU-heavy batch builder in a notebook cell) slows the pool's clock
+thread: each of its torch calls gives the GIL up and must win it back. Two measurements,
+both cheap enough to run all the time:
+
+* :class:`RunMeter` (on the clock thread): per cycle, the time the clock was neither
+  running on a CPU nor waiting in the OS run queue: it waited to run beyond what it
+  asked for, for the GIL (or for a disk write in a checkpoint op). Plus how late its
+  end-of-cycle sleep woke. Reads its own CPU clock and `/proc/thread-self/schedstat`.
+* :class:`GilWatchdog` (thread ``trio-gil-<pool>``): the standard heartbeat-lag probe.
+  It sleeps ``interval_s``; a wake-up later than ``threshold_s`` (beyond its own run-queue
+  wait, so a busy machine is not mistaken for a held GIL) means another thread held the
+  interpreter. Then it looks at what the other threads execute (`sys._current_frames`),
+  finds the one that used the CPU meanwhile (its `/proc` CPU time), and keeps its top user
+  frames (file, function, line; a notebook cell's execution count and line) in a
+  :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded).
+
+Sleeping or waiting on I/O releases the GIL: it makes neither measurement move. The run-queue
+share and the blame need Linux's /proc; elsewhere the clock's wait includes its run-queue
+wait and stalls are not recorded (so the advisor never says `gil` there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import time
+from collections import Counter
+from types import FrameType
+
+from ..telemetry import GilStall, Telemetry, UserFrame
+
+__all__ = ["GilWatchdog", "RunMeter", "user_frames"]
+
+log = logging.getLogger(__name__)
+
+
+def _schedstat_fd(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    if _runqueue_s(fd) is None:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _runqueue_s(fd: int) -> float | None:
+    """Seconds the thread behind `fd` (its schedstat file) waited in the OS run queue, ever."""
+    try:
+        fields = os.pread(fd, 96, 0).split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _run_s(fd: int) -> float | None:
+    """CPU seconds of the thread behind `fd`, ever (updated when it is switched out)."""
+    try:
+        return int(os.pread(fd, 96, 0).split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class RunMeter:
+    """For the thread that builds it: wall time it spent off a CPU and out of the run queue.
+
+    Without /proc (not Linux) the run-queue share cannot be told apart and counts too.
+    """
+
+    def __init__(self) -> None:
+        self._fd = _schedstat_fd("/proc/thread-self/schedstat")
+
+    def mark(self) -> tuple[float, float, float]:
+        rq = _runqueue_s(self._fd) if self._fd is not None else None
+        return time.perf_counter(), time.thread_time(), rq or 0.0
+
+    def waited(self, since: tuple[float, float, float]) -> tuple[float, float]:
+        """(waited, cpu): seconds since `since` (a `mark()`) this thread waited for something
+        other than a CPU, and the CPU seconds it ran meanwhile."""
+        wall, cpu, rq = self.mark()
+        return max(0.0, (wall - since[0]) - (cpu - since[1]) - (rq - since[2])), cpu - since[1]
+
+    def overslept(self, asleep: tuple[float, float, float], deadline: float) -> float:
+        """How late, past `deadline`, a sleep that began at `asleep` (a `mark()`) woke,
+        less the time it then waited in the run queue."""
+        wall, _, rq = self.mark()
+        return max(0.0, wall - deadline - (rq - asleep[2]))
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:  # the clock thread drops it when it ends
+        self.close()
+
+
+# --------------------------------------------------------------------------- frames
+
+def _library_roots() -> tuple[str, ...]:
+    """The standard library, this environment's packages, and trio_widgets itself."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return tuple(sorted(os.path.join(os.path.abspath(r), "") for r in roots))
+
+
+_LIBRARY = _library_roots()
+_ANONYMOUS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>", "<locals>")
+
+
+def is_user_file(filename: str) -> bool:
+    """Code the user wrote: not the standard library, not installed packages, not trio."""
+    if not filename or filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    return not path.startswith(_LIBRARY) and "site-packages" not in path and "dist-packages" not in path
+
+
+def _function(code) -> str:
+    """The name a person wrote: `heavy_batches` for `heavy_batches.<locals>.<genexpr>` and for
+    `main.<locals>.heavy_batches`; `Loader.next_batch` for a method."""
+    parts = getattr(code, "co_qualname", code.co_name).split(".")
+    while len(parts) > 1 and parts[-1] in _ANONYMOUS:
+        parts.pop()
+    if "<locals>" in parts[:-1]:
+        parts = parts[len(parts) - parts[::-1].index("<locals>"):]
+    return ".".join(p for p in parts if p != "<locals>") or code.co_name
+
+
+def _cells() -> dict[str, int]:
+    """IPython's map from a cell's code file (ipykernel: /tmp/ipykernel_<pid>/<hash>.py) to the
+    cell's execution count, the n of In[n] (the map IPython's tracebacks read); {} outside IPython."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return {}
+    try:
+        shell = ipython.get_ipython()
+        cells = shell.compile._filename_map if shell is not None else None
+    except Exception:  # another IPython: no cell numbers, file names still say where
+        return {}
+    return cells if isinstance(cells, dict) else {}
+
+
+def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...]:
+    """The innermost `limit` frames of user code on `frame`'s stack (innermost first; a
+    comprehension counts as the function it is written in); if there is none, the innermost
+    frame itself (library code the user called)."""
+    cells = _cells()
+    out: list[UserFrame] = []
+    innermost = frame
+    while frame is not None and len(out) < limit:
+        code = frame.f_code
+        cell = cells.get(code.co_filename)
+        if cell is not None or is_user_file(code.co_filename):
+            function = _function(code)
+            if not out or (out[-1].function, out[-1].file) != (function, code.co_filename):
+                out.append(UserFrame(code.co_filename, function, frame.f_lineno or 0,
+                                     cell if isinstance(cell, int) else None))
+        frame = frame.f_back
+    if not out and innermost is not None:
+        code = innermost.f_code
+        out.append(UserFrame(code.co_filename, _function(code), innermost.f_lineno or 0, None))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- watchdog
+
+def default_threshold_s() -> float:
+    """A heartbeat this late (beyond its run-queue wait) found the GIL held: an idle
+    interpreter wakes a sleeper within ~0.1 ms, a thread running Python makes it wait up to
+    its switch interval (5 ms by default) or, inside a long C call, until the call returns."""
+    return max(0.001, 0.2 * sys.getswitchinterval())
+
+
+#: On-time heartbeats in a row that end a stretch.
+ON_TIME_GRACE = 1
+_OWN_THREADS = ("trio-clock-", "trio-gil-")
+#: The thread blamed for a late heartbeat ran on a CPU for at least this share of the time.
+HOLDER_SHARE = 0.1
+
+
+class _Stretch:
+    """Late heartbeats in a row: becomes one GilStall."""
+
+    __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "samples", "frames", "cpu")
+
+    def __init__(self, started_at: float) -> None:
+        self.started_at = self.ended_at = started_at
+        self.lag_s = 0.0
+        self.heartbeats = 0
+        self.on_time = 0  # on-time heartbeats since the last late one
+        # Samples per (thread, innermost function) and the latest frames of each: the stretch is
+        # blamed on the most sampled one (a sample taken just as the holder moved on is outvoted).
+        self.samples: Counter[tuple[str, str, str]] = Counter()
+        self.frames: dict[tuple[str, str, str], tuple[UserFrame, ...]] = {}
+        self.cpu: dict[int, float] = {}  # native thread id -> CPU seconds at the last sample
+
+
+class GilWatchdog:
+    """Thread ``trio-gil-<name>``: heartbeat lag, and who held the GIL meanwhile.
+
+    Started by `start()`, stopped (and joined) by `stop()`; LocalPool does both with its clock.
+    Pools' clock threads and other watchdogs are never blamed: their Python is the pools' own
+    work (a clock runs Python between its torch calls).
+    """
+
+    def __init__(self, telemetry: Telemetry, name: str, *, interval_s: float = 0.02,
+                 threshold_s: float | None = None, max_stretch_s: float = 1.0) -> None:
+        self.telemetry = telemetry
+        self.name = f"trio-gil-{name}"
+        self.interval_s = float(interval_s)
+        self.threshold_s = default_threshold_s() if threshold_s is None else float(threshold_s)
+        self.max_stretch_s = max_stretch_s
+        self.heartbeats = 0
+        self.late = 0
+        self.cpu_s = 0.0  # CPU seconds this thread used so far (what it costs)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stretch: _Stretch | None = None
+        self._task_fds: dict[int, int] = {}
+        self._last_sample = 0.0
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def start(self) -> GilWatchdog:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread; wait up to `timeout` seconds for it to end (0: do not wait)."""
+        self._stop.set()
+        thread = self._thread
+        if timeout > 0 and thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # -- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        own = _schedstat_fd("/proc/thread-self/schedstat")
+        cpu0 = time.thread_time()
+        try:
+            rq = _runqueue_s(own) if own is not None else 0.0
+            while not self._stop.is_set():
+                asked = time.perf_counter()
+                time.sleep(self.interval_s)  # one C call: cheaper than Event.wait (stop() waits <= 20 ms)
+                woke = time.perf_counter()
+                rq_now = (_runqueue_s(own) or 0.0) if own is not None else 0.0
+                lag = (woke - asked - self.interval_s) - (rq_now - (rq or 0.0))
+                rq = rq_now
+                self.heartbeats += 1
+                self.cpu_s = time.thread_time() - cpu0
+                if self._stop.is_set():
+                    break
+                if lag > self.threshold_s:
+                    self.late += 1
+                    self._late(asked + self.interval_s, woke, lag)
+                elif self._stretch is not None:
+                    # A holder that gives the GIL up now and then (to the clock's torch calls)
+                    # lets a heartbeat through on time: one such does not end the stretch.
+                    self._stretch.on_time += 1
+                    if self._stretch.on_time > ON_TIME_GRACE:
+                        self._close_stretch()
+            if self._stretch is not None:
+                self._close_stretch()
+        except Exception:  # a probe must never take the process down
+            log.exception("%s stopped", self.name)
+        finally:
+            if own is not None:
+                os.close(own)
+            for fd in self._task_fds.values():
+                os.close(fd)
+            self._task_fds.clear()
+
+    def _late(self, due: float, woke: float, lag: float) -> None:
+        stretch = self._stretch
+        if stretch is not None and woke - stretch.started_at > self.max_stretch_s:
+            self._close_stretch()  # bounded stretches: the views and the advisor see them soon
+            stretch = None
+        if stretch is None:
+            stretch = self._stretch = _Stretch(due)
+            self._last_sample = woke
+        stretch.ended_at = woke
+        stretch.on_time = 0
+        stretch.lag_s += lag
+        stretch.heartbeats += 1
+        holder = self._holder(stretch, woke - self._last_sample)
+        self._last_sample = woke
+        if holder is not None:
+            thread, frames = holder
+            key = (thread, frames[0].file, frames[0].function) if frames else (thread, "", "")
+            stretch.samples[key] += 1
+            stretch.frames[key] = frames
+
+    def _holder(self, stretch: _Stretch, window_s: float) -> tuple[str, tuple[UserFrame, ...]] | None:
+        """The thread, other than pools' own, that ran on a CPU for most of the time since the
+        previous late heartbeat (the one that kept the GIL), with its top user frames now.
+
+        None when no such thread ran for at least HOLDER_SHARE of that time: then the GIL was
+        the pools' own (a clock runs Python between its torch calls), or nobody's.
+        """
+        me = threading.get_ident()
+        cpu: dict[int, float] = {}
+        best: tuple[float, threading.Thread] | None = None
+        for thread in threading.enumerate():
+            native = thread.native_id
+            if thread.ident == me or native is None or thread.name.startswith(_OWN_THREADS):
+                continue
+            used = self._cpu_of(native)
+            if used is None:
+                continue
+            cpu[native] = used
+            before = stretch.cpu.get(native)
+            if before is not None and (best is None or used - before > best[0]):
+                best = (used - before, thread)
+        first = not stretch.cpu
+        stretch.cpu = cpu
+        if first or best is None or best[0] < HOLDER_SHARE * window_s:
+            return None
+        thread = best[1]
+        frames = sys._current_frames()
+        try:
+            return thread.name, user_frames(frames.get(thread.ident))  # type: ignore[arg-type]
+        finally:
+            # The map holds every thread's frame, this one's too: a reference cycle that would keep
+            # their locals (a pool the user just dropped) alive until the next garbage collection.
+            frames.clear()
+
+    def _cpu_of(self, native_id: int) -> float | None:
+        fd = self._task_fds.get(native_id)
+        if fd is None:
+            if len(self._task_fds) > 256:  # threads come and go: forget the ones seen long ago
+                for old in list(self._task_fds)[:128]:
+                    os.close(self._task_fds.pop(old))
+            fd = _schedstat_fd(f"/proc/self/task/{native_id}/schedstat")
+            if fd is None:
+                return None
+            self._task_fds[native_id] = fd
+        value = _run_s(fd)
+        if value is None:  # that thread ended
+            os.close(self._task_fds.pop(native_id))
+        return value
+
+    def _close_stretch(self) -> None:
+        stretch, self._stretch = self._stretch, None
+        if stretch is None or not stretch.samples:
+            return  # a single late heartbeat: too short to say who held the GIL
+        per_thread: Counter[str] = Counter()
+        for (name, _, _), n in stretch.samples.items():
+            per_thread[name] += n
+        thread = per_thread.most_common(1)[0][0]
+        key = max((k for k in stretch.samples if k[0] == thread), key=lambda k: stretch.samples[k])
+        self.telemetry.add_gil_stall(GilStall(
+            started_at=stretch.started_at, ended_at=stretch.ended_at, lag_s=stretch.lag_s,
+            heartbeats=stretch.heartbeats, thread=thread, frames=stretch.frames[key]))

@@ -1,0 +1,216 @@
+"""RestClient: what the hosted services' REST API tells about runs and checkpoints, answered
+from a local pool.
+
+Only what a pool on this machine can honestly answer: the server's capabilities, the
+checkpoints under the pool's `checkpoint_dir` (list, info, delete, time to live), the
+training runs and samplers this process served or whose checkpoints are on disk, and the
+sessions (one per ServiceClient) of this process. Publishing, copying between projects,
+downloads from a hosted store, billing and audit logs have no local meaning and are not here.
+
+Every method returns an `APIFuture` that is already done (tinker's return an APIFuture,
+pytrio's a `concurrent.futures.Future`; both are read with `.result()`); a failure is in the
+future, as on the hosted services. The `*_async` twins return the value after one await.
+Checkpoint paths may be given as the directory a save returned or as tinker's
+`tinker://<run>/<weights|sampler_weights>/<name>`; both name a checkpoint under the pool's
+checkpoint_dir.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+from .backend import Backend
+from .engine.backend import LocalBackend
+from .engine.clock import LocalPool
+from .errors import InvalidInputError
+from .futures import APIFuture
+from .types import (
+    CheckpointsListResponse,
+    Cursor,
+    GetSamplerResponse,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
+    ListSessionsResponse,
+    ParsedCheckpointTinkerPath,
+    TrainingRun,
+    TrainingRunsResponse,
+    WeightsInfoResponse,
+)
+from .validation import is_int
+
+__all__ = ["RestClient"]
+
+T = TypeVar("T")
+AccessScope = Literal["owned", "accessible"]
+
+
+def _now(work: Callable[[], T]) -> APIFuture[T]:
+    """A done future of `work()`'s value, or of the exception it raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(work())
+    except Exception as exc:
+        future.set_exception(exc)
+    return APIFuture(future, request_id=None, op="rest")
+
+
+def _page(limit: Any, offset: Any) -> tuple[int, int]:
+    for name, value in (("limit", limit), ("offset", offset)):
+        if isinstance(value, bool) or not is_int(value) or value < 0:
+            raise InvalidInputError(f"must be an integer >= 0, got {value!r}", field=name)
+    return int(limit), int(offset)
+
+
+def _parsed(path: Any) -> ParsedCheckpointTinkerPath:
+    try:
+        return ParsedCheckpointTinkerPath.from_tinker_path(path)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc), field="tinker_path") from None
+
+
+class RestClient:
+    """The hosted services' REST client over a local pool.
+
+    `RestClient()` (tinker 0.38) uses the process-wide pool, as `ServiceClient()` does;
+    `RestClient(pool=pool)` or `RestClient(pool)` a pool of yours; `ServiceClient.create_rest_client()`
+    (pytrio; deprecated in tinker) its service's pool. `RestClient(base_url=..., api_key=...)`
+    asks a served pool (`trio.serve`) in a session of its own; over HTTP a session sees only the
+    runs and samplers it made, and deleting checkpoints, their time to live and weights info
+    are refused (InvalidInputError, tinker's BadRequestError).
+    """
+
+    def __init__(self, _holder: Any = None, *, base_url: str | None = None, api_key: str | None = None,
+                 pool: LocalPool | None = None):
+        from .client import ServiceClient, default_pool
+
+        if isinstance(_holder, ServiceClient):
+            backend: Backend = _holder.backend
+        elif _holder is None and pool is None and base_url is not None:  # a served pool (its own session)
+            from .http.client import HttpBackend
+
+            backend = HttpBackend(base_url, api_key)
+        elif isinstance(_holder, LocalPool) or _holder is None:
+            backend = LocalBackend(pool or _holder or default_pool(), session=False)
+        else:
+            raise InvalidInputError(f"expected a LocalPool or a ServiceClient, got {type(_holder).__name__}",
+                                    field="RestClient()")
+        self._backend = backend
+
+    def __repr__(self) -> str:
+        return f"<RestClient {self._backend!r}>"
+
+    def get_telemetry(self) -> None:
+        """tinker: its SDK's own event reporter, None when off. Off here (see `pool.telemetry`)."""
+        return None
+
+    # -- the server ----------------------------------------------------------------------------
+    def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
+        return _now(self._backend.capabilities)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
+        """The checkpoints of one run (its `model_id` / `training_run_cuid`), oldest first."""
+        return _now(lambda: CheckpointsListResponse(checkpoints=self._backend.checkpoints(training_run_id)))
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
+        """Every checkpoint under the pool's checkpoint_dir, newest first, a page at a time."""
+        def page() -> CheckpointsListResponse:
+            lim, off = _page(limit, offset)
+            every = list(reversed(self._backend.checkpoints(None)))
+            return CheckpointsListResponse(checkpoints=every[off:off + lim],
+                                           cursor=Cursor(offset=off, limit=lim, total_count=len(every)))
+        return _now(page)
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
+        """Delete `checkpoint_id` ("weights/<name>" or "sampler_weights/<name>") of a run."""
+        return _now(lambda: self._backend.delete_checkpoint(training_run_id, checkpoint_id))
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        def delete() -> None:
+            parsed = _parsed(tinker_path)
+            self._backend.delete_checkpoint(parsed.training_run_id, parsed.checkpoint_id)
+        return _now(delete)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
+        """Expire the checkpoint `ttl_seconds` from now (1 hour to 10 years), or never (None).
+        An expired checkpoint is deleted when it is next listed or opened."""
+        def set_ttl() -> None:
+            parsed = _parsed(tinker_path)
+            self._backend.set_checkpoint_ttl(parsed.training_run_id, parsed.checkpoint_id, ttl_seconds)
+        return _now(set_ttl)
+
+    def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
+        return _now(lambda: self._backend.weights_info(tinker_path))
+
+    # -- training runs, samplers, sessions -----------------------------------------------------
+    def get_training_run(self, training_run_id: str, access_scope: AccessScope = "owned") -> APIFuture[TrainingRun]:
+        return _now(lambda: self._backend.training_run(training_run_id))
+
+    def get_training_run_by_tinker_path(self, tinker_path: str, access_scope: AccessScope = "owned"
+                                        ) -> APIFuture[TrainingRun]:
+        return _now(lambda: self._backend.training_run(_parsed(tinker_path).training_run_id))
+
+    def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
+                           project_id: str | None = None) -> APIFuture[TrainingRunsResponse]:
+        """Runs this process served and runs with checkpoints on disk, most recent first."""
+        def page() -> TrainingRunsResponse:
+            lim, off = _page(limit, offset)
+            runs = self._backend.training_runs()
+            return TrainingRunsResponse(training_runs=runs[off:off + lim],
+                                        cursor=Cursor(offset=off, limit=lim, total_count=len(runs)))
+        return _now(page)
+
+    def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
+        """A sampler this process made (`SamplingClient.sampling_run_cuid`)."""
+        return _now(lambda: self._backend.sampler(sampler_id))
+
+    def get_session(self, session_id: str, access_scope: AccessScope = "owned") -> APIFuture[GetSessionResponse]:
+        """A session is one ServiceClient of this process (`service_session_cuid`)."""
+        return _now(lambda: self._backend.session(session_id))
+
+    def list_sessions(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
+                      ) -> APIFuture[ListSessionsResponse]:
+        def page() -> ListSessionsResponse:
+            lim, off = _page(limit, offset)
+            return ListSessionsResponse(sessions=self._backend.sessions()[off:off + lim])
+        return _now(page)
+
+    # -- the awaitable twins (tinker deprecates them, pytrio does not) ---------------------------
+    async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
+        return await self.list_checkpoints(training_run_id)
+
+    async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
+        return await self.list_user_checkpoints(limit, offset)
+
+    async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        return await self.delete_checkpoint(training_run_id, checkpoint_id)
+
+    async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        return await self.delete_checkpoint_from_tinker_path(tinker_path)
+
+    async def set_checkpoint_ttl_from_tinker_path_async(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        return await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
+
+    async def get_training_run_async(self, training_run_id: str, access_scope: AccessScope = "owned"
+                                     ) -> TrainingRun:
+        return await self.get_training_run(training_run_id, access_scope)
+
+    async def get_training_run_by_tinker_path_async(self, tinker_path: str, access_scope: AccessScope = "owned"
+                                                    ) -> TrainingRun:
+        return await self.get_training_run_by_tinker_path(tinker_path, access_scope)
+
+    async def list_training_runs_async(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
+                                       project_id: str | None = None) -> TrainingRunsResponse:
+        return await self.list_training_runs(limit, offset, access_scope, project_id)
+
+    async def get_sampler_async(self, sampler_id: str) -> GetSamplerResponse:
+        return await self.get_sampler(sampler_id)
+
+    async def get_session_async(self, session_id: str, access_scope: AccessScope = "owned") -> GetSessionResponse:
+        return await self.get_session(session_id, access_scope)
+
+    async def list_sessions_async(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
+                                  ) -> ListSessionsResponse:
+        return await self.list_sessions(limit, offset, access_scope)
