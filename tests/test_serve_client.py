@@ -256,7 +256,7 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
     tc.optim_step(ADAM).result(timeout=60)
     path = tc.save_state("first").result(timeout=60).path
     assert path == f"tinker://{tc.model_id}/weights/first"
-    with pytest.raises(trio.CheckpointExistsError) as exists:  # tinker's ConflictError, not retried
+    with pytest.raises(trio.CheckpointExistsError) as exists:  # tinker's ConflictError, as in-process
         tc.save_state("first").result(timeout=60)
     assert isinstance(exists.value, trio.ConflictError)
     assert tc.save_state("first", overwrite=True).result(timeout=60).path == path

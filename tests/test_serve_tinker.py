@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 import pytest
 import torch
@@ -225,6 +226,11 @@ def test_unsupported_features_answer_with_the_sdks_errors(sdk, server, fast):
         tc.forward_backward([datum(0, 40)] * 500, "cross_entropy").result(timeout=60)
     with pytest.raises(tinker.NotFoundError):
         tinker.RestClient(base_url=server.url, api_key=KEY).get_training_run(tc.model_id).result(timeout=60)
+    tc.save_state("once").result(timeout=60)
+    started = time.monotonic()
+    with pytest.raises(tinker.BadRequestError, match="overwrite"):  # not a 409: the SDK retries every 409
+        tc.save_state("once").result(timeout=60)
+    assert time.monotonic() - started < 10
     # the client is not poisoned by any of it
     tc.forward_backward([datum(1)], "cross_entropy")
     assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1

@@ -111,6 +111,8 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     if status in (400, 413, 415, 422):
         if field_name and message.startswith(f"{field_name}: "):
             message = message[len(field_name) + 2:]
+        if body.get("code") == "checkpoint_exists":  # (sent as a 400: the tinker SDK retries any 409)
+            return CheckpointExistsError(message, path=path, field=field_name or "name")
         return InvalidInputError(message, field=field_name)
     if status == 401:
         return AuthenticationError(message)
@@ -118,8 +120,6 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
         return PermissionDeniedError(message)
     if status == 404:
         return CheckpointNotFoundError(message, path=path) if path is not None else NotFoundError(message)
-    if status == 409:
-        return CheckpointExistsError(message, path=path, field=field_name or "name")
     if status == 410:
         return PoolClosedError(message)
     if status >= 500:

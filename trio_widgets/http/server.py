@@ -987,10 +987,12 @@ def _sse(payload: dict) -> str:
 
 # -- the HTTP layer -------------------------------------------------------------------------------
 
-def _error_response(status: int, message: str, field: str | None = None) -> JSONResponse:
+def _error_response(status: int, message: str, field: str | None = None, code: str | None = None) -> JSONResponse:
     body: dict[str, Any] = {"detail": message}
     if field is not None:
         body["field"] = field
+    if code is not None:
+        body["code"] = code
     return JSONResponse(body, status_code=status)
 
 
@@ -1041,10 +1043,10 @@ def _endpoint(service: _Service, handler: Handler, *, observer: bool = False, op
             return _error_response(exc.status, str(exc), exc.field)
         except CheckpointNotFoundError as exc:
             return _error_response(404, str(exc), exc.field)
-        except CheckpointExistsError as exc:  # tinker's ConflictError (which its SDK retries, unless told not to)
-            response = _error_response(409, str(exc), exc.field)
-            response.headers["x-should-retry"] = "false"
-            return response
+        except CheckpointExistsError as exc:
+            # 400, not tinker's 409: the SDK's retry handler retries every 409 (for minutes). trio's
+            # client reads the code and raises CheckpointExistsError (a ConflictError) as in-process.
+            return _error_response(400, str(exc), exc.field, code="checkpoint_exists")
         except InvalidInputError as exc:
             return _error_response(400, str(exc), exc.field)
         except (PoolClosedError, ClientClosedError) as exc:
