@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 EXPECTED = ["01_quickstart.ipynb", "02_clock_cycles.ipynb", "03_shared_pool_sweep.ipynb",
-            "04_debugging_slow_loops.ipynb", "05_sampling_and_rl.ipynb"]
+            "04_debugging_slow_loops.ipynb", "05_sampling_and_rl.ipynb", "06_shared_pool_over_http.ipynb"]
 MAX_SECONDS = 180              # per notebook, on 2 CPU cores
 MAX_PEAK_BYTES = 1.5 * 2**30  # kernel + server; Binder gives 2 GB
 SAMPLE_EVERY_S = 0.1
@@ -142,18 +142,38 @@ def check_05(text: str) -> None:
     assert acc > 0, "SFT left no reward to reinforce"
 
 
+def check_06(text: str) -> None:
+    if sys.version_info >= (3, 11):  # the tinker SDK is installed (the dev extra)
+        first, last = _floats(r"tinker SDK: 30 updates, loss ([\d.]+) -> ([\d.]+); saved tinker://", text)
+        assert last < first, f"the SDK's loss did not fall: {first} -> {last}"
+        assert "'ada:train:0'" in text, "no lane labelled by the SDK's session"
+    first, last, cycles = _floats(r"trio client: 30 updates, loss ([\d.]+) -> ([\d.]+) per token, ([\d.]+) "
+                                  r"cycles/update", text)
+    assert last < first and cycles <= 2, (first, last, cycles)
+    assert re.search(r"lanes: \[.*· grace'", text), "no lane for the trio client's session"
+    remote, local = _floats(r"remote dashboard of .*: (\d+) updates; the pool itself: (\d+)", text)
+    assert remote == local > 0
+    # the lesson: in-process the 100 ms cycles stretch to the loop's pace (about one cycle per
+    # update); served from another process they keep their pace and the loop misses cycles
+    local_ms, local_cycles = _floats(r"\nin-process\s+(\d+)\s+([\d.]+)", text)
+    far_ms, far_cycles = _floats(r"\nserved\s+(\d+)\s+([\d.]+)", text)
+    assert local_ms > 200 and local_cycles <= 1.5, (local_ms, local_cycles)
+    assert far_ms < 150 and far_cycles >= 2, (far_ms, far_cycles)
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "01_quickstart.ipynb": check_01,
     "02_clock_cycles.ipynb": check_02,
     "03_shared_pool_sweep.ipynb": check_03,
     "04_debugging_slow_loops.ipynb": check_04,
     "05_sampling_and_rl.ipynb": check_05,
+    "06_shared_pool_over_http.ipynb": check_06,
 }
 
 
 # -- committed notebooks -----------------------------------------------------------
 
-def test_the_five_notebooks_exist() -> None:
+def test_the_six_notebooks_exist() -> None:
     assert NAMES == EXPECTED
 
 

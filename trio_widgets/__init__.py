@@ -161,6 +161,7 @@ __all__ = [
     "UnprocessableEntityError",
     "Dashboard",
     "RunInterrupted",
+    "serve",
     "TrainingRun",
     "run_sync",
     "train",
@@ -168,9 +169,14 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The dashboard pulls in ipywidgets and bokeh: import it only when asked for.
+    # The dashboard pulls in ipywidgets and bokeh, the server starlette and uvicorn: import them
+    # only when asked for.
     if name == "Dashboard":
         from .widgets.dashboard import Dashboard
 
         return Dashboard
+    if name == "serve":
+        from .http.server import serve
+
+        return serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """`python -m trio_widgets demo`: train DEFAULT_MODEL with a pipelined loop, headless.
-`python -m trio_widgets doctor`: check this environment; exit status 1 if a check FAILed."""
+`python -m trio_widgets doctor`: check this environment; exit status 1 if a check FAILed.
+`python -m trio_widgets serve`: serve a pool over HTTP in Tinker's protocol until interrupted."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import signal
+import sys
+import threading
 import time
 
 from . import DEFAULT_MODEL, AdamParams, APIFuture, LocalPool, ServiceClient
@@ -54,7 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("doctor", help="check Python, torch, package versions, checkpoints and the GIL; "
                                           "exit 1 if a check FAILed")
     check.add_argument("--json", action="store_true", help="print the checks as a JSON list of records")
+    serve = sub.add_parser("serve", help="serve a pool over HTTP in Tinker's wire protocol (the tinker SDK, "
+                                          "trio.ServiceClient(base_url=...), trio.Dashboard(url)) until interrupted")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs keys)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", action="append", default=None,
+                       help=f"a base model clients may train (repeatable; default {DEFAULT_MODEL}); loaded at start")
+    serve.add_argument("--api-key", action="append", default=[], help="accept this API key (repeatable)")
+    serve.add_argument("--api-keys-file", help="a file of API keys, one per line (also: $TRIO_API_KEYS, "
+                                               "comma-separated)")
+    serve.add_argument("--observer-key", action="append", default=[],
+                       help="a key that may also watch the whole pool (trio.Dashboard(url, api_key=...))")
+    serve.add_argument("--min-cycle-s", type=float, default=0.05)
+    serve.add_argument("--checkpoint-dir", help="where checkpoints go (default: the user cache directory)")
+    serve.add_argument("--session-timeout-s", type=float, default=60.0,
+                       help="a session not heard from for this long is expired: its queued requests cancelled")
+    serve.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "doctor":
         report = doctor()
         print(json.dumps([dataclasses.asdict(r) for r in report.records], indent=1) if args.json else report)
@@ -63,6 +86,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"updates: {stats['updates']}")
     print(f"cycles per update: {stats['cycles_per_update']:.2f} (pipelined; naive would be 4)")
     print(f"loss per token: {stats['first_loss']:.3f} -> {stats['last_loss']:.3f}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .http.server import Server, check_bind
+
+    keys = list(args.api_key)
+    keys += [k.strip() for k in os.environ.get("TRIO_API_KEYS", "").split(",") if k.strip()]
+    if args.api_keys_file:
+        with open(args.api_keys_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    try:
+        check_bind(args.host, [*keys, *args.observer_key])  # before loading anything
+    except ValueError as exc:
+        print(f"trio serve: {exc}", file=sys.stderr)
+        return 2
+    models = args.model or [DEFAULT_MODEL]
+    pool = LocalPool(min_cycle_s=args.min_cycle_s, device=args.device, checkpoint_dir=args.checkpoint_dir,
+                     name="served", owned_by_cell=False)
+    for name in models:
+        pool.get_base_model(name)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = Server(pool, host=args.host, port=args.port, api_keys=keys, observer_keys=args.observer_key,
+                    models=models, session_timeout_s=args.session_timeout_s, owns_pool=True)
+    try:
+        server.start()
+    except OSError as exc:
+        pool.close()
+        print(f"trio serve: {exc}", file=sys.stderr)
+        return 1
+    print(f"trio: serving pool {pool.name!r} ({pool.device.type}, min cycle {pool.min_cycle_s * 1e3:.0f} ms) on "
+          f"{server.url} - models: {', '.join(models)}; keys: {len(keys) or 'none (loopback only)'}", flush=True)
+    stop.wait()
+    server.stop()  # answers pending futures, releases every client, closes the pool
+    print("trio: stopped", flush=True)
     return 0
 
 

@@ -814,7 +814,8 @@ class ServiceClient:
 
     The first positional argument is read by its type: a LocalPool is the pool, a str is
     pytrio's api_key, a dict tinker's user_metadata (a second one is tinker's project_id).
-    Account options (api_key, base_url, project_id, ...) are accepted and ignored.
+    `base_url=` (with `api_key=`) sends the requests to a served pool (`trio.serve`) over HTTP;
+    without it, account options (api_key, project_id, ...) are accepted and ignored.
     `with ServiceClient(pool) as sc:` closes the clients it made on exit (not the pool).
     """
 
@@ -839,11 +840,18 @@ class ServiceClient:
                                         f"{type(first).__name__}", field="ServiceClient()")
             if len(args) == 2:
                 project_id = args[1]  # tinker's project: one more account option, ignored
-        del project_id, base_url, api_key, default_headers_overrides  # accepted for hosted-service code
+        del project_id, default_headers_overrides  # accepted for hosted-service code
         if kwargs:
             warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}.",
                           FutureWarning, stacklevel=2)
         user_metadata = check_user_metadata(user_metadata)
+        if backend is None and base_url is not None:  # a served pool (trio_widgets/http)
+            if pool is not None:
+                raise InvalidInputError("give a pool (in-process) or a base_url (a served pool), not both",
+                                        field="base_url")
+            from .http.client import HttpBackend
+
+            backend = HttpBackend(base_url, api_key)
         if backend is None:
             backend = LocalBackend(pool if pool is not None else default_pool(), user_metadata=user_metadata,
                                    display_name=display_name)

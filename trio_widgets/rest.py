@@ -75,8 +75,10 @@ class RestClient:
 
     `RestClient()` (tinker 0.38) uses the process-wide pool, as `ServiceClient()` does;
     `RestClient(pool=pool)` or `RestClient(pool)` a pool of yours; `ServiceClient.create_rest_client()`
-    (pytrio; deprecated in tinker) its service's pool. `base_url` and `api_key` are accepted and
-    ignored.
+    (pytrio; deprecated in tinker) its service's pool. `RestClient(base_url=..., api_key=...)`
+    asks a served pool (`trio.serve`) in a session of its own; over HTTP a session sees only the
+    runs and samplers it made, and deleting checkpoints, their time to live and weights info
+    are refused (InvalidInputError, tinker's BadRequestError).
     """
 
     def __init__(self, _holder: Any = None, *, base_url: str | None = None, api_key: str | None = None,
@@ -85,6 +87,10 @@ class RestClient:
 
         if isinstance(_holder, ServiceClient):
             backend: Backend = _holder.backend
+        elif _holder is None and pool is None and base_url is not None:  # a served pool (its own session)
+            from .http.client import HttpBackend
+
+            backend = HttpBackend(base_url, api_key)
         elif isinstance(_holder, LocalPool) or _holder is None:
             backend = LocalBackend(pool or _holder or default_pool(), session=False)
         else:

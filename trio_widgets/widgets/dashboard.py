@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import ipywidgets as W
 from bokeh.core.property.validation import validate
@@ -140,11 +140,11 @@ class Dashboard(W.VBox):
     `export_dir` ("trio-exports" by default).
     """
 
-    def __init__(self, pool: LocalPool | None = None, *, window: int = 24, refresh_hz: float = 10.0,
-                 lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8, learning_rate: float = 3e-3,
-                 batch_size: int = 8, runs: int = 3, mode: str = "pipelined", lookahead: int = 1,
-                 export_dir: str | os.PathLike = "trio-exports", title: str = "trio · live training",
-                 max_clients: int | None = None):
+    def __init__(self, pool: LocalPool | str | None = None, *, api_key: str | None = None, window: int = 24,
+                 refresh_hz: float = 10.0, lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8,
+                 learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
+                 lookahead: int = 1, export_dir: str | os.PathLike = "trio-exports",
+                 title: str = "trio · live training", max_clients: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not (0 < refresh_hz <= 10):
@@ -164,7 +164,18 @@ class Dashboard(W.VBox):
                 raise ValueError(f"{key} must be a whole number from {low} to {high}; got {value!r}")
             if verdict == "confirm":
                 far_lr = text.split(". Apply")[0]
-        self.follow = pool is None
+        remote = None
+        if isinstance(pool, str):  # a served pool's URL: its telemetry streams in (trio_widgets/http/remote.py)
+            from ..http.remote import RemotePool
+
+            try:
+                remote = RemotePool(pool, api_key=api_key)
+            except BaseException:
+                # what close() reads when this half-built widget is dropped (ipywidgets' __del__ calls it)
+                self._closed = True
+                raise
+            pool = cast(LocalPool, remote)  # it has what the views read of a pool
+        self.follow = pool is None  # (a served pool is watched until it stops; never replaced)
         if pool is None:
             pool = _newest_pool()
         t0 = time.perf_counter()
@@ -186,6 +197,7 @@ class Dashboard(W.VBox):
         self.add_class("trio-dashboard")
 
         self.pool: LocalPool | None = pool
+        self._remote = remote  # watched, not driven: Start trains in-process only
         self.controls = controls
         self.sweep = SweepLauncher(pool, base_model, rank, settings)  # type: ignore[arg-type]
         self._settings = settings
@@ -194,7 +206,7 @@ class Dashboard(W.VBox):
         self._status = status
         self._advisor_w = advisor
         self._header = header
-        self._owned: list[W.Widget] = [header, status, *controls.widgets, plot, advisor]
+        self._owned = [header, status, *controls.widgets, plot, advisor]
         self.export_dir = os.fspath(export_dir)
         self.refresh_hz = float(refresh_hz)
         self._closed = False
@@ -258,8 +270,11 @@ class Dashboard(W.VBox):
 
     @property
     def state(self) -> str:
-        """The Start runs' state: idle, starting, running, pausing, paused, stopped, error; or closed."""
-        return "closed" if self._pool_closed else self.sweep.state
+        """The Start runs' state: idle, starting, running, pausing, paused, stopped, error; or closed;
+        "watching" for a served pool's dashboard (it has no Start runs)."""
+        if self._pool_closed:
+            return "closed"
+        return "watching" if self._remote is not None else self.sweep.state
 
     @property
     def pool_state(self) -> str:
@@ -335,6 +350,10 @@ class Dashboard(W.VBox):
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
+            if self._remote is not None:
+                self._notice("this dashboard watches a served pool: its participants train; Start trains "
+                             "in-process only (trio.Dashboard(pool))", True)
+                return
             if self.pool is None or self._pool_closed:
                 self._notice("Start needs a pool: build one (trio.LocalPool(...)) and press Start again", True)
                 return
@@ -669,6 +688,7 @@ class Dashboard(W.VBox):
             self._advisor_w.value = text
 
     def _update_buttons(self) -> None:
+        # ("watching", a served pool's dashboard, enables none)
         self.controls.enable(self.state if self.pool is not None else "closed")
 
     # -- display: hold patches until the new view has rendered; a snapshot when closed ------------------
@@ -771,6 +791,8 @@ class Dashboard(W.VBox):
         self._closed = True
         if self._feed is not None:
             self._feed.close()
+        if self._remote is not None:
+            self._remote.close()  # its reader thread and the server's stream
         # The output first: the page drops the widget views, then the comms close unobserved
         # (closing a comm a view still uses makes the page send to it: "No such comm").
         if self._shown:

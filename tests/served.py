@@ -1,0 +1,213 @@
+"""Helpers of the serve tests (not a test module): loops written three ways, cycles read from the
+pool's telemetry, a lossy proxy, checkpoint reads. Everything runs for real: a served pool on
+127.0.0.1, the official tinker SDK, trio's HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trio_widgets as trio
+
+NEEDS_SDK = pytest.mark.skipif(sys.version_info < (3, 11), reason="the tinker SDK needs Python >= 3.11")
+
+
+def tinker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the SDK must see in tests: no telemetry, no network for tokenizers."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def pairs_from_telemetry(pool: trio.LocalPool, client_id: str, since: int = 0) -> list[tuple[int, int]]:
+    """(forward_backward cycle, optim_step cycle) of each update of `client_id`, in order, for
+    requests with pool request id > `since` (the pool's own record, not the client's)."""
+    records = sorted((r for r in pool.telemetry.requests_of(client_id) if r.request_id > since and r.status == "ok"),
+                     key=lambda r: r.request_id)
+    fbs = [r.cycle for r in records if r.op == "forward_backward"]
+    opts = [r.cycle for r in records if r.op == "optim_step"]
+    assert len(fbs) == len(opts), (fbs, opts)
+    return list(zip(fbs, opts))
+
+
+def spans_and_periods(pairs: list[tuple[int, int]]) -> tuple[set[int], set[int]]:
+    spans = {opt - fb + 1 for fb, opt in pairs}
+    starts = [fb for fb, _ in pairs]
+    periods = {b - a for a, b in zip(starts[1:], starts[2:])}  # the first is not steady state
+    return spans, periods
+
+
+def last_request_id(pool: trio.LocalPool) -> int:
+    return max((r.request_id for r in list(pool.telemetry.requests)), default=0)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Bounded wait for a condition (behaviour, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def three_loops(forward_backward: Callable[[], Any], optim_step: Callable[[], Any],
+                wait: Callable[[Any], Any], n: int = 4) -> None:
+    """naive, together and pipelined, written once for any client (sync futures)."""
+    for _ in range(n):
+        fb = forward_backward()
+        wait(fb)
+        wait(optim_step())
+    for _ in range(n):
+        fb, opt = forward_backward(), optim_step()
+        wait(fb)
+        wait(opt)
+    previous = None
+    for _ in range(n + 1):
+        current = (forward_backward(), optim_step())
+        if previous is not None:
+            wait(previous[0])
+            wait(previous[1])
+        previous = current
+    assert previous is not None
+    wait(previous[0])
+    wait(previous[1])
+
+
+async def three_loops_async(forward_backward: Callable[[], Any], optim_step: Callable[[], Any], n: int = 4) -> None:
+    """The same three loops with the async API: each call awaited once to submit, once for the result."""
+    for _ in range(n):
+        fb = await forward_backward()
+        await fb
+        opt = await optim_step()
+        await opt
+    for _ in range(n):
+        fb = await forward_backward()
+        opt = await optim_step()
+        await fb
+        await opt
+    previous = None
+    for _ in range(n + 1):
+        current = (await forward_backward(), await optim_step())
+        if previous is not None:
+            await previous[0]
+            await previous[1]
+        previous = current
+    assert previous is not None
+    await previous[0]
+    await previous[1]
+
+
+def check_three_loops(pool: trio.LocalPool, client_id: str, since: int, n: int = 4) -> None:
+    pairs = pairs_from_telemetry(pool, client_id, since)
+    assert len(pairs) == 3 * n + 1, pairs
+    naive, together, pipelined = pairs[:n], pairs[n:2 * n], pairs[2 * n:]
+    assert spans_and_periods(naive) == ({3}, {4}), naive
+    assert spans_and_periods(together) == ({1}, {2}), together
+    assert spans_and_periods(pipelined) == ({1}, {1}), pipelined
+
+
+def adapter_file(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- a network that loses one answer ------------------------------------------------------------
+
+_HEAD_END = b"\r\n\r\n"
+
+
+async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """One HTTP/1.1 message with a Content-Length body (what our server and clients send)."""
+    try:
+        head = await reader.readuntil(_HEAD_END)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    m = re.search(rb"\r\ncontent-length:\s*(\d+)", head, re.I)
+    body = await reader.readexactly(int(m.group(1))) if m else b""
+    return head, body
+
+
+class LossyProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server that relays every HTTP/1.1 exchange but the
+    first one to `path`: that request reaches the server, which answers it, and then the proxy
+    closes the client's connection instead of relaying the answer, as a network that loses a
+    response. The client sees a broken connection and retries."""
+
+    def __init__(self, target_port: int, path: str):
+        self.target_port = target_port
+        self.path = path.encode()
+        self.dropped = 0
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="lossy-proxy", daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        try:
+            while True:
+                request = await _read_message(reader)
+                if request is None:
+                    return
+                up_writer.write(request[0] + request[1])
+                await up_writer.drain()
+                response = await _read_message(up_reader)
+                if response is None:
+                    return
+                line = request[0].split(b"\r\n", 1)[0]
+                if not self.dropped and self.path in line:
+                    self.dropped += 1
+                    return  # answered by the server, lost on the way back
+                writer.write(response[0] + response[1])
+                await writer.drain()
+        finally:
+            for w in (writer, up_writer):
+                with contextlib.suppress(Exception):
+                    w.close()
+
+    def __enter__(self) -> LossyProxy:
+        self._thread.start()
+        started = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._relay, "127.0.0.1", 0), self._loop)
+        self._server = started.result(10)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            assert self._server is not None
+            self._server.close()
+            await asyncio.sleep(0)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def served(pool: trio.LocalPool, **settings: Any) -> Iterator[Any]:
+    from trio_widgets.http.server import serve
+
+    server = serve(pool, port=0, **settings)
+    try:
+        yield server
+    finally:
+        server.stop()

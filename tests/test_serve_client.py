@@ -1,0 +1,297 @@
+"""trio's own client over HTTP, `trio.ServiceClient(base_url=...)`, against a served pool on
+127.0.0.1: the same loops, clock rules, resume, sampling, order and retries as in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from conftest import random_batch
+from served import (
+    LossyProxy,
+    adapter_file,
+    check_three_loops,
+    pairs_from_telemetry,
+    same_tensors,
+    served,
+    spans_and_periods,
+    three_loops,
+    three_loops_async,
+    wait_for,
+)
+
+import trio_widgets as trio
+from trio_widgets.http import wire
+
+KEY = "tml-trio-client-tests"
+CYCLE_S = 0.4  # see test_serve_tinker.py
+ADAM = trio.AdamParams(learning_rate=1e-2, weight_decay=0.01)
+TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
+
+
+def datum(i: int, length: int = 16) -> trio.Datum:
+    chunk = TEXT[(5 * i) % 40:(5 * i) % 40 + length + 1]
+    return trio.Datum(trio.ModelInput.from_ints(chunk[:-1]), {"target_tokens": chunk[1:]})
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with trio.LocalPool(min_cycle_s=CYCLE_S, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt")),
+                        name="served-trio") as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def server(pool):
+    with served(pool) as s:
+        yield s
+
+
+@pytest.fixture
+def fast(pool):
+    pool.min_cycle_s = 0.005
+    yield
+    pool.min_cycle_s = CYCLE_S
+
+
+@pytest.fixture
+def svc(server):
+    service = trio.ServiceClient(base_url=server.url, api_key=KEY)
+    yield service
+    service.backend.close()
+
+
+def test_it_is_the_http_backend(svc, server, pool):
+    from trio_widgets.http.client import HttpBackend
+
+    assert isinstance(svc.backend, HttpBackend) and svc.pool is None
+    assert trio.DEFAULT_MODEL in [m.model_name for m in svc.get_server_capabilities().supported_models]
+    with pytest.raises(trio.InvalidInputError, match="base_url"):
+        trio.ServiceClient(pool, base_url=server.url)
+
+
+def test_sync_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+    batch = [datum(0)]
+    fbs: list[trio.APIFuture] = []
+    opts: list[trio.APIFuture] = []
+
+    def fb():
+        fbs.append(tc.forward_backward(batch))
+        return fbs[-1]
+
+    def opt():
+        opts.append(tc.optim_step(ADAM))
+        return opts[-1]
+
+    three_loops(fb, opt, lambda f: f.result(timeout=120))
+    check_three_loops(pool, server.clients()[tc.client_id], since=0)
+    # APIFuture.cycle over HTTP is the pool's cycle (X-Trio-Cycle): the same spans and periods
+    pairs = [(f.cycle, o.cycle) for f, o in zip(fbs, opts)]
+    assert pairs == pairs_from_telemetry(pool, server.clients()[tc.client_id])
+    assert spans_and_periods(pairs[8:]) == ({1}, {1})
+
+
+def test_async_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=1)
+    batch = [datum(1)]
+    asyncio.run(three_loops_async(lambda: tc.forward_backward_async(batch, "cross_entropy"),
+                                  lambda: tc.optim_step_async(ADAM)))
+    check_three_loops(pool, server.clients()[tc.client_id], since=0)
+
+
+def test_save_state_resume_continues_bitwise(svc, server, fast):
+    def update(tc, i):
+        fb = tc.forward_backward([datum(i)])
+        tc.optim_step(ADAM).result(timeout=120)
+        return fb.result(timeout=120).loss
+
+    straight = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
+    losses_straight = [update(straight, i) for i in range(8)]
+    end_straight = straight.save_state("end").result(timeout=120).path
+    first = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
+    losses = [update(first, i) for i in range(4)]
+    half = first.save_state("half").result(timeout=120).path
+    assert half == f"tinker://{first.client_id}/weights/half"
+    resumed = svc.create_training_client_from_state_with_optimizer(half)
+    assert resumed.get_info().model_data.lora_rank == 8
+    losses += [update(resumed, i) for i in range(4, 8)]
+    end_resumed = resumed.save_state("end").result(timeout=120).path
+    assert losses == losses_straight
+    assert same_tensors(adapter_file(server.checkpoint_path(end_resumed, KEY)),
+                        adapter_file(server.checkpoint_path(end_straight, KEY)))
+    weights_only = svc.create_training_client_from_state(half)
+    weights_only.forward_backward([datum(4)])
+    assert weights_only.optim_step(ADAM).result(timeout=120).metrics["step:max"] == 1
+    # a file path is never a checkpoint name over HTTP
+    with pytest.raises(trio.InvalidInputError, match="tinker://"):
+        svc.create_training_client_from_state(str(server.checkpoint_path(half, KEY)))
+
+
+def test_sampling_matches_an_in_process_sampler(svc, server, pool, fast):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=3)
+    for i in range(3):
+        tc.forward_backward([datum(i)])
+        tc.optim_step(ADAM).result(timeout=120)
+    sampler = tc.save_weights_and_get_sampling_client("snap")
+    prompt = trio.ModelInput.from_ints([3 + b for b in b"It was the"])
+    params = trio.SamplingParams(max_tokens=8, seed=7)
+    remote = sampler.sample(prompt, 3, params, include_prompt_logprobs=True).result(timeout=120)
+    assert sampler.model_path == f"tinker://{tc.client_id}/sampler_weights/snap"
+    local = trio.ServiceClient(pool).create_sampling_client(
+        model_path=str(server.checkpoint_path(sampler.model_path, KEY)))
+    mine = local.sample(prompt, 3, params, include_prompt_logprobs=True).result(timeout=120)
+    assert [s.tokens for s in remote.sequences] == [s.tokens for s in mine.sequences]
+    assert [s.logprobs for s in remote.sequences] == [s.logprobs for s in mine.sequences]
+    assert remote.prompt_logprobs == mine.prompt_logprobs
+    assert sampler.compute_logprobs(prompt).result(timeout=120) == local.compute_logprobs(prompt).result(timeout=120)
+    local.close()
+    by_path = svc.create_sampling_client(model_path=sampler.model_path)
+    assert [s.tokens for s in by_path.sample(prompt, 3, params).result(timeout=120).sequences] == \
+        [s.tokens for s in mine.sequences]
+
+
+def test_a_custom_loss_keeps_its_place_before_a_later_optim_step(svc, server, pool, fast):
+    """The second half of forward_backward_custom is reserved on the client: the optim_step and
+    forward submitted right after it are held client-side and sent behind it, in order."""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=4)
+    batch = random_batch(4, n=2, length=10)
+
+    def loss_fn(data, logprobs):
+        time.sleep(0.3)  # a slow loss: the later submits must wait for it, not overtake it
+        total = sum((-lp).sum() for lp in logprobs)
+        return total, {"custom:sum": float(total.detach())}
+
+    custom = tc.forward_backward_custom(batch, loss_fn)
+    opt = tc.optim_step(ADAM)
+    after = tc.forward(batch)
+    assert opt.result(timeout=120).metrics["step:max"] == 1
+    out = custom.result(timeout=120)
+    assert out.loss_fn_output_type == "custom" and out.metrics["custom:sum"] == out.metrics["loss:sum"]
+    after.result(timeout=120)
+    records = sorted(pool.telemetry.requests_of(server.clients()[tc.client_id]), key=lambda r: r.request_id)
+    assert [r.op for r in records] == ["forward", "forward_backward_custom", "optim_step", "forward"]
+    assert records[1].cycle <= records[2].cycle < records[3].cycle
+
+
+def test_seq_ids_sent_out_of_order_run_in_order(svc, server, pool, fast):
+    """Raw protobuf POSTs for a model: seq 2 before seq 1. The server holds 2 until 1 arrives."""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
+    client = server.clients()[tc.client_id]
+    short, long_ = [datum(0, 5)], [datum(1, 11)]
+    headers = {"X-API-Key": KEY, "Content-Type": wire.PROTOBUF}
+    url = f"{server.url}/api/v1/forward_backward"
+    held_before = server.stats()["held"]
+    second = httpx.post(url, content=wire.encode_forward_request(tc.client_id, 2, long_, "cross_entropy", {}, False),
+                        headers=headers).json()
+    first = httpx.post(url, content=wire.encode_forward_request(tc.client_id, 1, short, "cross_entropy", {}, False),
+                       headers=headers).json()
+    for rid in (second["request_id"], first["request_id"]):
+        body = {"request_id": rid}
+        while (r := httpx.post(f"{server.url}/api/v1/retrieve_future", json=body, headers={"X-API-Key": KEY},
+                               timeout=60)).headers["content-type"] != wire.PROTOBUF:
+            assert r.json().get("type") == "try_again", r.text
+    records = sorted(pool.telemetry.requests_of(client), key=lambda r: r.cycle)
+    assert [r.tokens for r in records] == [5, 11]  # seq 1 ran first
+    assert server.stats()["held"] == held_before + 1
+    # and a repeat of seq 2 is answered with its first request, running nothing
+    again = httpx.post(url, content=wire.encode_forward_request(tc.client_id, 2, long_, "cross_entropy", {}, False),
+                       headers=headers).json()
+    assert again["request_id"] == second["request_id"]
+    assert len(pool.telemetry.requests_of(client)) == 2
+
+
+def test_a_retried_submit_runs_once(server, pool, fast):
+    with LossyProxy(server.port, "/api/v1/optim_step") as proxy:
+        service = trio.ServiceClient(base_url=proxy.url, api_key=KEY)
+        tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=6)
+        steps = []
+        for i in range(3):
+            tc.forward_backward([datum(i)])
+            steps.append(tc.optim_step(ADAM).result(timeout=120).metrics["step:max"])
+        service.backend.close()
+        assert proxy.dropped == 1
+    assert steps == [1, 2, 3]
+    assert len(pairs_from_telemetry(pool, server.clients()[tc.client_id])) == 3
+
+
+def test_bad_input_is_refused_at_submit_naming_the_field(svc, fast):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=7)
+    bad = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 999]})]
+    with pytest.raises(trio.InvalidInputError) as info:
+        tc.forward_backward(bad)
+    assert info.value.field == "data[0].loss_fn_inputs['target_tokens']" and "vocabulary" in str(info.value)
+    with pytest.raises(trio.InvalidInputError, match="rank"):
+        svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=100_000)
+    with pytest.raises(trio.InvalidInputError, match="not served here"):
+        svc.create_lora_training_client("/etc", rank=4)
+    with pytest.raises(trio.InvalidInputError, match="inspect_adapter"):
+        tc.inspect_adapter()
+    with pytest.raises(trio.InvalidInputError, match="path"):
+        tc.save_state("../escape")
+    # nothing was queued by any of it: the next update is step 1
+    tc.forward_backward([datum(0)])
+    assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
+
+
+def test_closing_a_client_frees_its_lane(svc, server, pool, fast):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=8)
+    client = server.clients()[tc.client_id]
+    tc.forward_backward([datum(0)]).result(timeout=60)
+    assert client in pool.telemetry.live_clients()
+    tc.close()
+    wait_for(lambda: client not in pool.telemetry.live_clients(), "the served client to be retired")
+    with pytest.raises(trio.ClientClosedError):
+        tc.forward_backward([datum(0)])
+
+
+def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
+    """main's Backend methods (RestClient) over HTTP: this session's runs, checkpoints and
+    samplers; what a served pool cannot do is refused with tinker's BadRequestError, naming it."""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5, user_metadata={"name": "rest"})
+    assert tc.model_id == tc.client_id  # tinker's model_id names the run's checkpoints
+    tc.forward_backward([datum(0)])
+    tc.optim_step(ADAM).result(timeout=60)
+    path = tc.save_state("first").result(timeout=60).path
+    assert path == f"tinker://{tc.model_id}/weights/first"
+    with pytest.raises(trio.CheckpointExistsError) as exists:  # tinker's ConflictError, as in-process
+        tc.save_state("first").result(timeout=60)
+    assert isinstance(exists.value, trio.ConflictError)
+    assert tc.save_state("first", overwrite=True).result(timeout=60).path == path
+    sampler = tc.save_weights_and_get_sampling_client("snap")
+    rest = svc.create_rest_client()
+    assert trio.DEFAULT_MODEL in [m.model_name for m in rest.get_server_capabilities().result().supported_models]
+    listed = rest.list_checkpoints(tc.model_id).result().checkpoints
+    assert {c.tinker_path for c in listed} >= {path} and {c.checkpoint_type for c in listed} >= {"training"}
+    assert path in {c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints}
+    run = rest.get_training_run(tc.model_id).result()
+    assert run.training_run_id == tc.model_id and run.lora_rank == 4 and run.last_checkpoint is not None
+    assert tc.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+    info = rest.get_sampler(sampler.sampler_id if hasattr(sampler, "sampler_id") else sampler.client_id).result()
+    assert info.base_model == trio.DEFAULT_MODEL
+    assert rest.list_sessions().result().sessions == [svc.backend.session_id]
+    session = rest.get_session(svc.backend.session_id).result()
+    assert tc.model_id in session.training_run_ids
+    for refused in (lambda: rest.delete_checkpoint_from_tinker_path(path).result(),
+                    lambda: rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result(),
+                    lambda: rest.get_weights_info_by_tinker_path(path).result()):
+        with pytest.raises(trio.BadRequestError, match="not offered over HTTP"):
+            refused()
+    with pytest.raises(trio.NotFoundError):
+        rest.get_session("sess-0000000000000000").result()
+    with pytest.raises(trio.NotFoundError):
+        rest.get_training_run("sess-0000000000000000:train:0").result()
+    with pytest.raises(trio.InvalidInputError) as ttl:
+        tc.save_state("later", ttl_seconds=7200)
+    assert ttl.value.field == "ttl_seconds"
+    prompt = trio.ModelInput.from_ints(TEXT[:8])
+    with pytest.raises(trio.InvalidInputError) as topk:
+        sampler.sample(prompt, 1, trio.SamplingParams(max_tokens=2), topk_sample_logprobs=3)
+    assert topk.value.field == "topk_sample_logprobs"
+    # and a RestClient of its own, by URL
+    own = trio.RestClient(base_url=server.url, api_key=KEY)
+    assert own.list_training_runs().result().training_runs == []  # another session: sees nothing of svc's
+    with pytest.raises(trio.NotFoundError):
+        own.list_checkpoints("sess-0000000000000000:train:0").result()

@@ -1,0 +1,813 @@
+"""HttpBackend: trio's client API against a served pool, in Tinker's wire protocol, with httpx.
+
+`trio.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-...")` builds one; the
+TrainingClient / SamplingClient code is the same as in-process (trio_widgets/backend.py is
+the seam). What happens on the wire:
+
+* Submits are synchronous POSTs from the caller's thread (a refusal raises at submit, as
+  in-process); each returns a request id, whose result one poller thread long-polls
+  (`retrieve_future`) and delivers into the `APIFuture`. Its cycle comes back in the
+  `X-Trio-Cycle` header, so `APIFuture.cycle` works over HTTP too.
+* Order: every request of a model carries the next `seq_id`, and the POSTs of a model are
+  sent one at a time, in order. A reservation (the second half of `forward_backward_custom`)
+  holds its place on this side: the model's later submits wait in a client-side queue behind
+  it and are sent, in order, once it is filled (or failed). The server therefore never sees a
+  gap from this client, and never has to wait for one.
+* Retries: a POST that fails in transport, or with 408 / 429 / 5xx, is sent again with the
+  same `seq_id` for up to `retry_s` seconds; the server answers a repeated `(model, seq_id)`
+  with the first request's id, so an update never runs twice.
+* A session heartbeat every `heartbeat_s` seconds keeps the server from expiring the session.
+  `close()` finishes the session, fails what is still pending and stops both threads; so does
+  garbage collection of the backend, and interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from .._worker import BackgroundWorker
+from ..backend import (
+    ComputeLogprobsRequest,
+    CreateModelRequest,
+    CreateSamplerRequest,
+    ForwardRequest,
+    FromStateRequest,
+    LoadRequest,
+    ModelHandle,
+    OptimStepRequest,
+    SamplerCreated,
+    SampleRequest,
+    SaveRequest,
+)
+from ..errors import (
+    APIConnectionError,
+    APIStatusError,
+    AuthenticationError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ClientClosedError,
+    InternalServerError,
+    InvalidInputError,
+    NotFoundError,
+    PermissionDeniedError,
+    PoolClosedError,
+    RequestErrorCategory,
+    RequestFailedError,
+)
+from ..futures import APIFuture, PoolFuture, mark_delivery_thread
+from ..types import (
+    Checkpoint,
+    GetSamplerResponse,
+    GetServerCapabilitiesResponse,
+    GetSessionResponse,
+    LoadWeightsResponse,
+    OptimStepResponse,
+    SamplingParams,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    SupportedModel,
+    TrainingRun,
+    WeightsInfoResponse,
+    check_text_only,
+)
+from . import wire
+
+__all__ = ["HttpBackend"]
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = {408, 429, 500, 502, 503, 504}
+
+
+class _Cycle:
+    """Where the cycle a request ran in is written (from the X-Trio-Cycle header)."""
+
+    cycle: int | None = None
+
+
+def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
+    """The exception a non-200 answer means (the server's JSON `detail` is its message)."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    body = body if isinstance(body, dict) else {}
+    message = str(body.get("detail") or response.text or response.reason_phrase)
+    status = response.status_code
+    field_name = body.get("field")
+    if status in (400, 413, 415, 422):
+        if field_name and message.startswith(f"{field_name}: "):
+            message = message[len(field_name) + 2:]
+        if body.get("code") == "checkpoint_exists":  # (sent as a 400: the tinker SDK retries any 409)
+            return CheckpointExistsError(message, path=path, field=field_name or "name")
+        return InvalidInputError(message, field=field_name)
+    if status == 401:
+        return AuthenticationError(message)
+    if status == 403:
+        return PermissionDeniedError(message)
+    if status == 404:
+        return CheckpointNotFoundError(message, path=path) if path is not None else NotFoundError(message)
+    if status == 410:
+        return PoolClosedError(message)
+    if status >= 500:
+        return InternalServerError(message)
+    error = APIStatusError(message)
+    error.status_code = status
+    return error
+
+
+@dataclass
+class _Outgoing:
+    """A request of a model, in its client-side queue until it is sent."""
+
+    op: str
+    request: Any
+    ready: bool
+    future: PoolFuture
+    scheduled: _Cycle = field(default_factory=_Cycle)
+    request_id: str | None = None
+
+
+class _Lane:
+    """One model's requests: the next seq_id and what waits behind a reservation."""
+
+    def __init__(self, handle: ModelHandle):
+        self.handle = handle
+        self.lock = threading.RLock()  # held while a POST of this model is on the wire: one at a time, in order
+        self.next_seq = 1  # the create is seq 0
+        self.outbox: deque[_Outgoing] = deque()
+
+
+class _Link:
+    """The connection state the threads share; the backend holds it (the threads never hold the
+    backend, so dropping the backend stops them)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, retry_s: float, long_poll_s: float):
+        self.base_url = base_url
+        self.retry_s = retry_s
+        self.long_poll_s = long_poll_s
+        headers = {"User-Agent": "trio-widgets"}
+        if api_key:
+            headers["X-API-Key"] = api_key
+        self.headers = headers
+        self.timeout = httpx.Timeout(timeout_s, connect=5.0)
+        self.http = httpx.Client(base_url=f"{base_url}/api/v1", headers=headers, timeout=self.timeout)
+        self.session_id: str | None = None
+        self.stop = threading.Event()
+        self.closed = False
+        self.loop = asyncio.new_event_loop()
+        self.pending: dict[str, tuple[_Outgoing, Callable[[Any, bool], Any], str | None]] = {}
+        self.thread = threading.Thread(target=self._run_poller, name="trio-http-poller", daemon=True)
+        self.heartbeat: threading.Thread | None = None
+        self.aclient: httpx.AsyncClient | None = None
+
+    # -- plain calls (any thread but the poller's) -------------------------------------------
+    def call(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
+             headers: dict[str, str] | None = None, retry: bool = True, checkpoint: str | None = None) -> Any:
+        """One request, retried in transport failures and 408/429/5xx for up to `retry_s` seconds
+        (every retried call here is idempotent on the server); its JSON body, or an exception."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            if self.closed:
+                raise ClientClosedError(f"the connection to {self.base_url} was closed")
+            try:
+                response = self.http.request(method, path, json=json, content=content, headers=headers)
+            except httpx.TransportError as exc:
+                if not retry or time.monotonic() + delay > deadline:
+                    raise APIConnectionError(f"cannot reach the trio server at {self.base_url} ({method} {path}): "
+                                             f"{type(exc).__name__}: {exc}") from None
+            else:
+                if response.status_code == 200:
+                    return response.json()
+                if not retry or response.status_code not in _RETRYABLE or time.monotonic() + delay > deadline:
+                    raise _error(response, path=checkpoint)
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+    # -- the poller -------------------------------------------------------------------------
+    def _run_poller(self) -> None:
+        mark_delivery_thread()  # a done-callback that waits on another result here would wait forever
+        asyncio.set_event_loop(self.loop)
+        self.aclient = httpx.AsyncClient(base_url=f"{self.base_url}/api/v1", headers=self.headers,
+                                         timeout=httpx.Timeout(self.long_poll_s + 20.0, connect=5.0),
+                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.aclient.aclose())
+            self.loop.close()
+
+    def watch(self, request_id: str, item: _Outgoing, decode: Callable[[Any, bool], Any],
+              owner: str | None) -> None:
+        """Long-poll `request_id` until its result is in, then settle `item.future`."""
+        self.pending[request_id] = (item, decode, owner)
+        try:
+            asyncio.run_coroutine_threadsafe(self._poll(request_id), self.loop)
+        except RuntimeError:  # the loop stopped: closed meanwhile
+            self.pending.pop(request_id, None)
+            _settle(item.future, exc=ClientClosedError(f"the connection to {self.base_url} was closed"))
+
+    async def _poll(self, request_id: str) -> None:
+        item, decode, owner = self.pending[request_id]
+        accept = {"Accept": f"{wire.PROTOBUF}, application/json"}
+        failing_since: float | None = None
+        delay = 0.05
+        try:
+            while not self.closed:
+                assert self.aclient is not None
+                try:
+                    response = await self.aclient.post("/retrieve_future", headers=accept,
+                                                       json={"request_id": request_id, "allow_metadata_only": False})
+                except httpx.TransportError as exc:
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > self.retry_s:
+                        raise APIConnectionError(f"lost the trio server at {self.base_url} while waiting for "
+                                                 f"request {request_id}: {type(exc).__name__}: {exc}") from None
+                    await asyncio.sleep(delay)
+                    delay = min(2.0, delay * 2)
+                    continue
+                if response.status_code in _RETRYABLE:
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > self.retry_s:
+                        raise _error(response)
+                    await asyncio.sleep(delay)
+                    delay = min(2.0, delay * 2)
+                    continue
+                failing_since, delay = None, 0.05
+                if response.status_code != 200:
+                    raise _error(response)
+                cycle = response.headers.get("x-trio-cycle")
+                if cycle is not None and cycle.lstrip("-").isdigit():
+                    item.scheduled.cycle = int(cycle)
+                if response.headers.get("content-type", "").startswith(wire.PROTOBUF):
+                    _settle(item.future, value=decode(response.content, True))
+                    return
+                body = response.json()
+                if isinstance(body, dict) and body.get("type") == "try_again":
+                    continue
+                if isinstance(body, dict) and "error" in body:
+                    raise _future_error(body, request_id, owner, item.scheduled.cycle, self.base_url)
+                _settle(item.future, value=decode(body, False))
+                return
+            raise ClientClosedError(f"the connection to {self.base_url} was closed before request {request_id} "
+                                    f"finished")
+        except BaseException as exc:  # noqa: BLE001 - whatever happened belongs to this future
+            _settle(item.future, exc=exc if isinstance(exc, Exception) else
+                    ClientClosedError(f"polling request {request_id} was stopped"))
+        finally:
+            self.pending.pop(request_id, None)
+
+    # -- heartbeat --------------------------------------------------------------------------
+    def start_heartbeat(self, every_s: float) -> None:
+        def beat() -> None:
+            while not self.stop.wait(every_s):
+                try:
+                    self.http.post("/session_heartbeat", json={"session_id": self.session_id,
+                                                               "type": "session_heartbeat"}, timeout=10.0)
+                except httpx.TransportError as exc:
+                    log.debug("heartbeat to %s failed: %s", self.base_url, exc)
+
+        self.heartbeat = threading.Thread(target=beat, name="trio-http-heartbeat", daemon=True)
+        self.heartbeat.start()
+
+    # -- closing ----------------------------------------------------------------------------
+    def close(self, finish: bool = True) -> None:
+        if self.closed:
+            return
+        if finish and self.session_id is not None:
+            try:
+                self.http.post(f"/sessions/{self.session_id}/finish", json={"reason": {"type": "success"},
+                                                                            "detail": None}, timeout=5.0)
+            except httpx.TransportError:
+                pass  # the server is gone: nothing to finish
+        self.closed = True
+        self.stop.set()
+        for item, _decode, _owner in list(self.pending.values()):
+            _settle(item.future, exc=ClientClosedError(f"the connection to {self.base_url} was closed before "
+                                                       f"this result arrived"))
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if self.thread is not threading.current_thread():
+                self.thread.join(10.0)
+        if self.heartbeat is not None and self.heartbeat is not threading.current_thread():
+            self.heartbeat.join(10.0)
+        self.http.close()
+
+
+def _close(link: _Link, worker: BackgroundWorker) -> None:
+    """close() and the finalizer of a dropped backend: nothing of it keeps running."""
+    worker.close()
+    link.close()
+
+
+def _settle(future: concurrent.futures.Future, value: Any = None, exc: BaseException | None = None) -> None:
+    if future.done():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _future_error(body: dict, request_id: str, owner: str | None, cycle: int | None, base_url: str) -> Exception:
+    message, code = str(body.get("error")), body.get("code")
+    if code == "server_shutdown":
+        return PoolClosedError(f"the trio server at {base_url} shut down: {message}")
+    if code == "session_expired":
+        return ClientClosedError(message)
+    try:
+        category = RequestErrorCategory(body.get("category", "unknown"))
+    except ValueError:
+        category = RequestErrorCategory.Unknown
+    return RequestFailedError(message, client_id=owner, cycle=cycle, request_id=request_id, category=category)
+
+
+def _request_number(request_id: str) -> int | None:
+    tail = request_id.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else None
+
+
+class HttpBackend:
+    """Runs a ServiceClient's requests on a served pool (see trio_widgets.backend.Backend).
+
+    `base_url` is the server's address (`http://host:port`); `api_key` goes in the `X-API-Key`
+    header. `retry_s` bounds how long a request is retried when the server cannot be reached.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, *, label: str | None = None,
+                 timeout_s: float = 60.0, retry_s: float = 10.0, heartbeat_s: float = 10.0,
+                 long_poll_s: float = 20.0):
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise InvalidInputError(f"must be an http:// or https:// URL, got {base_url!r:.80}", field="base_url")
+        if api_key is not None and not isinstance(api_key, str):
+            raise InvalidInputError(f"must be a string, got {type(api_key).__name__}", field="api_key")
+        self.base_url = base_url.rstrip("/")
+        self.name = self.base_url
+        self._link = _Link(self.base_url, api_key, timeout_s, retry_s, long_poll_s)
+        link = self._link
+        self._worker = BackgroundWorker("trio-client-http")  # custom losses: started on first use
+        self._finalizer = weakref.finalize(self, _close, link, self._worker)
+        link.thread.start()
+        link.call("POST", "/client/config", json={"sdk_version": "trio-widgets"})
+        body: dict[str, Any] = {"tags": [], "user_metadata": {"name": label} if label else {},
+                                "sdk_version": "trio-widgets", "type": "create_session"}
+        link.session_id = str(link.call("POST", "/create_session", json=body)["session_id"])
+        link.start_heartbeat(heartbeat_s)
+        self._model_seq = itertools.count()
+        self._sampler_seq = itertools.count()
+        self._lanes: dict[str, _Lane] = {}
+        self._samplers: dict[str, tuple[ModelHandle, itertools.count]] = {}
+        self._tokenizer_ids: dict[str, str | None] = {}
+        self._tokenizers: dict[str, Any] = {}
+        # what this session made, for the RestClient's questions: run id -> (handle, last submit)
+        self._runs: dict[str, tuple[ModelHandle, datetime.datetime]] = {}
+        self._sampler_ids: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"<HttpBackend {self.base_url} session={self.session_id}>"
+
+    @property
+    def session_id(self) -> str | None:
+        return self._link.session_id
+
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
+
+    # -- clients --------------------------------------------------------------------------
+    def supported_models(self) -> list[str]:
+        body = self._link.call("GET", "/get_server_capabilities")
+        return [m["model_name"] for m in body.get("supported_models", []) if isinstance(m, dict)]
+
+    def _wait(self, submitted: dict, what: str, decode: Callable[[Any, bool], Any] = lambda body, _p: body) -> Any:
+        item = _Outgoing(what, None, True, PoolFuture())
+        self._link.watch(str(submitted["request_id"]), item, decode, None)
+        return item.future.result()
+
+    def _training_handle(self, model_id: str) -> ModelHandle:
+        info = self._link.call("POST", "/get_info", json={"model_id": model_id, "type": "get_info"})
+        extra = info.get("trio") or {}
+        base = info["model_data"]["model_name"]
+        self._tokenizer_ids.setdefault(base, info["model_data"].get("tokenizer_id"))
+        handle = ModelHandle(client_id=model_id, base_model=base, rank=int(info.get("lora_rank") or 0),
+                             alpha=float(extra.get("alpha", 0.0)), seed=int(extra.get("seed", 0)),
+                             train_attn=bool(extra.get("train_attn", True)),
+                             train_mlp=bool(extra.get("train_mlp", True)),
+                             train_unembed=bool(extra.get("train_unembed", True)),
+                             run_id=model_id,  # tinker's model_id names its checkpoints: tinker://<model_id>/...
+                             arch=info["model_data"].get("arch"))
+        self._lanes[model_id] = _Lane(handle)
+        self._runs[model_id] = (handle, _utcnow())
+        return handle
+
+    def create_model(self, request: CreateModelRequest) -> ModelHandle:
+        lora: dict[str, Any] = {"rank": request.rank, "train_mlp": request.train_mlp,
+                                "train_attn": request.train_attn, "train_unembed": request.train_unembed}
+        if request.seed is not None:
+            lora["seed"] = request.seed
+        body = {"session_id": self.session_id, "model_seq_id": next(self._model_seq), "base_model": request.base_model,
+                "lora_config": lora, "optimizer_config": {"type": "adamw"}, "type": "create_model",
+                "user_metadata": _metadata(request.user_metadata, request.label)}
+        created = self._wait(self._link.call("POST", "/create_model", json=body), "create_model")
+        return self._training_handle(created["model_id"])
+
+    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
+        path = _tinker_path(request.path)
+        body = {"session_id": self.session_id, "model_seq_id": next(self._model_seq), "path": path,
+                "optimizer": request.with_optimizer, "type": "load_weights",
+                "user_metadata": _metadata(request.user_metadata, request.label)}
+        if request.base_model is not None:
+            body["base_model"] = request.base_model
+        submitted = self._link.call("POST", "/load_weights", json=body, checkpoint=path)
+        self._wait(submitted, "load_weights")
+        handle = self._training_handle(submitted["model_id"])
+        return ModelHandle(**{**handle.__dict__, "model_path": path})
+
+    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
+        body: dict[str, Any] = {"session_id": self.session_id, "sampling_session_seq_id": next(self._sampler_seq),
+                                "type": "create_sampling_session"}
+        if request.model_path is not None:
+            body["model_path"] = _tinker_path(request.model_path, "model_path")
+        if request.base_model is not None:
+            body["base_model"] = request.base_model
+        sampler_id = self._link.call("POST", "/create_sampling_session", json=body,
+                                     checkpoint=body.get("model_path"))["sampling_session_id"]
+        return self._sampler_handle(sampler_id)
+
+    def _sampler_handle(self, sampler_id: str, known: ModelHandle | None = None) -> ModelHandle:
+        if known is None:
+            info = self._link.call("GET", f"/samplers/{sampler_id}")
+            extra = info.get("trio") or {}
+            self._tokenizer_ids.setdefault(info["base_model"], extra.get("tokenizer_id"))
+            known = ModelHandle(client_id=sampler_id, base_model=info["base_model"], rank=int(extra.get("rank", 0)),
+                                alpha=float(extra.get("alpha", 0.0)), seed=int(extra.get("seed", 0)),
+                                model_path=info.get("model_path"))
+        self._samplers[sampler_id] = (known, itertools.count())
+        if sampler_id not in self._sampler_ids:
+            self._sampler_ids.append(sampler_id)
+            del self._sampler_ids[:-4096]  # bounded, like everything a long session keeps
+        return known
+
+    def release(self, client_id: str) -> None:
+        self._lanes.pop(client_id, None)
+        self._samplers.pop(client_id, None)
+        if not self._link.closed:
+            try:
+                self._link.call("POST", "/trio/release", json={"id": client_id}, retry=False)
+            except (APIConnectionError, APIStatusError, PoolClosedError, ClientClosedError):
+                pass  # the server or the session is gone: nothing is held for it there
+
+    def tokenizer(self, base_model: str) -> Any:
+        if base_model not in self._tokenizers:
+            from ..engine.models import BUILTIN_MODELS, _load_tokenizer, byte_tokenizer
+
+            where = self._tokenizer_ids.get(base_model)
+            if base_model in BUILTIN_MODELS:
+                self._tokenizers[base_model] = byte_tokenizer()
+            elif where is not None:
+                import os
+
+                if os.path.isdir(where):
+                    self._tokenizers[base_model] = _load_tokenizer(where)
+                else:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizers[base_model] = AutoTokenizer.from_pretrained(where)
+            else:
+                return None
+        return self._tokenizers[base_model]
+
+    # -- requests ------------------------------------------------------------------------
+    def submit(self, client_id: str, op: str, request: Any) -> APIFuture:
+        if client_id in self._samplers:
+            return self._sample(client_id, op, request)
+        lane = self._lanes.get(client_id)
+        if lane is None:
+            raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
+        if isinstance(request, SaveRequest):
+            _check_save(request)
+        if client_id in self._runs:
+            self._runs[client_id] = (self._runs[client_id][0], _utcnow())
+        item = _Outgoing(op, request, True, PoolFuture())
+        item.future._ask = lambda: self._cancel(lane, item)
+        with lane.lock:
+            if lane.outbox:  # behind a reservation: sent in order once it is filled
+                lane.outbox.append(item)
+            else:
+                self._send(lane, item)
+        return self._api_future(item)
+
+    def reserve(self, client_id: str, op: str) -> _HttpSlot:
+        lane = self._lanes.get(client_id)
+        if lane is None:
+            raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
+        item = _Outgoing(op, None, False, PoolFuture())
+        item.future._ask = lambda: self._cancel(lane, item)
+        with lane.lock:
+            lane.outbox.append(item)
+        return _HttpSlot(self, lane, item)
+
+    def _api_future(self, item: _Outgoing) -> APIFuture:
+        number = _request_number(item.request_id) if item.request_id else None
+        return APIFuture(item.future, request_id=number, op=item.op, scheduled=item.scheduled)
+
+    def _flush(self, lane: _Lane) -> None:
+        """Send what a filled (or failed) reservation held back, in order (lane.lock held)."""
+        while lane.outbox and lane.outbox[0].ready:
+            item = lane.outbox.popleft()
+            try:
+                self._send(lane, item)
+            except Exception as exc:  # noqa: BLE001 - refused later than submit: the future says so
+                _settle(item.future, exc=exc)
+
+    def _cancel(self, lane: _Lane, item: _Outgoing) -> bool:
+        with lane.lock:
+            if item in lane.outbox:
+                lane.outbox.remove(item)
+                self._flush(lane)
+                return True
+        if item.request_id is None:
+            return False
+        try:
+            return bool(self._link.call("POST", "/cancel_future", json={"request_id": item.request_id},
+                                        retry=False).get("cancelled"))
+        except (APIConnectionError, APIStatusError, PoolClosedError, ClientClosedError):
+            return False
+
+    def _send(self, lane: _Lane, item: _Outgoing) -> None:
+        """POST one request of `lane` with the next seq_id (lane.lock held) and start polling it."""
+        model_id, op, request = lane.handle.client_id, item.op, item.request
+        seq = lane.next_seq
+        decode: Callable[[Any, bool], Any]
+        checkpoint = None
+        if isinstance(request, ForwardRequest) and op in ("forward", "forward_backward", "forward_backward_custom"):
+            for i, datum in enumerate(request.data):
+                check_text_only(datum.model_input, lane.handle.base_model, f"data[{i}].model_input", i)
+            config: dict[str, Any] = dict(request.loss_fn_config or {})
+            if op == "forward_backward_custom":
+                config["trio_op"] = op  # the server shows it as the second half of a custom loss
+            body = wire.encode_forward_request(model_id, seq, request.data, request.loss_fn, config,
+                                               forward_only=op == "forward")
+            lane.next_seq += 1
+            submitted = self._link.call("POST", "/forward_backward", content=body,
+                                        headers={"Content-Type": wire.PROTOBUF})
+            decode = _decode_forward
+        else:
+            path, json_body, decode = self._json_request(lane, op, request, seq)
+            checkpoint = json_body.get("path") if op.startswith("load_state") else None
+            lane.next_seq += 1
+            submitted = self._link.call("POST", path, json=json_body, checkpoint=checkpoint)
+        item.request_id = str(submitted["request_id"])
+        self._link.watch(item.request_id, item, decode, model_id)
+
+    def _json_request(self, lane: _Lane, op: str, request: Any, seq: int
+                      ) -> tuple[str, dict[str, Any], Callable[[Any, bool], Any]]:
+        model_id = lane.handle.client_id
+        if op == "optim_step" and isinstance(request, OptimStepRequest):
+            return ("/optim_step", {"model_id": model_id, "seq_id": seq, "type": "optim_step",
+                                    "adam_params": wire.adam_to_json(request.adam_params)},
+                    lambda body, _p: OptimStepResponse(metrics=dict(body.get("metrics") or {})))
+        if op == "save_state" and isinstance(request, SaveRequest):
+            return ("/save_weights", {"model_id": model_id, "path": request.name, "seq_id": seq,
+                                      "overwrite": request.overwrite, "type": "save_weights"},
+                    lambda body, _p: SaveWeightsResponse(path=body["path"]))
+        if op == "save_weights_for_sampler" and isinstance(request, SaveRequest):
+            out: dict[str, Any] = {"model_id": model_id, "seq_id": seq, "kind": "snapshot",
+                                   "type": "save_weights_for_sampler"}
+            if request.name is not None:
+                out["path"] = request.name
+            if not request.make_sampler:
+                return "/save_weights_for_sampler", out, \
+                    lambda body, _p: SaveWeightsForSamplerResponse(path=body.get("path"))
+            out["sampling_session_seq_id"] = next(self._sampler_seq)
+            h = lane.handle
+
+            def made(body: Any, _p: bool) -> SamplerCreated:
+                sampler = ModelHandle(client_id=body["sampling_session_id"], base_model=h.base_model, rank=h.rank,
+                                      alpha=h.alpha, seed=h.seed, model_path=body.get("path"))
+                self._sampler_handle(sampler.client_id, sampler)
+                return SamplerCreated(sampler=sampler, path=body.get("path"))
+
+            return "/save_weights_for_sampler", out, made
+        if op in ("load_state", "load_state_with_optimizer") and isinstance(request, LoadRequest):
+            path = _tinker_path(request.path)
+            return ("/load_weights", {"model_id": model_id, "seq_id": seq, "path": path,
+                                      "optimizer": op == "load_state_with_optimizer", "type": "load_weights"},
+                    lambda body, _p: LoadWeightsResponse(path=body.get("path") or path))
+        if op == "inspect_adapter":
+            raise InvalidInputError("inspect_adapter reads the adapter in the server's memory and is not offered "
+                                    "over HTTP; save_state and read the checkpoint instead", field="op")
+        raise InvalidInputError(f"op {op!r} with a {type(request).__name__} is not one this backend sends",
+                                field="op")
+
+    def _sample(self, sampler_id: str, op: str, request: Any) -> APIFuture:
+        handle, seqs = self._samplers[sampler_id]
+        if op == "compute_logprobs" and isinstance(request, ComputeLogprobsRequest):
+            if request.prompt_logprobs_last_n is not None:
+                raise _not_served("prompt_logprobs_last_n")
+            prompt, num, params, logprobs = request.prompt, 1, SamplingParams(max_tokens=1), True
+        elif op == "sample" and isinstance(request, SampleRequest):
+            for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
+                             ("prompt_logprobs_last_n", None), ("target_prompt_logprobs", None)):
+                if getattr(request, key) not in (off, None):
+                    raise _not_served(key, off)
+            prompt, num, logprobs = request.prompt, request.num_samples, request.include_prompt_logprobs
+            params = request.sampling_params or SamplingParams()
+        else:
+            raise InvalidInputError(f"op {op!r} is not a sampling op", field="op")
+        check_text_only(prompt, handle.base_model, "prompt")
+        if not hasattr(prompt, "to_ints"):
+            raise InvalidInputError(f"expected a ModelInput, got {type(prompt).__name__}", field="prompt")
+        body = {"sampling_session_id": sampler_id, "seq_id": next(seqs), "num_samples": num,
+                "prompt": wire.model_input_to_json(prompt), "sampling_params": wire.sampling_params_to_json(params),
+                "prompt_logprobs": logprobs, "type": "sample"}
+        submitted = self._link.call("POST", "/asample", json=body)
+        ids = list(submitted.get("sample_sequence_ids") or [])
+        item = _Outgoing(op, request, True, PoolFuture())
+        item.request_id = str(submitted["request_id"])
+        item.future._ask = lambda: self._cancel_sent(item)
+
+        def decode(payload: Any, protobuf: bool) -> Any:
+            response = wire.decode_sample_response(payload, ids)
+            return response.prompt_logprobs if op == "compute_logprobs" else response
+
+        self._link.watch(item.request_id, item, decode, sampler_id)
+        return self._api_future(item)
+
+    def _cancel_sent(self, item: _Outgoing) -> bool:
+        try:
+            return bool(self._link.call("POST", "/cancel_future", json={"request_id": item.request_id},
+                                        retry=False).get("cancelled"))
+        except (APIConnectionError, APIStatusError, PoolClosedError, ClientClosedError):
+            return False
+
+    def run_in_background(self, work: Callable[[], None]) -> None:
+        self._worker.submit(work)
+
+    # -- what the RestClient asks (trio_widgets/rest.py): this session's runs and samplers -------
+    def capabilities(self) -> GetServerCapabilitiesResponse:
+        body = self._link.call("GET", "/get_server_capabilities")
+        return GetServerCapabilitiesResponse([
+            SupportedModel(str(m["model_name"]), trainable=m.get("trainable"), sampleable=m.get("sampleable"))
+            for m in body.get("supported_models", []) if isinstance(m, dict) and "model_name" in m])
+
+    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
+        """The checkpoints of one of this session's runs (the server keeps each API key's apart),
+        or of all of them."""
+        if run_id is None:
+            return [c for rid in list(self._runs) for c in self._run_checkpoints(rid, missing_ok=True)]
+        return self._run_checkpoints(run_id)
+
+    def _run_checkpoints(self, run_id: str, missing_ok: bool = False) -> list[Checkpoint]:
+        if not isinstance(run_id, str) or not run_id or "/" in run_id:
+            raise InvalidInputError(f"must be a training run id, got {run_id!r:.80}", field="training_run_id")
+        try:
+            body = self._link.call("GET", f"/training_runs/{run_id}/checkpoints")
+        except NotFoundError:
+            if missing_ok:
+                return []  # nothing saved yet
+            raise
+        out = []
+        for c in body.get("checkpoints", []):
+            when = datetime.datetime.fromisoformat(str(c["time"]).replace("Z", "+00:00"))
+            out.append(Checkpoint(checkpoint_id=c["checkpoint_id"], checkpoint_type=c["checkpoint_type"], time=when,
+                                  tinker_path=c["tinker_path"], path=c["tinker_path"]))
+        return out
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        raise _not_offered("deleting a checkpoint")
+
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        raise _not_offered("setting a checkpoint's time to live")
+
+    def weights_info(self, path: Any) -> WeightsInfoResponse:
+        raise _not_offered("reading a checkpoint's weights info")
+
+    def training_runs(self) -> list[TrainingRun]:
+        runs = [self.training_run(rid) for rid in list(self._runs)]
+        return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+
+    def training_run(self, run_id: str) -> TrainingRun:
+        known = self._runs.get(run_id) if isinstance(run_id, str) else None
+        if known is None:
+            raise NotFoundError(f"no training run {run_id!r:.80} in this session (over HTTP a session sees only "
+                                f"the runs it created)")
+        handle, last = known
+        saved = self._run_checkpoints(run_id, missing_ok=True)
+        newest = {kind: max((c for c in saved if c.checkpoint_type == kind), key=lambda c: c.time, default=None)
+                  for kind in ("training", "sampler")}
+        return TrainingRun(training_run_id=run_id, base_model=handle.base_model, model_owner=self.session_id or "",
+                           is_lora=True, last_request_time=last, lora_rank=handle.rank,
+                           last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"])
+
+    def sampler(self, sampler_id: str) -> GetSamplerResponse:
+        if not isinstance(sampler_id, str) or not sampler_id or "/" in sampler_id:
+            raise InvalidInputError(f"must be a sampler id, got {sampler_id!r:.80}", field="sampler_id")
+        info = self._link.call("GET", f"/samplers/{sampler_id}")
+        return GetSamplerResponse(sampler_id=sampler_id, base_model=info["base_model"],
+                                  model_path=info.get("model_path"))
+
+    def sessions(self) -> list[str]:
+        return [self.session_id] if self.session_id else []
+
+    def session(self, session_id: str) -> GetSessionResponse:
+        if session_id != self.session_id:
+            raise NotFoundError(f"no session {session_id!r:.80} here: over HTTP a client sees only its own "
+                                f"session ({self.session_id})")
+        return GetSessionResponse(training_run_ids=list(self._runs), sampler_ids=list(self._sampler_ids))
+
+    def close(self) -> None:
+        """Finish the session on the server, fail what is still pending, stop the poller and the
+        heartbeat threads (and a custom loss's thread). The served pool goes on for its other clients."""
+        self._finalizer()
+
+    def __enter__(self) -> HttpBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _HttpSlot:
+    """A reserved place in a model's client-side queue (see trio_widgets.backend.Reservation)."""
+
+    def __init__(self, backend: HttpBackend, lane: _Lane, item: _Outgoing):
+        self._backend = backend
+        self._lane = lane
+        self._item = item
+        self.future = backend._api_future(item)
+
+    def fill(self, request: ForwardRequest) -> None:
+        with self._lane.lock:
+            if self._item not in self._lane.outbox:
+                return  # cancelled meanwhile
+            self._item.request = request
+            self._item.ready = True
+            self._backend._flush(self._lane)
+
+    def fail(self, error: BaseException) -> None:
+        with self._lane.lock:
+            if self._item in self._lane.outbox:
+                self._lane.outbox.remove(self._item)
+            _settle(self._item.future, exc=error)
+            self._backend._flush(self._lane)
+
+
+def _utcnow() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _metadata(user_metadata: dict[str, str] | None, label: str | None) -> dict[str, str]:
+    """A model's user_metadata on the wire; its `name` labels its lane (the label wins)."""
+    out = dict(user_metadata or {})
+    if label:
+        out["name"] = label
+    return out
+
+
+def _not_served(key: str, off: Any = None) -> InvalidInputError:
+    return InvalidInputError(f"is not supported by a served trio pool; leave it at {off!r}", field=key)
+
+
+def _not_offered(what: str) -> InvalidInputError:
+    return InvalidInputError(f"{what} is not offered over HTTP by a served trio pool (the server keeps each API "
+                             f"key's checkpoints; an in-process RestClient on the server's machine can)", field="op")
+
+
+def _check_save(request: SaveRequest) -> None:
+    if request.ttl_seconds is not None:
+        raise _not_served("ttl_seconds")
+    if request.user_metadata:
+        raise _not_served("user_metadata")
+
+
+def _decode_forward(payload: Any, protobuf: bool) -> Any:
+    if not protobuf:
+        raise InvalidInputError("the server answered a forward_backward with JSON, not protobuf", field="body")
+    return wire.decode_forward_output(payload)
+
+
+def _tinker_path(path: Any, field_name: str = "path") -> str:
+    path = getattr(path, "path", path)  # a SaveWeightsResponse and friends
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise InvalidInputError(f"over HTTP a checkpoint is named by the tinker:// path that save_state / "
+                                f"save_weights_for_sampler returned, got {path!r:.200}", field=field_name)
+    wire.parse_tinker_path(path, field_name)
+    return path

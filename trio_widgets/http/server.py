@@ -1,0 +1,1359 @@
+"""A LocalPool served over HTTP in Tinker's wire protocol (starlette + uvicorn).
+
+>>> pool = trio.LocalPool()
+>>> server = trio.serve(pool, port=8000)      # a background thread; server.stop() ends it
+>>> # elsewhere: tinker.ServiceClient(base_url=server.url, api_key="tml-...")
+>>> #       or:  trio.ServiceClient(base_url=server.url, api_key="tml-...")
+
+Remote requests go through a `LocalBackend` of the same pool as in-process ones, so the
+same clock-cycle rules apply and `trio.Dashboard(pool)` shows every remote client's lane,
+labelled by its session. What the protocol is, in short (docs/serving.md has the details):
+
+* `POST /api/v1/<op>` submits and answers `{"request_id"}` at once; the result is long-polled
+  at `POST /api/v1/retrieve_future` (held up to `long_poll_s`, then `{"type": "try_again"}`;
+  a failure is `{"error", "category"}`). forward / forward_backward bodies and their results,
+  and sample results, are protobuf (trio_widgets/http/wire.py).
+* Requests of one model carry `seq_id` and run in `seq_id` order even when they arrive out of
+  order: a request whose predecessor has not arrived is held up to `reorder_wait_s`, then the
+  gap is skipped (a client may consume a seq_id it never sends). A repeated
+  `(model_id, seq_id)` answers the first request's id and runs nothing: retries never run an
+  update twice.
+* Isolation: a session belongs to the API key that created it. Models, samplers, futures and
+  checkpoints of another key answer 404. Checkpoints are addressed only as
+  `tinker://<model_id>/weights|sampler_weights/<name>` and live under
+  `<checkpoint_dir>/served/<key digest>/<model id>/...`; a filesystem path is never accepted.
+* Faults: a session without heartbeat (or any request) for `session_timeout_s` has its queued
+  requests cancelled and its clients retired; stopping the server answers every pending
+  future with a `server` error before the socket closes.
+
+Everything the server keeps is bounded (sessions per key, clients per session, futures per
+key, seq ids remembered per model, body bytes, telemetry streams), and the event loop's
+thread is the only one that touches its tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import ipaddress
+import itertools
+import json
+import logging
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..backend import (
+    CreateModelRequest,
+    CreateSamplerRequest,
+    ForwardRequest,
+    FromStateRequest,
+    LoadRequest,
+    ModelHandle,
+    OptimStepRequest,
+    SamplerCreated,
+    SampleRequest,
+    SaveRequest,
+)
+from ..engine import checkpoints as ckpt
+from ..engine.backend import LocalBackend
+from ..engine.clock import LocalPool
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ClientClosedError,
+    InvalidInputError,
+    PoolClosedError,
+    RequestFailedError,
+)
+from ..futures import APIFuture
+from ..types import SaveWeightsResponse
+from ..validation import check_loss
+from . import wire
+
+__all__ = ["Server", "check_bind", "serve"]
+
+log = logging.getLogger(__name__)
+
+API = "/api/v1"
+_SESSION_RE = re.compile(r"^sess-[0-9a-f]{16}$")
+_MODEL_RE = re.compile(r"^(?P<session>sess-[0-9a-f]{16}):train:(?P<n>\d{1,9})$")
+_SEEN_PER_MODEL = 4096  # (model, seq_id) pairs remembered for deduplication
+_HELD_PER_MODEL = 1024  # requests of a model that may wait for a missing predecessor
+_SEEN_PER_SAMPLER = 4096
+_TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered")
+_STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
+
+
+class _HttpError(Exception):
+    """An answer other than 200: status, message and, for 400s, the field at fault."""
+
+    def __init__(self, status: int, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.field = field
+
+
+def _not_found(what: str) -> _HttpError:
+    return _HttpError(404, f"{what} was not found for this API key")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve anywhere
+
+
+def _owner_of(key: str | None) -> str:
+    """Who a key is, as a directory-safe digest (the key itself is never stored)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:20] if key else "anonymous"
+
+
+# -- the tables ---------------------------------------------------------------------------------
+
+@dataclass
+class _Entry:
+    """One request a client long-polls: its result, encoded once, or its error."""
+
+    request_id: str
+    owner: str
+    session: _Session | None
+    kind: str
+    created: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    body: bytes | dict | None = None
+    protobuf: bool = False
+    error: tuple[str, str] | None = None  # (message, "user" | "server")
+    code: str | None = None  # why, for trio's client: "server_shutdown", "session_expired", "cancelled"
+    cycle: int | None = None
+    future: APIFuture | None = None  # while in the pool: for cancel
+    retrieved: float | None = None
+
+    def settle(self, body: bytes | dict | None = None, *, protobuf: bool = False,
+               error: tuple[str, str] | None = None, code: str | None = None) -> None:
+        if self.done.is_set():
+            return
+        self.body, self.protobuf, self.error, self.code = body, protobuf, error, code
+        self.future = None
+        self.done.set()
+
+
+@dataclass
+class _Held:
+    seq: int
+    entry: _Entry | None  # None: a refused request's seq_id, only to be stepped over
+    submit: Callable[[], APIFuture] | None
+    encode: Callable[[Any], tuple[bytes | dict, bool]] | None
+
+
+class _Sequencer:
+    """Per model: runs requests in seq_id order, holds early arrivals, skips lasting gaps,
+    answers repeats with the first request's id. Used on the event loop's thread only."""
+
+    def __init__(self, service: _Service, start: int = 0):
+        self.service = service
+        self.last = start  # highest seq_id run (0: the create)
+        self.seen: OrderedDict[int, _Entry] = OrderedDict()
+        self.held: dict[int, _Held] = {}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arrive(self, seq: Any, entry: _Entry, submit: Callable[[], APIFuture],
+               encode: Callable[[Any], tuple[bytes | dict, bool]]) -> _Entry:
+        if seq is None:  # unnumbered (not from the SDKs): runs at once, no deduplication
+            self.service.launch(entry, submit, encode)
+            return entry
+        if isinstance(seq, bool) or not isinstance(seq, int) or not (0 <= seq < 2**31):
+            raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
+        if seq in self.seen:
+            self.service.stats["duplicates"] += 1
+            return self.seen[seq]  # a retry: the first submission's request, run once
+        if seq <= self.last and (len(self.seen) >= _SEEN_PER_MODEL and seq < next(iter(self.seen))):
+            raise InvalidInputError(f"seq_id {seq} is older than the last {_SEEN_PER_MODEL} requests of this "
+                                    f"model; it was used already", field="seq_id")
+        if seq > self.last + 1 and len(self.held) >= _HELD_PER_MODEL:
+            raise InvalidInputError(f"{len(self.held)} requests of this model already wait for seq_id "
+                                    f"{self.last + 1}; send that one first", field="seq_id")
+        self.seen[seq] = entry
+        while len(self.seen) > _SEEN_PER_MODEL:
+            self.seen.popitem(last=False)
+        if seq > self.last + 1:  # its predecessor has not arrived (yet): hold it, for a while
+            self.service.stats["held"] += 1
+            self.held[seq] = _Held(seq, entry, submit, encode)
+            if self.timer is None:
+                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
+            return entry
+        # next in line, or late (its gap was skipped already): run it now
+        self.last = max(self.last, seq)
+        try:
+            self.service.launch(entry, submit, encode, raise_invalid=True)
+        except BaseException:
+            self.seen.pop(seq, None)  # refused with a 4xx: no request id was given out for it
+            raise
+        finally:
+            self._release()
+        return entry
+
+    def refuse(self, seq: Any) -> None:
+        """A request that was refused (4xx) before it could be queued still used its seq_id: the
+        client moves on to the next one, so its successors must not wait for it."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= self.last or seq in self.seen:
+            return
+        if seq == self.last + 1:
+            self.last = seq
+            self._release()
+        elif len(self.held) < _HELD_PER_MODEL:
+            self.held.setdefault(seq, _Held(seq, None, None, None))
+            if self.timer is None:
+                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
+
+    def _release(self) -> None:
+        while self.last + 1 in self.held:
+            held = self.held.pop(self.last + 1)
+            self.last = held.seq
+            if held.entry is not None and held.submit is not None and held.encode is not None:
+                self.service.launch(held.entry, held.submit, held.encode)
+        if not self.held and self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _skip_gap(self) -> None:
+        """A seq_id never came (its client consumed it without sending it): go on without it."""
+        self.timer = None
+        if self.held:
+            missing = min(self.held) - 1
+            self.service.stats["gaps_skipped"] += 1
+            log.info("seq_ids %d..%d never arrived within %.1f s; running what came after them",
+                     self.last + 1, missing, self.service.reorder_wait_s)
+            self.last = missing
+            self._release()
+            if self.held and self.timer is None:
+                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
+
+    def fail_held(self, message: str, category: str, code: str) -> None:
+        for held in self.held.values():
+            if held.entry is not None:
+                held.entry.settle(error=(message, category), code=code)
+        self.held.clear()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+@dataclass
+class _Session:
+    session_id: str
+    owner: str
+    label: str
+    last_seen: float = field(default_factory=time.monotonic)
+    state: str = "live"  # live, finished, expired
+    model_requests: dict[int, _Entry] = field(default_factory=dict)  # model_seq_id -> its create / load
+    sampler_ids: dict[int, str] = field(default_factory=dict)  # sampling_session_seq_id -> sampler id
+    clients: list[str] = field(default_factory=list)  # model and sampler ids, for release
+    polling: int = 0  # long-polls open now: a client waiting for a result is alive
+
+
+@dataclass
+class _Model:
+    model_id: str
+    session: _Session
+    handle: ModelHandle
+    label: str
+    seq: _Sequencer
+
+
+@dataclass
+class _Sampler:
+    sampler_id: str
+    session: _Session
+    handle: ModelHandle
+    model_path: str | None
+    seen: OrderedDict[int, tuple[_Entry, list[str]]] = field(default_factory=OrderedDict)
+
+
+# -- the service: every endpoint's behaviour ---------------------------------------------------
+
+class _Service:
+    def __init__(self, pool: LocalPool, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
+                 models: Iterable[str] | None, session_timeout_s: float, long_poll_s: float,
+                 reorder_wait_s: float, max_body_bytes: int, fwdbwd_max_chunk_len: int | None,
+                 max_sessions_per_key: int, max_clients_per_session: int, max_futures_per_key: int):
+        self.pool = pool
+        self.backend = LocalBackend(pool)
+        self.api_keys = [k for k in (api_keys or ())]
+        self.observer_keys = [k for k in (observer_keys or ())]
+        self.models = list(dict.fromkeys(models if models is not None else pool.supported_models()))
+        self.session_timeout_s = float(session_timeout_s)
+        self.long_poll_s = float(long_poll_s)
+        self.reorder_wait_s = float(reorder_wait_s)
+        self.max_body_bytes = int(max_body_bytes)
+        self.fwdbwd_max_chunk_len = int(fwdbwd_max_chunk_len or pool.limits.max_request_data)
+        self.max_sessions_per_key = max_sessions_per_key
+        self.max_clients_per_session = max_clients_per_session
+        self.max_futures_per_key = max_futures_per_key
+        self.sessions: dict[str, _Session] = {}
+        self.trained: dict[str, _Model] = {}
+        self.samplers: dict[str, _Sampler] = {}
+        self.entries: dict[str, _Entry] = {}
+        self.unretrieved: dict[str, int] = {}  # per key: results not yet retrieved (bounded)
+        self.streams = 0
+        self.stopping = False
+        # what happened, for tests and benchmarks: submits, repeats answered from the table, early
+        # arrivals held for their predecessors, gaps given up on, sessions expired
+        self.stats = {"submitted": 0, "duplicates": 0, "held": 0, "gaps_skipped": 0, "sessions_expired": 0}
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set when the server starts
+        self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"trio-serve-{pool.name}")
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self._tokenizer_dirs: dict[str, str] = {}
+        self._tmp: str | None = None  # tokenizers saved for the SDK's get_tokenizer (made on first use)
+
+    # -- auth ---------------------------------------------------------------------------
+    def authenticate(self, request: Request, observer: bool = False) -> str:
+        key = request.headers.get("x-api-key")
+        if self.api_keys or self.observer_keys:
+            if not key:
+                raise _HttpError(401, "missing API key: send it in the X-API-Key header")
+            valid = [k for k in (*self.api_keys, *self.observer_keys) if hmac.compare_digest(k, key)]
+            if not valid:
+                raise _HttpError(401, "invalid API key")
+            if observer and not any(hmac.compare_digest(k, key) for k in self.observer_keys):
+                raise _HttpError(403, "this key may train but not watch the whole pool: watching needs an "
+                                      "observer key (serve(..., observer_keys=...))")
+        return _owner_of(key)
+
+    # -- sessions -----------------------------------------------------------------------
+    def session(self, session_id: Any, owner: str, *, live: bool = True) -> _Session:
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.owner != owner:
+            raise _not_found(f"session {session_id!r:.60}")
+        if live and session.state != "live":
+            why = "was finished" if session.state == "finished" else \
+                f"expired (no heartbeat for {self.session_timeout_s:g} s)"
+            raise _HttpError(404 if session.state == "finished" else 410,
+                             f"session {session_id} {why}: create a new ServiceClient")
+        session.last_seen = time.monotonic()
+        return session
+
+    def create_session(self, owner: str, body: dict) -> dict:
+        mine = sum(1 for s in self.sessions.values() if s.owner == owner and s.state == "live")
+        if mine >= self.max_sessions_per_key:
+            raise _HttpError(400, f"this API key has {mine} live sessions, the server's limit "
+                                  f"(max_sessions_per_key); close some ServiceClients")
+        session_id = f"sess-{secrets.token_hex(8)}"
+        meta = body.get("user_metadata")
+        name = (meta.get("name") if isinstance(meta, dict) else None) or body.get("display_name")
+        label = str(name)[:40] if name else session_id[:13]
+        self.sessions[session_id] = _Session(session_id, owner, label)
+        return {"session_id": session_id, "type": "create_session"}
+
+    def end_session(self, session: _Session, state: str, why: str) -> None:
+        """Finish or expire a session: its queued requests are cancelled (expire) or left to run
+        (finish), and its clients are retired once nothing of theirs is queued."""
+        session.state = state
+        if state == "expired":
+            self.stats["sessions_expired"] += 1
+            for entry in self.entries.values():
+                if entry.session is session and not entry.done.is_set():
+                    if entry.future is not None:
+                        entry.future.cancel()  # withdrawn if still queued; one in a cycle finishes
+                    if entry.future is None or entry.future.cancelled():
+                        entry.settle(error=(why, "user"), code="session_expired")
+        for cid in session.clients:
+            model, sampler = self.trained.get(cid), self.samplers.get(cid)
+            if model is not None:
+                if state == "expired":
+                    model.seq.fail_held(why, "user", "session_expired")
+                model.seq.seen.clear()  # the session takes no more requests: nothing to deduplicate
+            if sampler is not None:
+                sampler.seen.clear()
+            with contextlib.suppress(PoolClosedError, ClientClosedError):
+                self.backend.release(self._client_id(cid))
+        log.info("session %s %s: %s", session.session_id, state, why)
+
+    def _client_id(self, public_id: str) -> str:
+        found = self.trained.get(public_id) or self.samplers.get(public_id)
+        return found.handle.client_id if found is not None else public_id
+
+    # -- futures --------------------------------------------------------------------------
+    def new_entry(self, owner: str, session: _Session | None, kind: str) -> _Entry:
+        pending = self.unretrieved.get(owner, 0)
+        if pending >= self.max_futures_per_key:
+            raise _HttpError(400, f"this API key has {pending} results not yet retrieved, the server's limit "
+                                  f"(max_futures_per_key): retrieve (await) some before submitting more")
+        entry = _Entry(f"req-{next(self._ids)}", owner, session, kind)
+        self.entries[entry.request_id] = entry
+        self.unretrieved[owner] = pending + 1
+        return entry
+
+    def forget(self, request_id: str) -> None:
+        entry = self.entries.pop(request_id, None)
+        if entry is not None and entry.retrieved is None:
+            self.unretrieved[entry.owner] -= 1
+
+    def mark_retrieved(self, entry: _Entry) -> None:
+        if entry.retrieved is None:
+            entry.retrieved = time.monotonic()
+            self.unretrieved[entry.owner] -= 1
+
+    def launch(self, entry: _Entry, submit: Callable[[], APIFuture],
+               encode: Callable[[Any], tuple[bytes | dict, bool]], raise_invalid: bool = False) -> None:
+        """Put a request into the pool now; its future settles `entry` (on the loop's thread)."""
+        if self.stopping:
+            entry.settle(error=("the server is shutting down", "server"), code="server_shutdown")
+            return
+        try:
+            future = submit()
+            self.stats["submitted"] += 1
+        except (InvalidInputError, PoolClosedError, ClientClosedError, _HttpError) as exc:
+            if raise_invalid:
+                self.forget(entry.request_id)
+                raise
+            entry.settle(error=(str(exc), "user" if isinstance(exc, (InvalidInputError, _HttpError)) else "server"))
+            return
+        entry.future = future
+        loop = self.loop
+
+        def delivered(f: APIFuture) -> None:  # on the pool's clock thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped
+                loop.call_soon_threadsafe(self._finish, entry, f, encode)
+
+        future.add_done_callback(delivered)
+
+    def _finish(self, entry: _Entry, future: APIFuture, encode: Callable[[Any], tuple[bytes | dict, bool]]) -> None:
+        entry.cycle = future.cycle
+        if future.cancelled():
+            if not entry.done.is_set():
+                entry.settle(error=("cancelled before it ran", "user"), code="cancelled")
+            return
+        exc = future.exception()
+        if exc is not None:
+            user = isinstance(exc, (InvalidInputError, RequestFailedError, ClientClosedError))
+            entry.settle(error=(str(exc), "user" if user else "server"))
+            return
+        try:
+            body, protobuf = encode(future.result())
+        except Exception as exc:  # a bug in an encoder: the client hears of it
+            log.exception("encoding the result of %s failed", entry.request_id)
+            entry.settle(error=(f"the server could not encode the result: {exc}", "server"))
+            return
+        entry.settle(body, protobuf=protobuf)
+
+    def in_background(self, entry: _Entry, work: Callable[[], Any],
+                      then: Callable[[Any], dict]) -> None:
+        """Run blocking `work` (loading models, reading checkpoints) on the server's worker
+        threads, then `then(result)` on the loop; both settle `entry`."""
+        async def run() -> None:
+            try:
+                value = await self.loop.run_in_executor(self.executor, work)
+                entry.settle(then(value))
+            except (InvalidInputError, PoolClosedError, ClientClosedError, _HttpError) as exc:
+                entry.settle(error=(str(exc), "user"))
+            except Exception as exc:
+                log.exception("%s failed", entry.kind)
+                entry.settle(error=(f"{entry.kind} failed: {type(exc).__name__}: {exc}", "server"))
+
+        task = self.loop.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def retrieve(self, owner: str, body: dict) -> Response:
+        request_id = body.get("request_id")
+        entry = self.entries.get(request_id) if isinstance(request_id, str) else None
+        if entry is None or entry.owner != owner:
+            raise _not_found(f"request {request_id!r:.60}")
+        session = entry.session
+        if session is not None:
+            session.last_seen = time.monotonic()
+        if not entry.done.is_set():
+            if session is not None:
+                session.polling += 1
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(entry.done.wait(), self.long_poll_s)
+            finally:
+                if session is not None:
+                    session.polling -= 1
+                    session.last_seen = time.monotonic()
+        if not entry.done.is_set():
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        self.mark_retrieved(entry)
+        headers = {"X-Trio-Cycle": str(entry.cycle)} if entry.cycle is not None else {}
+        if entry.error is not None:
+            error = {"error": entry.error[0], "category": entry.error[1]}
+            if entry.code is not None:
+                error["code"] = entry.code
+            return JSONResponse(error, headers=headers)
+        if entry.protobuf:
+            assert isinstance(entry.body, bytes)
+            return Response(entry.body, media_type=wire.PROTOBUF, headers=headers)
+        return JSONResponse(entry.body, headers=headers)
+
+    def cancel(self, owner: str, body: dict) -> dict:
+        request_id = body.get("request_id")
+        entry = self.entries.get(request_id) if isinstance(request_id, str) else None
+        if entry is None or entry.owner != owner:
+            raise _not_found(f"request {request_id!r:.60}")
+        cancelled = entry.future is not None and entry.future.cancel()
+        return {"request_id": request_id, "cancelled": bool(cancelled)}
+
+    # -- models ----------------------------------------------------------------------------
+    def model(self, model_id: Any, owner: str) -> _Model:
+        model = self.trained.get(model_id) if isinstance(model_id, str) else None
+        if model is None or model.session.owner != owner:
+            raise _not_found(f"model {model_id!r:.80}")
+        self.session(model.session.session_id, owner)  # 404 / 410 once the session ended
+        return model
+
+    def _check_model_slot(self, session: _Session, n: Any, field_name: str) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or not (0 <= n < 10**9):
+            raise InvalidInputError(f"must be an integer from 0, got {n!r:.40}", field=field_name)
+        if len(session.clients) >= self.max_clients_per_session:
+            raise _HttpError(400, f"this session has {len(session.clients)} clients, the server's limit "
+                                  f"(max_clients_per_session)")
+        return n
+
+    def _base_model(self, name: Any) -> str:
+        if name not in self.models:
+            raise InvalidInputError(f"{name!r:.80} is not served here; this server serves: {', '.join(self.models)}",
+                                    field="base_model")
+        return name
+
+    def _register_model(self, session: _Session, model_id: str, handle: ModelHandle, label: str) -> dict:
+        if session.state != "live" or self.stopping:  # it ended while the model was being built
+            self.backend.release(handle.client_id)
+            raise _HttpError(410, f"session {session.session_id} ended while the model was being created")
+        # the run's checkpoints go where tinker:// paths of this model point (see _checkpoint_dir)
+        with contextlib.suppress(ClientClosedError):
+            self.pool.tenant(handle.client_id).extra["run_id"] = self._run_dir(session.owner, model_id)
+        self.trained[model_id] = _Model(model_id, session, handle, label, _Sequencer(self))
+        session.clients.append(model_id)
+        return {"model_id": model_id, "type": "create_model"}
+
+    def _model_label(self, session: _Session, n: int, meta: Any) -> str:
+        name = meta.get("name") if isinstance(meta, dict) else None
+        return f"{session.label} · {str(name)[:40]}" if name else f"{session.label}:train:{n}"
+
+    def create_model(self, owner: str, body: dict) -> dict:
+        session = self.session(body.get("session_id"), owner)
+        n = self._check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
+        if n in session.model_requests:  # a retry of the same create
+            return {"request_id": session.model_requests[n].request_id}
+        base = self._base_model(body.get("base_model"))
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise InvalidInputError("must be an object", field="lora_config")
+        optimizer = body.get("optimizer_config") or {"type": "adamw"}
+        if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
+            raise InvalidInputError(f"only AdamW is supported here, got {optimizer!r:.80}", field="optimizer_config")
+        rank, seed = lora.get("rank", 32), lora.get("seed")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not (1 <= rank <= self.pool.max_rank):
+            raise InvalidInputError(f"must be an integer from 1 to the pool's max_rank {self.pool.max_rank}, "
+                                    f"got {rank!r:.40}", field="lora_config.rank")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidInputError(f"must be an integer or null, got {seed!r:.40}", field="lora_config.seed")
+        if not any(bool(lora.get(k, True)) for k in ("train_mlp", "train_attn", "train_unembed")):
+            raise InvalidInputError("nothing to train: train_mlp, train_attn and train_unembed are all false",
+                                    field="lora_config")
+        model_id = f"{session.session_id}:train:{n}"
+        label = self._model_label(session, n, body.get("user_metadata"))
+        request = CreateModelRequest(base, rank, seed,
+                                     train_mlp=bool(lora.get("train_mlp", True)),
+                                     train_attn=bool(lora.get("train_attn", True)),
+                                     train_unembed=bool(lora.get("train_unembed", True)), label=label)
+        entry = self.new_entry(owner, session, "create_model")
+        session.model_requests[n] = entry
+        self.in_background(entry, lambda: self.backend.create_model(request),
+                           lambda handle: self._register_model(session, model_id, handle, label))
+        return {"request_id": entry.request_id, "model_id": model_id}
+
+    def load_weights(self, owner: str, body: dict) -> dict:
+        optimizer = body.get("optimizer")
+        if not isinstance(optimizer, bool):
+            raise InvalidInputError(f"must be true or false, got {optimizer!r:.40}", field="optimizer")
+        if body.get("weights_access_token"):
+            raise InvalidInputError("loading checkpoints of another account is not supported here",
+                                    field="weights_access_token")
+        if "session_id" not in body:  # the legacy form: load into an existing model, in its order
+            model = self.model(body.get("model_id"), owner)
+            with self._consumes(model, body.get("seq_id")):
+                local = self._checkpoint_dir(owner, body.get("path"))
+            op = "load_state_with_optimizer" if optimizer else "load_state"
+            path = body["path"]
+            return self._sequenced(model, owner, body.get("seq_id"), op, LoadRequest(str(local)),
+                                   lambda _r: ({"path": path, "model_id": model.model_id, "type": "load_weights"},
+                                               False))
+        session = self.session(body.get("session_id"), owner)
+        n = self._check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
+        if n in session.model_requests:
+            return {"request_id": session.model_requests[n].request_id}
+        if body.get("base_model") is not None:
+            self._base_model(body["base_model"])
+        local = self._checkpoint_dir(owner, body.get("path"))
+        model_id = f"{session.session_id}:train:{n}"
+        label = self._model_label(session, n, body.get("user_metadata"))
+        request = FromStateRequest(str(local), optimizer, label)
+        entry = self.new_entry(owner, session, "load_weights")
+        session.model_requests[n] = entry
+
+        def register(handle: ModelHandle) -> dict:
+            self._register_model(session, model_id, handle, label)
+            return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
+
+        self.in_background(entry, lambda: self.backend.create_model_from_state(request), register)
+        return {"request_id": entry.request_id, "model_id": model_id}
+
+    def get_info(self, owner: str, body: dict) -> dict:
+        model = self.model(body.get("model_id"), owner)
+        h = model.handle
+        return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": h.rank,
+                "model_name": h.base_model,
+                "model_data": {"arch": "llama", "model_name": h.base_model, "tokenizer_id": self._tokenizer(h)},
+                # trio's client reads these (the tinker SDK ignores extra fields)
+                "trio": {"alpha": h.alpha, "seed": h.seed, "train_attn": h.train_attn, "train_mlp": h.train_mlp,
+                         "train_unembed": h.train_unembed, "label": model.label}}
+
+    def _tokenizer(self, handle: ModelHandle) -> str | None:
+        """A local directory AutoTokenizer loads (the SDK's get_tokenizer reads model_data.tokenizer_id)."""
+        name = handle.base_model
+        if name not in self._tokenizer_dirs:
+            base = self.pool.get_base_model(name)
+            if base.tokenizer is None:
+                return None
+            if base.source != "builtin" and Path(base.source).is_dir():
+                self._tokenizer_dirs[name] = str(base.source)
+            else:
+                self._tmp = self._tmp or tempfile.mkdtemp(prefix="trio-serve-")
+                target = Path(self._tmp) / f"tokenizer-{len(self._tokenizer_dirs)}"
+                base.tokenizer.save_pretrained(str(target))
+                self._tokenizer_dirs[name] = str(target)
+        return self._tokenizer_dirs[name]
+
+    # -- requests of a model, in seq_id order -------------------------------------------------
+    @contextlib.contextmanager
+    def _consumes(self, model: _Model, seq: Any) -> Any:
+        """Around the checks of a model's request: a refusal still uses up its seq_id."""
+        try:
+            yield
+        except (InvalidInputError, _HttpError):
+            model.seq.refuse(seq)
+            raise
+
+    def _sequenced(self, model: _Model, owner: str, seq: Any, op: str, request: Any,
+                   encode: Callable[[Any], tuple[bytes | dict, bool]]) -> dict:
+        entry = self.new_entry(owner, model.session, op)
+        client_id = model.handle.client_id
+        found = model.seq.arrive(seq, entry, lambda: self.backend.submit(client_id, op, request), encode)
+        if found is not entry:  # a repeat: the first one's id, nothing run
+            self.forget(entry.request_id)
+        return {"request_id": found.request_id, "model_id": model.model_id}
+
+    def forward_backward(self, owner: str, body: bytes) -> dict:
+        model_id, seq, data, loss_fn, config, forward_only = wire.decode_forward_request(
+            body, self.pool.limits.max_request_tokens)
+        model = self.model(model_id, owner)
+        # a trio client marks the second half of a custom loss so the dashboard names it
+        op = "forward" if forward_only else ("forward_backward_custom" if config.pop("trio_op", None) ==
+                                             "forward_backward_custom" else "forward_backward")
+        with self._consumes(model, seq):
+            if loss_fn == "custom":
+                raise InvalidInputError("server-side custom losses are not supported here: call "
+                                        "forward_backward_custom (the two-step exchange), which needs nothing "
+                                        "from the server", field="loss_fn")
+            loss_fn, config = check_loss(loss_fn, config or None)
+        return self._sequenced(model, owner, seq or None, op, ForwardRequest(data, loss_fn, config),
+                               lambda out: (wire.encode_forward_output(out), True))
+
+    def optim_step(self, owner: str, body: dict) -> dict:
+        model = self.model(body.get("model_id"), owner)
+        with self._consumes(model, body.get("seq_id")):
+            if "optimizer_params" in body:
+                raise InvalidInputError("only AdamW (adam_params) is supported here", field="optimizer_params")
+            params = wire.adam_from_json(body.get("adam_params", body.get("optim_params")))
+        return self._sequenced(model, owner, body.get("seq_id"), "optim_step", OptimStepRequest(params),
+                               lambda r: ({"metrics": wire.tinker_metric_keys(r.metrics)}, False))
+
+    def save_weights(self, owner: str, body: dict) -> dict:
+        model = self.model(body.get("model_id"), owner)
+        with self._consumes(model, body.get("seq_id")):
+            name = ckpt.validate_name(body.get("path"), "path")
+            target = self._checkpoint_dir(owner, f"tinker://{model.model_id}/weights/{name}", must_exist=False)
+            if not body.get("overwrite", False) and target.exists():
+                raise CheckpointExistsError(f"checkpoint {name!r} exists for this model; pass overwrite=True to "
+                                            f"replace it", path=f"tinker://{model.model_id}/weights/{name}",
+                                            field="path")
+        path = f"tinker://{model.model_id}/weights/{name}"
+
+        def encode(result: SaveWeightsResponse) -> tuple[dict, bool]:
+            return {"path": path, "type": "save_weights"}, False
+
+        return self._sequenced(model, owner, body.get("seq_id"), "save_state", SaveRequest(name), encode)
+
+    def save_weights_for_sampler(self, owner: str, body: dict) -> dict:
+        model = self.model(body.get("model_id"), owner)
+        with self._consumes(model, body.get("seq_id")):
+            return self._save_for_sampler(model, owner, body)
+
+    def _save_for_sampler(self, model: _Model, owner: str, body: dict) -> dict:
+        if body.get("kind", "snapshot") != "snapshot":
+            raise InvalidInputError(f"only 'snapshot' sampling clients are supported here (a copy of the weights "
+                                    f"as of this request), got {body.get('kind')!r:.40}", field="kind")
+        name = body.get("path")
+        n = body.get("sampling_session_seq_id")
+        if name is None and n is None:
+            raise InvalidInputError("give a name (path) or sampling_session_seq_id", field="path")
+        if name is not None:
+            ckpt.validate_name(name, "path")
+        session = model.session
+        if n is not None:
+            self._check_model_slot(session, n, "sampling_session_seq_id")
+            if n in session.sampler_ids:
+                raise InvalidInputError(f"sampling_session_seq_id {n} was used already in this session",
+                                        field="sampling_session_seq_id")
+        path = f"tinker://{model.model_id}/sampler_weights/{name}" if name is not None else None
+        label = f"{session.label}:sample:{n}" if n is not None else None
+
+        def encode(result: Any) -> tuple[dict, bool]:
+            out: dict[str, Any] = {"type": "save_weights_for_sampler"}
+            if path is not None:
+                out["path"] = path
+            if isinstance(result, SamplerCreated):
+                assert n is not None  # only a request with sampling_session_seq_id makes a sampler
+                sampler_id = f"{session.session_id}:sample:{n}"
+                self._register_sampler(session, sampler_id, result.sampler, path, n)
+                out["sampling_session_id"] = sampler_id
+            return out, False
+
+        return self._sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler",
+                               SaveRequest(name, make_sampler=n is not None, label=label), encode)
+
+    # -- sampling ----------------------------------------------------------------------------
+    def _register_sampler(self, session: _Session, sampler_id: str, handle: ModelHandle, model_path: str | None,
+                          n: int) -> None:
+        if session.state != "live" or self.stopping:
+            self.backend.release(handle.client_id)
+            raise _HttpError(410, f"session {session.session_id} ended while the sampler was being created")
+        self.samplers[sampler_id] = _Sampler(sampler_id, session, handle, model_path)
+        session.sampler_ids[n] = sampler_id
+        session.clients.append(sampler_id)
+
+    async def create_sampling_session(self, owner: str, body: dict) -> dict:
+        session = self.session(body.get("session_id"), owner)
+        n = self._check_model_slot(session, body.get("sampling_session_seq_id"), "sampling_session_seq_id")
+        if n in session.sampler_ids:
+            return {"sampling_session_id": session.sampler_ids[n], "type": "create_sampling_session"}
+        model_path, base = body.get("model_path"), body.get("base_model")
+        if model_path is None and base is None:
+            raise InvalidInputError("give model_path (a tinker:// path) or base_model", field="model_path")
+        local = self._checkpoint_dir(owner, model_path) if model_path is not None else None
+        if base is not None:
+            self._base_model(base)
+        request = CreateSamplerRequest(str(local) if local else None, base, f"{session.label}:sample:{n}")
+        try:
+            handle = await self.loop.run_in_executor(self.executor, lambda: self.backend.create_sampler(request))
+        except (InvalidInputError, ClientClosedError, PoolClosedError) as exc:
+            raise _HttpError(404 if isinstance(exc, CheckpointNotFoundError) else 400, str(exc)) from None
+        sampler_id = f"{session.session_id}:sample:{n}"
+        if n in session.sampler_ids:  # a concurrent retry won: keep one
+            self.backend.release(handle.client_id)
+        else:
+            self._register_sampler(session, sampler_id, handle, model_path, n)
+        return {"sampling_session_id": session.sampler_ids[n], "type": "create_sampling_session"}
+
+    def sampler(self, sampler_id: Any, owner: str) -> _Sampler:
+        sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
+        if sampler is None or sampler.session.owner != owner:
+            raise _not_found(f"sampling session {sampler_id!r:.80}")
+        self.session(sampler.session.session_id, owner)
+        return sampler
+
+    def get_sampler(self, owner: str, sampler_id: str) -> dict:
+        sampler = self.sampler(sampler_id, owner)
+        h = sampler.handle
+        out: dict[str, Any] = {"sampler_id": sampler_id, "base_model": h.base_model,
+                               "trio": {"rank": h.rank, "alpha": h.alpha, "seed": h.seed,
+                                        "tokenizer_id": self._tokenizer(h)}}
+        if sampler.model_path is not None:
+            out["model_path"] = sampler.model_path
+        return out
+
+    def asample(self, owner: str, body: dict) -> dict:
+        if body.get("sampling_session_id") is None:
+            raise InvalidInputError("sample through a sampling session (create_sampling_client); sampling by "
+                                    "model_path or base_model per request is not supported here",
+                                    field="sampling_session_id")
+        sampler = self.sampler(body.get("sampling_session_id"), owner)
+        for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
+                         ("prompt_logprobs_last_n", None), ("target_prompt_logprobs", None),
+                         ("record_stability_info", False)):
+            if body.get(key) not in (off, None):
+                raise InvalidInputError(f"is not supported by the local pool; leave it at {off!r}", field=key)
+        seq = body.get("seq_id")
+        if seq is not None and seq in sampler.seen:
+            entry, ids = sampler.seen[seq]
+            return {"request_id": entry.request_id, "sample_sequence_ids": ids}
+        prompt = wire.model_input_from_json(body.get("prompt"))
+        params = wire.sampling_params_from_json(body.get("sampling_params") or {})
+        num = body.get("num_samples", 1)
+        request = SampleRequest(prompt, num, params, bool(body.get("prompt_logprobs")))
+        entry = self.new_entry(owner, sampler.session, "sample")
+        try:
+            self.launch(entry, lambda: self.backend.submit(sampler.handle.client_id, "sample", request),
+                        lambda r: (wire.encode_sample_response(r), True), raise_invalid=True)
+        except InvalidInputError:
+            raise
+        ids = [f"seq-{secrets.token_hex(8)}" for _ in range(int(num))]
+        if seq is not None:
+            sampler.seen[seq] = (entry, ids)
+            while len(sampler.seen) > _SEEN_PER_SAMPLER:
+                sampler.seen.popitem(last=False)
+        return {"request_id": entry.request_id, "sample_sequence_ids": ids}
+
+    def release(self, owner: str, body: dict) -> dict:
+        """trio's client closed a training or sampling client: retire it once its queue is empty."""
+        public = body.get("id")
+        found = self.trained.get(public) or self.samplers.get(public) if isinstance(public, str) else None
+        if found is None or found.session.owner != owner:
+            raise _not_found(f"client {public!r:.80}")
+        if public in found.session.clients:
+            found.session.clients.remove(public)
+            with contextlib.suppress(PoolClosedError, ClientClosedError):
+                self.backend.release(found.handle.client_id)
+        return {"released": public}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _owner_root(self, owner: str) -> Path:
+        return ckpt.checkpoint_root(self.pool) / "served" / owner
+
+    def _run_dir(self, owner: str, model_id: str) -> str:
+        return str(Path("served") / owner / model_id.replace(":", "_"))
+
+    def _checkpoint_dir(self, owner: str, path: Any, must_exist: bool = True) -> Path:
+        """The directory a tinker:// path names, under this key's own directory (404 if absent)."""
+        run, kind, name = wire.parse_tinker_path(path)
+        if not _MODEL_RE.match(run):
+            raise _not_found(f"checkpoint {path!r:.200}")
+        ckpt.validate_name(name, "path")
+        local = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, run) / kind / name
+        if must_exist and not local.is_dir():
+            raise _not_found(f"checkpoint {path!r:.200}")
+        return local
+
+    def list_checkpoints(self, owner: str, model_id: str) -> dict:
+        if not _MODEL_RE.match(model_id):
+            raise _not_found(f"training run {model_id!r:.80}")
+        root = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, model_id)
+        if not root.is_dir():
+            raise _not_found(f"training run {model_id!r:.80}")
+        found = []
+        for kind, ctype in (("weights", "training"), ("sampler_weights", "sampler")):
+            folder = root / kind
+            names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+                if folder.is_dir() else []
+            for name in names[:1000]:  # bounded: a listing, not an export
+                stamp = (folder / name).stat().st_mtime
+                found.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": ctype,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stamp)),
+                              "tinker_path": f"tinker://{model_id}/{kind}/{name}"})
+        return {"checkpoints": found}
+
+    # -- upkeep -------------------------------------------------------------------------------
+    async def reap(self) -> None:
+        """Expire silent sessions, forget old results (every second, on the loop)."""
+        while not self.stopping:
+            await asyncio.sleep(min(1.0, self.session_timeout_s / 4))
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if session.state == "live" and not session.polling and \
+                        now - session.last_seen > self.session_timeout_s:
+                    self.end_session(session, "expired", f"session {session.session_id} expired: no heartbeat "
+                                                         f"for {self.session_timeout_s:g} s; its queued requests "
+                                                         f"were cancelled")
+            for rid, entry in list(self.entries.items()):
+                kept = 60.0 if entry.retrieved is not None else 1800.0
+                if entry.done.is_set() and now - (entry.retrieved or entry.created) > kept:
+                    self.forget(rid)
+            ended = [s for s in self.sessions.values() if s.state != "live" and now - s.last_seen > 600]
+            for session in ended:  # tombstones answer "expired" for 10 minutes, then are forgotten
+                del self.sessions[session.session_id]
+                for cid in session.clients:
+                    self.trained.pop(cid, None)
+                    self.samplers.pop(cid, None)
+
+    def shut_down(self) -> None:
+        """Every pending future gets a `server` error now; every served client is released."""
+        self.stopping = True
+        why = ("the server is shutting down; this request did not finish (one already in a cycle may have run)",
+               "server")
+        for entry in self.entries.values():
+            if not entry.done.is_set():
+                if entry.future is not None:
+                    entry.future.cancel()
+                entry.settle(error=why, code="server_shutdown")
+        for model in self.trained.values():
+            model.seq.fail_held(*why, "server_shutdown")
+        for session in self.sessions.values():
+            if session.state == "live":
+                for cid in session.clients:
+                    with contextlib.suppress(PoolClosedError, ClientClosedError):
+                        self.backend.release(self._client_id(cid))
+                session.state = "finished"
+        for task in list(self._tasks):
+            task.cancel()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.backend.close()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- telemetry (observers) -------------------------------------------------------------------
+    def info(self) -> dict:
+        pool = self.pool
+        return {"name": pool.name, "min_cycle_s": pool.min_cycle_s, "device": pool.device.type,
+                "cycle_index": pool.cycle_index, "models": self.models, "now": time.perf_counter(),
+                "stats": dict(self.stats)}
+
+    async def telemetry_stream(self, request: Request) -> StreamingResponse:
+        if self.streams >= 32:
+            raise _HttpError(400, "32 telemetry streams are open, the server's limit")
+        events: deque = deque(maxlen=16384)  # bounded: a slow reader loses the oldest (views are windows)
+        telemetry = self.pool.telemetry
+
+        def keep(event: Any) -> None:  # on the clock thread: an append, nothing else
+            if event.kind in _TELEMETRY_KINDS:
+                events.append((event.kind, event.record))
+
+        unsubscribe = telemetry.subscribe(keep)
+        self.streams += 1
+        asked = request.query_params.get("backfill", "2048")
+        n = min(int(asked), 4096) if asked.isdigit() else 2048
+        backfill = {"clients": [dataclasses.asdict(c) for c in telemetry.live_clients().values()],
+                    "cycles": [dataclasses.asdict(c) for c in list(telemetry.cycles)[-n:]],
+                    "boundaries": [dataclasses.asdict(b) for b in list(telemetry.queue_depths)[-n:]],
+                    "requests": [dataclasses.asdict(r) for r in list(telemetry.requests)
+                                 if r.delivered_at is not None][-n:]}
+
+        async def batches() -> Any:
+            try:
+                yield _sse({**self.info(), **self._totals(), "backfill": backfill})
+                quiet_since = time.monotonic()
+                while not self.stopping and not self.pool.closed:
+                    await asyncio.sleep(1.0 / _STREAM_HZ)
+                    out = []
+                    for _ in range(len(events)):
+                        kind, record = events.popleft()
+                        out.append([kind, dataclasses.asdict(record)])
+                    if out or time.monotonic() - quiet_since > 1.0:  # at least one a second: a heartbeat
+                        quiet_since = time.monotonic()
+                        yield _sse({"now": time.perf_counter(), "cycle_index": self.pool.cycle_index,
+                                    **self._totals(), "events": out})
+                yield _sse({"now": time.perf_counter(), "closed": True, "events": []})
+            finally:
+                unsubscribe()
+                self.streams -= 1
+
+        return StreamingResponse(batches(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _totals(self) -> dict:
+        t = self.pool.telemetry
+        return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=True)}\n\n"
+
+
+# -- the HTTP layer -------------------------------------------------------------------------------
+
+def _error_response(status: int, message: str, field: str | None = None, code: str | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"detail": message}
+    if field is not None:
+        body["field"] = field
+    if code is not None:
+        body["code"] = code
+    return JSONResponse(body, status_code=status)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise _HttpError(400, "Content-Length is not a number")
+        if int(length) > limit:
+            raise _HttpError(413, f"the body has {int(length)} bytes, more than this server's limit of {limit} "
+                                  f"(max_body_bytes); send smaller batches")
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding not in ("", "identity"):
+        raise _HttpError(415, f"Content-Encoding {encoding!r} is not supported: this server does not advertise "
+                              f"compressed request bodies")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json(body: bytes) -> dict:
+    if not body:
+        return {}
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise _HttpError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _HttpError(400, f"the body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+Handler = Callable[[_Service, str, Request], Awaitable[Any]]
+
+
+def _endpoint(service: _Service, handler: Handler, *, observer: bool = False, open_: bool = False
+              ) -> Callable[[Request], Awaitable[Response]]:
+    """Auth, bounded body, and every refusal as a JSON 4xx (never a bare 400: the SDK retries those)."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            owner = "anonymous" if open_ else service.authenticate(request, observer)
+            result = await handler(service, owner, request)
+        except _HttpError as exc:
+            return _error_response(exc.status, str(exc), exc.field)
+        except CheckpointNotFoundError as exc:
+            return _error_response(404, str(exc), exc.field)
+        except CheckpointExistsError as exc:
+            # 400, not tinker's 409: the SDK's retry handler retries every 409 (for minutes). trio's
+            # client reads the code and raises CheckpointExistsError (a ConflictError) as in-process.
+            return _error_response(400, str(exc), exc.field, code="checkpoint_exists")
+        except InvalidInputError as exc:
+            return _error_response(400, str(exc), exc.field)
+        except (PoolClosedError, ClientClosedError) as exc:
+            return _error_response(410, str(exc))
+        except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
+            log.exception("%s %s failed", request.method, request.url.path)
+            return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(result)
+
+    return endpoint
+
+
+def _json_handler(method: Callable[[_Service, str, dict], Any]) -> Handler:
+    async def handler(service: _Service, owner: str, request: Request) -> Any:
+        body = _json(await _read_body(request, service.max_body_bytes))
+        result = method(service, owner, body)
+        return await result if asyncio.iscoroutine(result) else result
+
+    return handler
+
+
+def _build_app(service: _Service) -> Starlette:
+    async def config(s: _Service, owner: str, request: Request) -> dict:
+        await _read_body(request, s.max_body_bytes)
+        # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
+        return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "pjwt_auth_enabled": False,
+                "fwdbwd_max_chunk_len": s.fwdbwd_max_chunk_len,
+                "fwdbwd_max_chunk_bytes_count": max(1, s.max_body_bytes // 2),
+                "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                "sample_join_sampling_session": False}
+
+    async def dynamic_config(s: _Service, owner: str, request: Request) -> dict:
+        await _read_body(request, s.max_body_bytes)
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    async def heartbeat(s: _Service, owner: str, request: Request) -> dict:
+        body = _json(await _read_body(request, s.max_body_bytes))
+        s.session(body.get("session_id"), owner)  # 410 once expired: the SDK stops heartbeating then
+        return {"type": "session_heartbeat"}
+
+    async def finish(s: _Service, owner: str, request: Request) -> dict:
+        await _read_body(request, s.max_body_bytes)
+        session = s.session(request.path_params["session_id"], owner, live=False)
+        if session.state == "live":
+            s.end_session(session, "finished", "the client finished its session")
+        return {}
+
+    async def telemetry_sink(s: _Service, owner: str, request: Request) -> dict:
+        await _read_body(request, s.max_body_bytes)  # the SDK's own telemetry: accepted, not kept
+        return {"status": "accepted"}
+
+    async def forward_backward(s: _Service, owner: str, request: Request) -> dict:
+        ctype = request.headers.get("content-type", "")
+        if not ctype.startswith(wire.PROTOBUF):
+            raise _HttpError(415, f"forward_backward takes a protobuf body ({wire.PROTOBUF}), got {ctype!r}")
+        return s.forward_backward(owner, await _read_body(request, s.max_body_bytes))
+
+    async def retrieve(s: _Service, owner: str, request: Request) -> Response:
+        return await s.retrieve(owner, _json(await _read_body(request, s.max_body_bytes)))
+
+    async def capabilities(s: _Service, owner: str, request: Request) -> dict:
+        return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in s.models]}
+
+    async def healthz(s: _Service, owner: str, request: Request) -> dict:
+        return {"status": "ok"}
+
+    async def get_sampler(s: _Service, owner: str, request: Request) -> dict:
+        return s.get_sampler(owner, request.path_params["sampler_id"])
+
+    async def checkpoints(s: _Service, owner: str, request: Request) -> dict:
+        return s.list_checkpoints(owner, request.path_params["model_id"])
+
+    async def info(s: _Service, owner: str, request: Request) -> dict:
+        return {**s.info(), **s._totals()}
+
+    async def telemetry(s: _Service, owner: str, request: Request) -> Response:
+        return await s.telemetry_stream(request)
+
+    def unsupported(what: str) -> Handler:
+        async def handler(s: _Service, owner: str, request: Request) -> Any:
+            body = _json(await _read_body(request, s.max_body_bytes))
+            model_id = body.get("model_id")
+            model = s.trained.get(model_id) if isinstance(model_id, str) else None
+            if model is not None and model.session.owner == owner:
+                model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
+            raise _HttpError(400, f"{what} is not supported by a local trio pool")
+
+        return handler
+
+    async def unknown(request: Request) -> Response:
+        return _error_response(404, f"no such endpoint: {request.method} {request.url.path}")
+
+    def post(path: str, handler: Handler, **kw: Any) -> Route:
+        return Route(API + path, _endpoint(service, handler, **kw), methods=["POST"])
+
+    def get(path: str, handler: Handler, **kw: Any) -> Route:
+        return Route(API + path, _endpoint(service, handler, **kw), methods=["GET"])
+
+    routes = [
+        post("/client/config", config), post("/client/dynamic_config", dynamic_config),
+        post("/create_session", _json_handler(_Service.create_session)),
+        post("/session_heartbeat", heartbeat), post("/sessions/{session_id}/finish", finish),
+        post("/telemetry", telemetry_sink),
+        post("/create_model", _json_handler(_Service.create_model)),
+        post("/get_info", _json_handler(_Service.get_info)),
+        post("/forward_backward", forward_backward),
+        post("/optim_step", _json_handler(_Service.optim_step)),
+        post("/save_weights", _json_handler(_Service.save_weights)),
+        post("/save_weights_for_sampler", _json_handler(_Service.save_weights_for_sampler)),
+        post("/load_weights", _json_handler(_Service.load_weights)),
+        post("/create_sampling_session", _json_handler(_Service.create_sampling_session)),
+        get("/samplers/{sampler_id}", get_sampler),
+        post("/asample", _json_handler(_Service.asample)),
+        post("/retrieve_future", retrieve),
+        post("/cancel_future", _json_handler(_Service.cancel)),
+        get("/get_server_capabilities", capabilities),
+        get("/healthz", healthz, open_=True),
+        get("/training_runs/{model_id}/checkpoints", checkpoints),
+        post("/save_weights_external", unsupported("save_weights_external (uploading weights elsewhere)")),
+        post("/create_custom_loss", unsupported("a server-side custom loss (create_custom_loss)")),
+        post("/auth/token", unsupported("JWT authentication")),
+        post("/trio/release", _json_handler(_Service.release)),
+        get("/trio/info", info, observer=True),
+        get("/trio/telemetry", telemetry, observer=True),
+    ]
+    app = Starlette(routes=routes)
+    app.add_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    return app
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+def check_bind(host: str, keys: list[str]) -> None:
+    """Refuse a non-loopback address without API keys (ValueError saying why), and short keys."""
+    if any(not isinstance(k, str) or len(k) < 8 for k in keys):
+        raise ValueError("API keys must be strings of at least 8 characters")
+    if not _is_loopback(host) and not keys:
+        raise ValueError(f"refusing to serve on {host!r} without API keys: anyone who can reach it could train on "
+                         f"this pool and read its checkpoints. Give keys (serve(..., api_keys=[...]); CLI: "
+                         f"--api-key / --api-keys-file / $TRIO_API_KEYS), or serve on 127.0.0.1")
+
+
+class Server:
+    """Serves `pool` on host:port from a background thread (uvicorn). `stop()` (or closing the
+    pool, or leaving a `with` block) answers pending futures, releases every served client and
+    joins the thread. `owns_pool=True` closes the pool too (the CLI's)."""
+
+    def __init__(self, pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000,
+                 api_keys: Iterable[str] | None = None, observer_keys: Iterable[str] | None = None,
+                 models: Iterable[str] | None = None, session_timeout_s: float = 60.0, long_poll_s: float = 20.0,
+                 reorder_wait_s: float = 1.0, max_body_bytes: int = 16 << 20, fwdbwd_max_chunk_len: int | None = None,
+                 max_sessions_per_key: int = 64, max_clients_per_session: int = 64,
+                 max_futures_per_key: int = 4096, owns_pool: bool = False):
+        if not isinstance(pool, LocalPool):
+            raise TypeError(f"serve() takes a LocalPool, got {type(pool).__name__}")
+        check_bind(host, [*(api_keys or ()), *(observer_keys or ())])
+        for name, value, low, high in (("session_timeout_s", session_timeout_s, 1.0, 86400.0),
+                                       ("long_poll_s", long_poll_s, 0.01, 40.0),
+                                       ("reorder_wait_s", reorder_wait_s, 0.0, 60.0)):
+            if not isinstance(value, (int, float)) or not (low <= value <= high):
+                raise ValueError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
+        if pool.closed:
+            raise PoolClosedError(f"the pool {pool.name!r} is closed")
+        self.pool = pool
+        self.host = host
+        self._requested_port = int(port)
+        self.owns_pool = owns_pool
+        self._service = _Service(pool, api_keys=api_keys, observer_keys=observer_keys, models=models,
+                                 session_timeout_s=session_timeout_s, long_poll_s=long_poll_s,
+                                 reorder_wait_s=reorder_wait_s, max_body_bytes=max_body_bytes,
+                                 fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
+                                 max_sessions_per_key=max_sessions_per_key,
+                                 max_clients_per_session=max_clients_per_session,
+                                 max_futures_per_key=max_futures_per_key)
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
+        self._stopped = False
+        self.port = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> Server:
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self._requested_port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot serve on {self.host}:{self._requested_port}: {exc.strerror or exc}") from None
+        sock.listen(256)
+        sock.setblocking(False)
+        self._socket = sock
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(_build_app(self._service), log_level="warning", access_log=False, log_config=None,
+                                lifespan="off", limit_concurrency=1024, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=30)
+        self._uvicorn = uvicorn.Server(config)
+        started = threading.Event()
+        service = self._service
+
+        async def run() -> None:
+            service.loop = asyncio.get_running_loop()
+            reaper = asyncio.create_task(service.reap())
+            started.set()
+            try:
+                await self._uvicorn.serve(sockets=[sock])
+            finally:
+                reaper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reaper
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(run()), name=f"trio-serve-{self.pool.name}",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not (started.is_set() and self._uvicorn.started):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+        self.pool.on_close(self.stop)
+        log.info("serving pool %s on %s", self.pool.name, self.url)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Answer every pending future with a `server` error, release every served client, stop
+        uvicorn and join its thread (and close the pool, if the server owns it)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        thread, service = self._thread, self._service
+        if thread is not None and thread.is_alive() and service.loop is not None:
+            done = threading.Event()
+
+            def begin() -> None:
+                service.shut_down()
+                done.set()
+
+            with contextlib.suppress(RuntimeError):
+                service.loop.call_soon_threadsafe(begin)
+                done.wait(timeout)
+            time.sleep(0.2)  # long-polls answer the error just set before the sockets close
+            self._uvicorn.should_exit = True
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        if self._socket is not None:
+            self._socket.close()
+        service.close()
+        if self.owns_pool:
+            self.pool.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<trio Server {self.url} pool={self.pool.name!r} {state}>"
+
+    # -- what it serves (any thread; copies) ------------------------------------------------------
+    def clients(self) -> dict[str, str]:
+        """Public model and sampler ids -> the pool's client ids (telemetry lanes)."""
+        s = self._service
+        out = {mid: m.handle.client_id for mid, m in list(s.trained.items())}
+        out.update({sid: smp.handle.client_id for sid, smp in list(s.samplers.items())})
+        return out
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """The sessions it knows: id, label, state, seconds since last heard of, client ids."""
+        now = time.monotonic()
+        return [{"session_id": s.session_id, "label": s.label, "state": s.state,
+                 "idle_s": round(now - s.last_seen, 1), "clients": list(s.clients)}
+                for s in list(self._service.sessions.values())]
+
+    def stats(self) -> dict[str, int]:
+        """Counts since start: submitted (to the pool), duplicates (repeated seq_ids answered with
+        the first request), held (arrived before a predecessor), gaps_skipped, sessions_expired."""
+        return dict(self._service.stats)
+
+    def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
+        """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""
+        run, kind, name = wire.parse_tinker_path(tinker_path)
+        return ckpt.checkpoint_root(self.pool) / self._service._run_dir(_owner_of(api_key), run) / kind / name
+
+
+def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **settings: Any) -> Server:
+    """Serve `pool` over HTTP in Tinker's protocol from a background thread; returns the running
+    `Server` (`server.url`, `server.stop()`). Loopback only unless API keys are given.
+
+    Settings (all optional): api_keys, observer_keys (may also watch the whole pool's telemetry),
+    models (base models clients may use; default: the pool's), session_timeout_s (60),
+    long_poll_s (20), reorder_wait_s (1), max_body_bytes (16 MiB), fwdbwd_max_chunk_len,
+    max_sessions_per_key (64), max_clients_per_session (64), max_futures_per_key (4096)."""
+    return Server(pool, host=host, port=port, **settings).start()
