@@ -229,6 +229,35 @@ def test_sigint_during_run_sync_records_every_applied_update(tmp_path, mode):
     assert not result["grad_pending"], result
 
 
+@pytest.mark.parametrize("mode", ["script", "cell"])
+def test_ctrl_c_landing_in_the_runs_own_code_is_run_interrupted(mode):
+    """Where SIGINT lands is chance: here it lands in the run's own code (its batch iterator,
+    called by the run's task). The run stops as for any interrupt; RunInterrupted, not a bare
+    KeyboardInterrupt with the run left 'running'."""
+    batch = random_batch(7, n=1, length=12)
+
+    with trio.LocalPool(min_cycle_s=0.02, name="ctrl-c") as pool:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+
+        def batches():
+            while True:
+                if run.step >= 8:
+                    raise KeyboardInterrupt
+                yield batch
+
+        run = trio.train(tc, batches(), mode="pipelined", lookahead=3, learning_rate=1e-3)
+
+        async def cell():
+            return trio.run_sync(run)
+
+        with pytest.raises(trio.RunInterrupted, match="interrupted: run .* stopped at step"):
+            trio.run_sync(run) if mode == "script" else asyncio.run(cell())
+        snapshot = tc.inspect_adapter().result(timeout=60)
+        optim_ok = sum(r.op == "optim_step" and r.status == "ok" for r in pool.telemetry.requests_of(tc.client_id))
+    assert run.state == "stopped" and run.stop_reason == "interrupted", (run.state, run.stop_reason)
+    assert run.step >= 8 and run.step == len(run.metrics) == snapshot.step == optim_ok and snapshot.grad is None
+
+
 def test_cancelling_a_run_withdraws_what_is_queued_and_records_what_ran():
     """run.task.cancel() (asyncio.run's shutdown does it): updates still queued are withdrawn,
     those already in a cycle complete and are recorded; no gradient is left behind."""

@@ -219,6 +219,7 @@ class TrainingRun:
         self._pause_requested = False
         self._stop_requested = False
         self._stop_reason = "stopped"
+        self._interrupted = False  # Ctrl+C landed in the run's own code: the next wait() says so
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._last_fb_cycle: int | None = None
@@ -344,6 +345,9 @@ class TrainingRun:
                 self.stop("interrupted")
                 await _task_done(task)
                 raise RunInterrupted(self) from None
+        if self._interrupted:
+            self._interrupted = False
+            raise RunInterrupted(self) from None
         if self.error is not None:
             raise self.error
         return self
@@ -422,6 +426,13 @@ class TrainingRun:
             self.state = "stopped"
             self.stop_reason = self._stop_reason if self._stop_requested else "cancelled"
             raise
+        except KeyboardInterrupt:
+            # Ctrl+C landed in this task's own code (run_sync in a blocking cell runs it on the
+            # cell's thread): the same clean-up as a cancel, and wait() says where it stopped
+            await self._settle_cancelled(inflight)
+            self.state = "stopped"
+            self.stop_reason = "interrupted"
+            self._interrupted = True
         except PoolClosedError as exc:
             self.state = "stopped"
             self.stop_reason = "the pool was closed"
