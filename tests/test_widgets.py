@@ -482,6 +482,35 @@ def test_a_dashboard_without_a_pool_follows_the_newest():
     assert any("now showing the newest pool 'follow-b'" in n for n in notices), notices
 
 
+def test_a_pool_closed_by_its_cells_rerun_reads_waiting_then_the_new_pool(monkeypatch):
+    """Re-running the cell that built the pool closes it before the new one is ready: the pill
+    says WAITING meanwhile, never CLOSED, and then shows the new pool."""
+    import trio_widgets._notebook as notebook
+
+    monkeypatch.setattr(notebook, "current_cell_id", lambda: "cell-rerun")
+    a = trio.LocalPool(min_cycle_s=0.02, name="rerun-a")
+    dash = trio.Dashboard(a)
+    seen = []
+    close_a = a.close
+
+    def close_and_look(*args, **kwargs):  # called by the new pool's constructor, before it is ready
+        close_a(*args, **kwargs)
+        seen.append(dash.pool_state)
+
+    a.close = close_and_look
+    try:
+        with trio.LocalPool(min_cycle_s=0.02, name="rerun-b") as b:
+            deadline = time.monotonic() + 30
+            while dash.pool is not b and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert dash.pool is b and dash.pool_state != "closed"
+        assert seen == ["waiting"], seen
+        assert any("ran again: now showing its new pool 'rerun-b'" in n for n in dash.notices), dash.notices
+    finally:
+        dash.close()
+        close_a()
+
+
 def test_cycle_labels_never_touch_even_when_cycles_are_uneven():
     """Issue 14 item 7 ("837838839"): labels are round cycle numbers, and at the narrowest
     width (a 900 px column) no two visible ones are closer than their own width."""

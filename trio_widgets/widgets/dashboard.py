@@ -281,8 +281,11 @@ class Dashboard(W.VBox):
         """What the pill says about the pool: training, sampling, paused, idle, closed or waiting."""
         if self.pool is None:
             return "waiting"
-        if self._pool_closed or self.pool.closed:
+        if self._pool_closed:
             return "closed"
+        if self.pool.closed:
+            # closed by the cell that is building its successor, which shows up in a moment
+            return "waiting" if _clock._CELL_POOLS.successor(self.pool) is not None else "closed"
         now = time.perf_counter()
         if now - self._last_update_at <= _ACTIVE_S:
             return "training"
