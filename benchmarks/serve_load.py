@@ -15,9 +15,19 @@ What it prints:
 4. Per-update time over HTTP vs the same 16 loops in-process (threads in one process, one
    pool): median over clients of (loop wall time / updates); the ratio targets <= 1.15 at
    the default cycle length (0.05 s). Arms alternate (HTTP, in-process, in-process, HTTP).
+   It also prints the pool's clock thread per cycle: its CPU, and its wait to run beyond
+   the run queue (for the GIL, which the server's HTTP thread shares with it).
 
-    python benchmarks/serve_load.py                 # about 10 minutes on 2 shared CPU cores
-    python benchmarks/serve_load.py --rounds 1      # one round of each arm
+   The clients run at nice 19 by default. In a workshop they run on the participants' own
+   machines; on one box, nice 19 stands for that: they get only the CPU the server leaves
+   idle, so the ratio measures what serving costs the pool (HTTP, protobuf, JSON and the
+   GIL shared with the server's HTTP thread), not 16 SDK processes competing for its
+   cores. `--client-nice 0` measures that case too: on 2 cores the clients' own CPU
+   (~15 ms per update for the tinker SDK, ~10 ms for trio's client) slows every cycle.
+
+    python benchmarks/serve_load.py                   # about 10 minutes on 2 CPU cores
+    python benchmarks/serve_load.py --rounds 1        # one round of each arm
+    python benchmarks/serve_load.py --client-nice 0   # the clients compete for the server's CPU
 
 Every server and client it starts is stopped by the end (and on Ctrl-C); every loop is bounded.
 """
@@ -38,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +81,9 @@ def batches(seed: int, updates: int) -> list[list[tuple[list[int], list[int]]]]:
 
 # -- one client process -----------------------------------------------------------------------
 
-def run_client(kind: str, index: int, url: str, go: str, updates: int) -> None:
+def run_client(kind: str, index: int, url: str, go: str, updates: int, nice: int) -> None:
     """Create the model, say READY, wait for `go` (bounded), run the pipelined loop, save, report."""
+    os.nice(nice)
     key = f"{KEY_PREFIX}{index:04d}"
     name = f"{kind}-{index}"
     data = batches(index, updates)
@@ -128,8 +140,9 @@ def run_client(kind: str, index: int, url: str, go: str, updates: int) -> None:
 
 # -- the HTTP arm ---------------------------------------------------------------------------------
 
-def clock_figures(telemetry: Any, client_ids: list[str]) -> tuple[float, float]:
-    """(median cycles per update over the clients, mean cycle duration in ms while they ran)."""
+def clock_figures(telemetry: Any, client_ids: list[str]) -> tuple[float, float, float, float]:
+    """While the clients ran: (median cycles per update over the clients, mean cycle duration,
+    the clock thread's mean CPU per cycle, its mean wait to run per cycle), times in ms."""
     periods, first, last = [], None, None
     for cid in client_ids:
         cycles = sorted(r.cycle for r in telemetry.requests_of(cid)
@@ -138,10 +151,13 @@ def clock_figures(telemetry: Any, client_ids: list[str]) -> tuple[float, float]:
             periods.append((cycles[-1] - cycles[0]) / (len(cycles) - 1))
             first = cycles[0] if first is None else min(first, cycles[0])
             last = cycles[-1] if last is None else max(last, cycles[-1])
-    durations = [c.ended_at - c.started_at for c in list(telemetry.cycles)
-                 if first is not None and last is not None and first <= c.index <= last]
-    return (statistics.median(periods) if periods else float("nan"),
-            statistics.fmean(durations) * 1e3 if durations else float("nan"))
+    ran = [c for c in list(telemetry.cycles) if first is not None and last is not None and first <= c.index <= last]
+
+    def mean_ms(values: list[float]) -> float:
+        return statistics.fmean(values) * 1e3 if values else float("nan")
+
+    return (statistics.median(periods) if periods else float("nan"), mean_ms([c.ended_at - c.started_at for c in ran]),
+            mean_ms([c.cpu_s for c in ran]), mean_ms([c.gil_wait_s for c in ran]))
 
 
 def rss_mb(pid: int) -> float:
@@ -176,23 +192,20 @@ def server_process(port: int, ckpt: str, min_cycle_s: float, clients: int):
                 proc.wait(30)
 
 
-def http_arm(args: argparse.Namespace, url: str, server_pid: int, watch: Any) -> dict[str, Any]:
-    """The 16 clients, each in its own process, against the served pool at `url`."""
-    kinds = ["sdk"] * args.sdk_clients + ["trio"] * args.trio_clients
+@contextlib.contextmanager
+def client_processes(url: str, kinds: list[str], updates: int, nice: int) -> Iterator[Callable[[], list[dict]]]:
+    """One client process per kind against `url`, each READY (its model made) and waiting.
+    Yields `run()`: it gives the go, waits for every client and returns what each reported.
+    Every process is gone when the block ends."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1"}
-    known = set(watch.telemetry.all_clients())
     with tempfile.TemporaryDirectory() as tmp:
         go = os.path.join(tmp, "go")
-        procs = [subprocess.Popen([sys.executable, __file__, "--client", kind, "--index", str(i), "--url", url,
-                                   "--go", go, "--updates", str(args.updates)], env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for i, kind in enumerate(kinds)]
-        try:
-            for p in procs:  # each says READY once its model exists
-                line = p.stdout.readline() if p.stdout else ""
-                if not line.startswith('{"ready"'):
-                    raise RuntimeError(f"a client failed to start: {line}{p.stderr.read() if p.stderr else ''}")
-            server = psutil.Process(server_pid)
-            cpu0 = sum(server.cpu_times()[:2])
+        procs = [subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--client", kind, "--index", str(i),
+                                   "--url", url, "--go", go, "--updates", str(updates), "--nice", str(nice)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i, kind in enumerate(kinds)]
+
+        def run() -> list[dict]:
             Path(go).touch()
             results = []
             for p in procs:
@@ -200,12 +213,30 @@ def http_arm(args: argparse.Namespace, url: str, server_pid: int, watch: Any) ->
                 if p.returncode != 0:
                     raise RuntimeError(f"a client failed: {err[-3000:]}")
                 results.append(json.loads(out.strip().splitlines()[-1]))
-            server_cpu = sum(server.cpu_times()[:2]) - cpu0
+            return results
+
+        try:
+            for p in procs:  # each says READY once its model exists
+                line = p.stdout.readline() if p.stdout else ""
+                if not line.startswith('{"ready"'):
+                    raise RuntimeError(f"a client failed to start: {line}{p.stderr.read() if p.stderr else ''}")
+            yield run
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait(30)
+
+
+def http_arm(args: argparse.Namespace, url: str, server_pid: int, watch: Any) -> dict[str, Any]:
+    """The 16 clients, each in its own process, against the served pool at `url`."""
+    kinds = ["sdk"] * args.sdk_clients + ["trio"] * args.trio_clients
+    known = set(watch.telemetry.all_clients())
+    with client_processes(url, kinds, args.updates, args.client_nice) as run:
+        server = psutil.Process(server_pid)
+        cpu0 = sum(server.cpu_times()[:2])
+        results = run()
+        server_cpu = sum(server.cpu_times()[:2]) - cpu0
     time.sleep(2.0)  # the sessions are finished; their clients retire at the next boundaries
     mine = {cid: info for cid, info in watch.telemetry.all_clients().items()
             if cid not in known and info.kind == "training"}
@@ -305,13 +336,17 @@ def main() -> int:
     parser.add_argument("--updates", type=int, default=50)
     parser.add_argument("--min-cycle-s", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of (HTTP, in-process, in-process, HTTP)")
+    parser.add_argument("--client-nice", type=int, default=19, choices=range(0, 20), metavar="0-19",
+                        help="the client processes' niceness (default 19: they stand for participants' own "
+                             "machines, so they get only CPU the server leaves idle; 0: they compete for it)")
     parser.add_argument("--client", choices=["sdk", "trio"], help=argparse.SUPPRESS)
+    parser.add_argument("--nice", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--go", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        run_client(args.client, args.index, args.url, args.go, args.updates)
+        run_client(args.client, args.index, args.url, args.go, args.updates, args.nice)
         return 0
     if sys.version_info < (3, 11) and args.sdk_clients:
         print("the tinker SDK needs Python >= 3.11: running trio HTTP clients only")
@@ -324,7 +359,7 @@ def main() -> int:
 
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
           f"{args.sdk_clients} tinker SDK + {args.trio_clients} trio HTTP clients x {args.updates} pipelined updates, "
-          f"min_cycle_s {args.min_cycle_s}", flush=True)
+          f"min_cycle_s {args.min_cycle_s}; client processes at nice {args.client_nice}", flush=True)
     http_times: list[float] = []
     local_times: list[float] = []
     arms: list[dict[str, Any]] = []
@@ -361,7 +396,8 @@ def main() -> int:
                         cpu = f"; CPU per update: {used / args.updates * 1e3:.0f} ms"
                     print(f"round {round_ + 1} {kind:>5}: median per-update time {statistics.median(per) * 1e3:7.1f} ms"
                           f" (clients {min(per) * 1e3:.1f}-{max(per) * 1e3:.1f}); {clock[0]:.2f} cycles/update, "
-                          f"cycles of {clock[1]:.1f} ms{cpu}", flush=True)
+                          f"cycles of {clock[1]:.1f} ms (clock thread: {clock[2]:.1f} ms CPU, "
+                          f"{clock[3]:.1f} ms waiting to run){cpu}", flush=True)
         finally:
             watch.close()
         stats = httpx.get(f"{url}/api/v1/trio/info", headers={"X-API-Key": "tml-serve-load-watch"}).json()["stats"]

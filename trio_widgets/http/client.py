@@ -83,7 +83,7 @@ from ..types import (
     WeightsInfoResponse,
     check_text_only,
 )
-from . import wire
+from . import new_event_loop, wire
 
 __all__ = ["HttpBackend"]
 
@@ -168,7 +168,7 @@ class _Link:
         self.session_id: str | None = None
         self.stop = threading.Event()
         self.closed = False
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self.pending: dict[str, tuple[_Outgoing, Callable[[Any, bool], Any], str | None]] = {}
         self.thread = threading.Thread(target=self._run_poller, name="trio-http-poller", daemon=True)
         self.heartbeat: threading.Thread | None = None

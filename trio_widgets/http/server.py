@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -47,11 +48,12 @@ import re
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +89,7 @@ from ..errors import (
 from ..futures import APIFuture
 from ..types import SaveWeightsResponse
 from ..validation import check_loss
-from . import wire
+from . import new_event_loop, wire
 
 __all__ = ["Server", "check_bind", "serve"]
 
@@ -125,8 +127,9 @@ def _is_loopback(host: str) -> bool:
         return False  # another host name: it may resolve anywhere
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every request; bounded, as keys may be anything on loopback
 def _owner_of(key: str | None) -> str:
-    """Who a key is, as a directory-safe digest (the key itself is never stored)."""
+    """Who a key is, as a directory-safe digest (the key itself is never written down)."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:20] if key else "anonymous"
 
 
@@ -1181,6 +1184,15 @@ def _build_app(service: _Service) -> Starlette:
 
 # -- the server ------------------------------------------------------------------------------------
 
+def _run_event_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """`asyncio.run(main())`, on uvloop's event loop where there is one (Python >= 3.11)."""
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
+
+
 def check_bind(host: str, keys: list[str]) -> None:
     """Refuse a non-loopback address without API keys (ValueError saying why), and short keys."""
     if any(not isinstance(k, str) or len(k) < 8 for k in keys):
@@ -1263,7 +1275,7 @@ class Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await reaper
 
-        self._thread = threading.Thread(target=lambda: asyncio.run(run()), name=f"trio-serve-{self.pool.name}",
+        self._thread = threading.Thread(target=_run_event_loop, args=(run,), name=f"trio-serve-{self.pool.name}",
                                         daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
