@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import threading
 
 import pytest
@@ -81,9 +82,12 @@ def pool():
 
 @pytest.fixture(autouse=True)
 def no_stray_clock_threads():
-    """Every test must close what it opened: no clock or GIL-watchdog thread it started may outlive it."""
+    """Every test must close what it opened: no clock, GIL-watchdog, server, HTTP-client or
+    remote-dashboard thread it started may outlive it (a module's server fixture starts first)."""
     before = set(threading.enumerate())
     yield
-    stray = [t for t in threading.enumerate() if t.name.startswith(("trio-clock-", "trio-gil-")) and t.is_alive()
-             and t not in before and not t.name.endswith("-default")]
-    assert not stray, f"pool threads left running: {stray}"
+    stray = [t for t in threading.enumerate()
+             if t.name.startswith(("trio-clock-", "trio-gil-", "trio-serve", "trio-http", "trio-remote"))
+             and t.is_alive() and t not in before and not t.name.endswith("-default")
+             and not re.fullmatch(r"trio-serve-.*_\d+", t.name)]  # a server's workers start on first use
+    assert not stray, f"threads left running: {stray}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -60,7 +61,7 @@ def fast(pool):
 def svc(server):
     service = trio.ServiceClient(base_url=server.url, api_key=KEY)
     yield service
-    service.backend.close()
+    service.close()
 
 
 def test_it_is_the_http_backend(svc, server, pool):
@@ -211,7 +212,7 @@ def test_a_retried_submit_runs_once(server, pool, fast):
         for i in range(3):
             tc.forward_backward([datum(i)])
             steps.append(tc.optim_step(ADAM).result(timeout=120).metrics["step:max"])
-        service.backend.close()
+        service.close()
         assert proxy.dropped == 1
     assert steps == [1, 2, 3]
     assert len(pairs_from_telemetry(pool, server.clients()[tc.client_id])) == 3
@@ -245,6 +246,40 @@ def test_closing_a_client_frees_its_lane(svc, server, pool, fast):
     wait_for(lambda: client not in pool.telemetry.live_clients(), "the served client to be retired")
     with pytest.raises(trio.ClientClosedError):
         tc.forward_backward([datum(0)])
+
+
+def threads_of(backend) -> list[threading.Thread]:
+    """An HttpBackend's connection threads that are still running."""
+    link = backend._link
+    return [t for t in (link.thread, link.heartbeat) if t is not None and t.is_alive()]
+
+
+def session_state(server, session_id: str) -> str:
+    return next(s["state"] for s in server.sessions() if s["session_id"] == session_id)
+
+
+def test_closing_the_service_finishes_its_session_and_stops_its_threads(server, pool, fast):
+    """tinker's `ServiceClient.close()` finishes the session and releases the client's resources:
+    over HTTP nothing of it keeps running, whether or not it is dropped (or collected) later."""
+    before = set(threading.enumerate())
+    with trio.ServiceClient(base_url=server.url, api_key=KEY) as service:
+        backend = service.backend
+        tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=9)
+        tc.forward_backward([datum(0)])
+        assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
+        assert len(threads_of(backend)) == 2 and session_state(server, backend.session_id) == "live"
+    assert service.closed and backend.closed and tc.closed
+    assert threads_of(backend) == []
+    assert session_state(server, backend.session_id) == "finished"
+    with pytest.raises(trio.ClientClosedError):
+        tc.forward_backward([datum(0)])
+    # and a RestClient made by URL has a session of its own, ended the same way
+    with trio.RestClient(base_url=server.url, api_key=KEY) as rest:
+        assert rest.list_training_runs().result().training_runs == []
+        assert len(threads_of(rest._backend)) == 2
+    assert threads_of(rest._backend) == [] and session_state(server, rest._backend.session_id) == "finished"
+    rest.close()  # a second close does nothing
+    assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("trio-http")]
 
 
 def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
@@ -295,3 +330,5 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
     assert own.list_training_runs().result().training_runs == []  # another session: sees nothing of svc's
     with pytest.raises(trio.NotFoundError):
         own.list_checkpoints("sess-0000000000000000:train:0").result()
+    own.close()
+    assert threads_of(own._backend) == []

@@ -45,7 +45,7 @@ def alice(server):
     tc.optim_step(ADAM).result(timeout=60)
     saved = tc.save_state("mine").result(timeout=60).path
     yield tc, saved
-    service.backend.close()
+    service.close()
 
 
 def call(server, method: str, path: str, key: str | None, **kw) -> httpx.Response:
@@ -107,7 +107,7 @@ def test_another_keys_models_futures_and_checkpoints_are_404(server, alice):
     bob = trio.ServiceClient(base_url=server.url, api_key=BOB)
     with pytest.raises(trio.NotFoundError):
         bob.create_training_client_from_state(saved)
-    bob.backend.close()
+    bob.close()
     # Alice's run went on untouched: her next update is step 2, her checkpoint is hers
     tc.forward_backward(BATCH)
     assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 2

@@ -845,6 +845,7 @@ class ServiceClient:
             warnings.warn(f"ServiceClient ignores unsupported arguments: {', '.join(sorted(kwargs))}.",
                           FutureWarning, stacklevel=2)
         user_metadata = check_user_metadata(user_metadata)
+        self._own_backend: Backend | None = None  # made here from base_url: its session ends with close()
         if backend is None and base_url is not None:  # a served pool (trio_widgets/http)
             if pool is not None:
                 raise InvalidInputError("give a pool (in-process) or a base_url (a served pool), not both",
@@ -852,6 +853,7 @@ class ServiceClient:
             from .http.client import HttpBackend
 
             backend = HttpBackend(base_url, api_key)
+            self._own_backend = backend
         if backend is None:
             backend = LocalBackend(pool if pool is not None else default_pool(), user_metadata=user_metadata,
                                    display_name=display_name)
@@ -884,13 +886,17 @@ class ServiceClient:
     def close(self, status: Literal["success", "errored", "interrupted"] = "success",
               detail: str | None = None) -> APIFuture[None]:
         """tinker: end the session. Every client it made is closed (what they submitted still
-        runs); the pool stays open. A second call does nothing. Returns a done future."""
+        runs); the pool stays open. Over HTTP (`base_url=`) the session is finished on the server
+        and this client's connection threads stop, so a result not yet delivered fails with
+        ClientClosedError. A second call does nothing. Returns a done future."""
         if status not in _CLOSE_STATUSES:
             raise InvalidInputError(f"must be one of {', '.join(_CLOSE_STATUSES)}, got {status!r}", field="status")
         if not self._closed:
             self._closed = True
             for client in list(self._clients):
                 client.close()
+            if self._own_backend is not None:
+                self._own_backend.close()
         return APIFuture.completed(None)
 
     @property

@@ -78,19 +78,22 @@ class RestClient:
     (pytrio; deprecated in tinker) its service's pool. `RestClient(base_url=..., api_key=...)`
     asks a served pool (`trio.serve`) in a session of its own; over HTTP a session sees only the
     runs and samplers it made, and deleting checkpoints, their time to live and weights info
-    are refused (InvalidInputError, tinker's BadRequestError).
+    are refused (InvalidInputError, tinker's BadRequestError). `close()` (or `with`) ends that
+    session and stops its connection threads.
     """
 
     def __init__(self, _holder: Any = None, *, base_url: str | None = None, api_key: str | None = None,
                  pool: LocalPool | None = None):
         from .client import ServiceClient, default_pool
 
+        self._own_backend: Backend | None = None  # made here from base_url: close() ends its session
         if isinstance(_holder, ServiceClient):
             backend: Backend = _holder.backend
         elif _holder is None and pool is None and base_url is not None:  # a served pool (its own session)
             from .http.client import HttpBackend
 
             backend = HttpBackend(base_url, api_key)
+            self._own_backend = backend
         elif isinstance(_holder, LocalPool) or _holder is None:
             backend = LocalBackend(pool or _holder or default_pool(), session=False)
         else:
@@ -100,6 +103,19 @@ class RestClient:
 
     def __repr__(self) -> str:
         return f"<RestClient {self._backend!r}>"
+
+    def close(self) -> None:
+        """A RestClient made with `base_url=`: finish its session on the server and stop its
+        connection threads (dropping it does the same, later). Otherwise nothing: the pool or the
+        ServiceClient it asks is not its to close. A second call does nothing."""
+        if self._own_backend is not None:
+            self._own_backend.close()
+
+    def __enter__(self) -> RestClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_telemetry(self) -> None:
         """tinker: its SDK's own event reporter, None when off. Off here (see `pool.telemetry`)."""
