@@ -40,17 +40,20 @@ def thread_cpu_s(native_id: int) -> float:
 
 def arm(pool: trio.LocalPool, loop: str, clients: int, updates: int) -> float:
     """The HTTP thread's CPU milliseconds per client update, serving `pool` on `loop`."""
-    served.new_event_loop = LOOPS[loop]  # the factory Server.start's thread builds its loop with
     kinds = ["sdk", "trio"] * (clients // 2)
-    with trio.serve(pool, port=0) as server:
-        assert server._thread is not None and server._thread.native_id is not None
-        http_thread = server._thread.native_id
-        with client_processes(server.url, kinds, updates, nice=19) as run:
-            cpu0 = thread_cpu_s(http_thread)
-            run()
-            used = thread_cpu_s(http_thread) - cpu0
-        if type(server._service.loop).__module__.split(".")[0] != loop:
-            raise RuntimeError(f"the server ran on {type(server._service.loop)}, not {loop}")
+    served.new_event_loop = LOOPS[loop]  # the factory Server.start's thread builds its loop with
+    try:
+        with trio.serve(pool, port=0) as server:
+            assert server._thread is not None and server._thread.native_id is not None
+            http_thread = server._thread.native_id
+            with client_processes(server.url, kinds, updates, nice=19) as run:
+                cpu0 = thread_cpu_s(http_thread)
+                run()
+                used = thread_cpu_s(http_thread) - cpu0
+            if type(server._service.loop).__module__.split(".")[0] != loop:
+                raise RuntimeError(f"the server ran on {type(server._service.loop)}, not {loop}")
+    finally:
+        served.new_event_loop = LOOPS["uvloop"]  # the module's own factory, for whatever serves next
     return used / (len(kinds) * updates) * 1e3
 
 
