@@ -315,9 +315,10 @@ def served_weights(ckpt: str, result: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from trio_widgets.http.server import _owner_of
-    from trio_widgets.http.wire import parse_tinker_path
+    from trio_widgets.protocol import parse_tinker_path
 
-    run, kind, name = parse_tinker_path(result["path"])
+    parsed = parse_tinker_path(result["path"])
+    run, kind, name = parsed.run_id, parsed.segment, parsed.name
     path = Path(ckpt) / "served" / _owner_of(result["key"]) / run.replace(":", "_") / kind / name
     peft = load_file(str(path / "adapter_model.safetensors"))
     prefix = "base_model.model."

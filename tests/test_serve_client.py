@@ -318,9 +318,10 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
         rest.get_session("sess-0000000000000000").result()
     with pytest.raises(trio.NotFoundError):
         rest.get_training_run("sess-0000000000000000:train:0").result()
-    with pytest.raises(trio.InvalidInputError) as ttl:
-        tc.save_state("later", ttl_seconds=7200)
-    assert ttl.value.field == "ttl_seconds"
+    # TTL and metadata travel and the engine keeps them, as in-process (tests/test_transports.py)
+    later = tc.save_state("later", ttl_seconds=7200, user_metadata={"k": "v"}).result(timeout=60).path
+    kept = {c.tinker_path: c for c in trio.RestClient(server.pool).list_checkpoints(tc.model_id).result().checkpoints}
+    assert kept[later].expires_at is not None and kept[later].user_metadata == {"k": "v"}
     prompt = trio.ModelInput.from_ints(TEXT[:8])
     with pytest.raises(trio.InvalidInputError) as topk:
         sampler.sample(prompt, 1, trio.SamplingParams(max_tokens=2), topk_sample_logprobs=3)

@@ -47,6 +47,12 @@ class CreateModelRequest:
     train_unembed: bool = True
     label: str | None = None
     user_metadata: dict[str, str] | None = None
+    # Set by a server, which names runs itself (None: the backend makes them). run_id: the run's
+    # public id (tinker's model_id); run_dir: its checkpoints' directory under the checkpoint root;
+    # session_id: the session the run is listed under (None: the backend's own).
+    run_id: str | None = None
+    run_dir: str | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class FromStateRequest:
     label: str | None = None
     base_model: str | None = None  # if given, the checkpoint's base model must be this one
     user_metadata: dict[str, str] | None = None
+    run_id: str | None = None  # as CreateModelRequest's
+    run_dir: str | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class CreateSamplerRequest:
     model_path: str | None = None  # saved weights; None: the bare base model
     base_model: str | None = None
     label: str | None = None
+    session_id: str | None = None  # as CreateModelRequest's
 
 
 @dataclass(frozen=True)

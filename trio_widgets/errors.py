@@ -38,6 +38,7 @@ __all__ = [
     "ModelDownloadError",
     "PoolClosedError",
     "RequestFailedError",
+    "ResourceNotFoundError",
     "UnknownModelError",
     # tinker's names
     "APIConnectionError",
@@ -311,6 +312,12 @@ class CheckpointExistsError(CheckpointError, ConflictError):
 
     def __init__(self, message: str, *, path: str | None = None, field: str | None = "name"):
         super().__init__(message, path=path, field=field)
+
+
+class ResourceNotFoundError(InvalidInputError, NotFoundError):
+    """No training run, sampler or session of that id is known (tinker's NotFoundError, 404)."""
+
+    status_code = 404
 
 
 class RequestFailedError(RuntimeError, TinkerError, EventFailedError):

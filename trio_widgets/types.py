@@ -24,6 +24,7 @@ import torch
 from ._numbers import is_int
 from .errors import InvalidInputError, RequestErrorCategory
 from .futures import APIFuture
+from .protocol.paths import TINKER_SCHEME, parse_tinker_path
 
 __all__ = [
     "APIFuture",
@@ -703,7 +704,6 @@ class LoraRunSpec:
 
 CheckpointType = Literal["training", "sampler"]  # tinker also has "external" (hosted exports)
 _PATH_SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
-TINKER_SCHEME = "tinker://"
 
 
 @dataclass
@@ -814,8 +814,13 @@ class ParsedCheckpointTinkerPath:
         if not isinstance(text, str) or not text:
             raise ValueError(f"Invalid tinker path: {text!r}")
         if text.startswith(TINKER_SCHEME):
-            parts = text[len(TINKER_SCHEME):].split("/")
-        elif "://" in text:
+            try:
+                parsed = parse_tinker_path(text)
+            except InvalidInputError as exc:  # tinker raises a plain ValueError here (ours is one too)
+                raise ValueError(f"Invalid tinker path: {text}") from exc
+            return cls(tinker_path=text, training_run_id=parsed.run_id, checkpoint_type=parsed.checkpoint_type,
+                       checkpoint_id=parsed.checkpoint_id)
+        if "://" in text:
             raise ValueError(f"Invalid tinker path: {text}")
         else:
             parts = [p for p in PurePath(text).parts if p not in ("/", "\\")][-3:]

@@ -8,6 +8,7 @@ checkpoints under its `checkpoint_dir`.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import secrets
@@ -21,7 +22,7 @@ from typing import Any
 
 from .._worker import BackgroundWorker
 from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle, SaveRequest
-from ..errors import CheckpointNotFoundError, InvalidInputError, NotFoundError
+from ..errors import CheckpointNotFoundError, ClientClosedError, InvalidInputError, ResourceNotFoundError
 from ..futures import APIFuture
 from ..types import (
     AdamOptimizerConfig,
@@ -44,10 +45,7 @@ from .models import context_length_of, is_base_model_name
 __all__ = ["LocalBackend"]
 
 
-class NotFound(InvalidInputError, NotFoundError):
-    """Nothing of that id is known to the pool (tinker's NotFoundError, 404)."""
-
-    status_code = 404
+NotFound = ResourceNotFoundError  # nothing of that id is known to the pool (404)
 
 
 # -- what a pool served in this process (for the RestClient) ---------------------------------
@@ -65,6 +63,7 @@ class _Served:
     train_flags: tuple[bool, bool, bool] = (True, True, True)  # attn, mlp, unembed
     user_metadata: dict[str, str] | None = None
     last_request: float = field(default_factory=time.time)
+    run_dir: str | None = None  # a training run's checkpoints' directory under the root (default: its id)
 
 
 @dataclass
@@ -85,6 +84,7 @@ class _Ledger:
     sessions: dict[str, _Session] = field(default_factory=dict)
 
 
+_MAX_SESSIONS = 4096  # sessions a pool's ledger lists (a RestClient's listing; oldest dropped first)
 _LEDGERS: weakref.WeakKeyDictionary[LocalPool, _Ledger] = weakref.WeakKeyDictionary()
 _LEDGERS_LOCK = threading.Lock()
 
@@ -95,6 +95,13 @@ def _ledger(pool: LocalPool) -> _Ledger:
         if ledger is None:
             ledger = _LEDGERS[pool] = _Ledger()
         return ledger
+
+
+def _run_names(run_id: Any, run_dir: Any) -> tuple[str | None, str | None]:
+    """A server's names for a new run: checked here, the one place runs are made."""
+    if run_id is not None and (not isinstance(run_id, str) or not run_id or "/" in run_id or len(run_id) > 200):
+        raise InvalidInputError(f"must be a run id without '/', got {run_id!r:.80}", field="run_id")
+    return run_id, ckpt.validate_run_dir(run_dir) if run_dir is not None else None
 
 
 def _utc(unix_time: float) -> datetime:
@@ -122,8 +129,16 @@ class LocalBackend:
         pool.on_close(self._worker.stop)
         self._ledger = _ledger(pool)
         if session:  # a RestClient's backend reads the ledger only: it is no session
-            with self._ledger.lock:
-                self._ledger.sessions[self.session_id] = _Session(user_metadata, display_name)
+            self.open_session(self.session_id, user_metadata, display_name)
+
+    def open_session(self, session_id: str, user_metadata: dict[str, str] | None = None,
+                     display_name: str | None = None) -> None:
+        """List a session in the pool's one session table (a server opens one per remote
+        ServiceClient; requests that name it list their runs and samplers under it)."""
+        with self._ledger.lock:
+            self._ledger.sessions.setdefault(session_id, _Session(user_metadata, display_name))
+            while len(self._ledger.sessions) > _MAX_SESSIONS:  # bounded: the oldest go first
+                del self._ledger.sessions[next(iter(self._ledger.sessions))]
 
     def __repr__(self) -> str:
         return f"<LocalBackend {self.pool!r} {self.session_id}>"
@@ -164,15 +179,18 @@ class LocalBackend:
         if not targets:
             raise InvalidInputError(f"{request.base_model} has no linear layers of the kinds asked for",
                                     field="train_mlp")
+        run_id, run_dir = _run_names(request.run_id, request.run_dir)
         seed = int(request.seed) if request.seed is not None else secrets.randbits(31)
         adapter = LoRAAdapter(targets, int(rank), seed, base.device)
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, int(rank), seed, train_attn=request.train_attn,
-                        train_mlp=request.train_mlp, train_unembed=request.train_unembed)
+                        train_mlp=request.train_mlp, train_unembed=request.train_unembed, run_id=run_id,
+                        run_dir=run_dir)
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant), request.user_metadata)
+        return self._served(handle_of(tenant), request.user_metadata, request.session_id)
 
     def create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         pool = self.pool
+        run_id, run_dir = _run_names(request.run_id, request.run_dir)
         loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=request.with_optimizer)
         shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
         if loaded.base_model is None:
@@ -195,10 +213,10 @@ class LocalBackend:
         adapter.load_state_dict(loaded.state_dict(), with_optimizer=request.with_optimizer)
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, loaded.rank, loaded.seed,
                         train_attn=flag("train_attn", "attn"), train_mlp=flag("train_mlp", "mlp"),
-                        train_unembed=flag("train_unembed", "unembed"))
-        tenant.extra["resumed_from"] = loaded.path
+                        train_unembed=flag("train_unembed", "unembed"), run_id=run_id, run_dir=run_dir,
+                        resumed_from=loaded.path)
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata)
+        return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata, request.session_id)
 
     def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
         pool = self.pool
@@ -208,7 +226,7 @@ class LocalBackend:
             base = pool.get_base_model(request.base_model)
             tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling")
             pool.add_tenant(tenant, request.label)
-            return self._served(handle_of(tenant))
+            return self._served(handle_of(tenant), session_id=request.session_id)
         loaded = ckpt.read_checkpoint(request.model_path, pool)
         path = request.model_path
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
@@ -224,7 +242,7 @@ class LocalBackend:
         adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
         tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling")
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant, model_path=loaded.path))
+        return self._served(handle_of(tenant, model_path=loaded.path), session_id=request.session_id)
 
     def release(self, client_id: str) -> None:
         if not self.pool.closed:
@@ -238,18 +256,20 @@ class LocalBackend:
         future = self.pool.submit(client_id, op, request)
         ledger = self._ledger
         key = ledger.by_client.get(client_id)
-        if key is not None:
-            ledger.served[key].last_request = time.time()
+        record = ledger.served.get(key) if key is not None else None
+        if record is not None:
+            record.last_request = time.time()
         if isinstance(request, SaveRequest) and request.make_sampler:
-            # a snapshot sampler belongs to this session too, once the pool has made it
-            future.add_done_callback(lambda f: self._adopt_snapshot(f))
+            # a snapshot sampler belongs to its training run's session, once the pool has made it
+            session_id = record.session_id if record is not None else self.session_id
+            future.add_done_callback(lambda f: self._adopt_snapshot(f, session_id))
         return future
 
-    def _adopt_snapshot(self, future: APIFuture) -> None:
+    def _adopt_snapshot(self, future: APIFuture, session_id: str) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         created = future.result()
-        self._served(created.sampler)
+        self._served(created.sampler, session_id=session_id)
 
     def reserve(self, client_id: str, op: str) -> Any:
         return self.pool.reserve(client_id, op)
@@ -262,17 +282,23 @@ class LocalBackend:
         self._worker.close()
 
     # -- what the RestClient shows ------------------------------------------------------------
-    def _served(self, handle: ModelHandle, user_metadata: dict[str, str] | None = None) -> ModelHandle:
+    def _served(self, handle: ModelHandle, user_metadata: dict[str, str] | None = None,
+                session_id: str | None = None) -> ModelHandle:
         training = handle.run_id is not None
         key = handle.run_id if handle.run_id is not None else handle.client_id
+        session_id = session_id or self.session_id
+        run_dir = None
+        if training:
+            with contextlib.suppress(ClientClosedError):
+                run_dir = self.pool.tenant(handle.client_id).run_dir
         record = _Served("training" if training else "sampling", handle.client_id, handle.base_model, handle.rank,
-                         self.session_id, handle.model_path,
-                         (handle.train_attn, handle.train_mlp, handle.train_unembed), user_metadata)
+                         session_id, handle.model_path,
+                         (handle.train_attn, handle.train_mlp, handle.train_unembed), user_metadata, run_dir=run_dir)
         ledger = self._ledger
         with ledger.lock:
             ledger.served[key] = record
             ledger.by_client[handle.client_id] = key
-            session = ledger.sessions.get(self.session_id)
+            session = ledger.sessions.get(session_id)
             if session is not None:
                 (session.runs if training else session.samplers).append(key)
         return handle
@@ -291,21 +317,32 @@ class LocalBackend:
     def _checkpoint(self, entry: ckpt.CheckpointEntry) -> Checkpoint:
         expires = entry.meta.get("expires_at")
         return Checkpoint(checkpoint_id=entry.checkpoint_id, checkpoint_type=ckpt.SEGMENTS[entry.segment],
-                          time=_utc(entry.created), tinker_path=ckpt.tinker_path_of(entry.directory),
+                          time=_utc(entry.created), tinker_path=f"tinker://{entry.run_id}/{entry.segment}/{entry.name}",
                           path=str(entry.directory), size_bytes=entry.size_bytes, public=False,
                           user_metadata=entry.meta.get("user_metadata"),
                           expires_at=_utc(expires) if expires is not None else None)
 
     def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
         """Checkpoints under the pool's checkpoint_dir (of one run, or all), oldest first."""
-        return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool, run_id)]
+        if run_id is None:
+            return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool)]
+        return [self._checkpoint(e) for e in self._entries(run_id, self._record(run_id))]
+
+    def _record(self, run_id: Any) -> _Served | None:
+        with self._ledger.lock:
+            record = self._ledger.served.get(run_id) if isinstance(run_id, str) else None
+        return record if record is not None and record.kind == "training" else None
+
+    def _run_dir(self, run_id: Any) -> str | None:
+        record = self._record(run_id)
+        return record.run_dir if record is not None else None
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
-        ckpt.delete_checkpoint(ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id))
+        ckpt.delete_checkpoint(ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=self._run_dir(run_id)))
 
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         ttl = check_ttl(ttl_seconds)
-        directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id)
+        directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=self._run_dir(run_id))
         ckpt.set_expiry(directory, None if ttl is None else time.time() + ttl, self.pool)
 
     def weights_info(self, path: Any) -> WeightsInfoResponse:
@@ -330,6 +367,9 @@ class LocalBackend:
             by_run.setdefault(entry.run_id, []).append(entry)
         with self._ledger.lock:
             served = {k: v for k, v in self._ledger.served.items() if v.kind == "training"}
+        for run_id, record in served.items():
+            if record.run_dir is not None:  # a served run: its checkpoints are in its own directory
+                by_run[run_id] = self._entries(run_id, record)
         runs = [self._run(run_id, served.get(run_id), by_run.get(run_id, [])) for run_id in {*served, *by_run}]
         return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
 
@@ -338,11 +378,17 @@ class LocalBackend:
             raise InvalidInputError(f"must be a run id, got {run_id!r}", field="training_run_id")
         with self._ledger.lock:
             record = self._ledger.served.get(run_id)
-        entries = ckpt.list_checkpoints(self.pool, run_id)
+        entries = self._entries(run_id, record)
         if (record is None or record.kind != "training") and not entries:
             raise NotFound(f"no training run {run_id!r} in this pool or under {ckpt.checkpoint_root(self.pool)}",
                            field="training_run_id")
         return self._run(run_id, record if record is not None and record.kind == "training" else None, entries)
+
+    def _entries(self, run_id: str, record: _Served | None) -> list[ckpt.CheckpointEntry]:
+        """A run's checkpoints: in its own directory (a server's runs) or the root's `<run_id>`."""
+        if record is not None and record.run_dir is not None:
+            return ckpt.list_checkpoints(self.pool, run_id, run_dir=record.run_dir)
+        return ckpt.list_checkpoints(self.pool, run_id)
 
     def _run(self, run_id: str, record: _Served | None, entries: list[ckpt.CheckpointEntry]) -> TrainingRun:
         last = {segment: next((e for e in reversed(entries) if e.segment == segment), None)

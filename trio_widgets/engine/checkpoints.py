@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
+from ..protocol import parse_tinker_path
 from ..types import (
     TINKER_SCHEME,
     CheckpointType,
@@ -123,14 +124,22 @@ def validate_name(name: Any, field: str = "name") -> str:
 def run_id_of(tenant: Tenant) -> str:
     """The tenant's training-run id, made on first use: its checkpoints' directory name
     (random, so that pools sharing a checkpoint_dir never mix runs) and tinker's `model_id`."""
-    run_id = tenant.extra.get("run_id")
-    if run_id is None:
-        run_id = tenant.extra["run_id"] = f"{tenant.client_id}-{secrets.token_hex(4)}"
-    return run_id
+    if tenant.run_id is None:
+        tenant.run_id = f"{tenant.client_id}-{secrets.token_hex(4)}"
+    return tenant.run_id
+
+
+def validate_run_dir(run_dir: Any, field: str = "run_dir") -> str:
+    """A run's directory relative to the checkpoint root: names joined by '/', nothing else."""
+    if not isinstance(run_dir, str) or not run_dir:
+        raise InvalidInputError(f"must be a non-empty relative path, got {run_dir!r}", field=field)
+    for part in run_dir.split("/"):
+        validate_name(part, field)
+    return run_dir
 
 
 def run_dir(pool: Any, tenant: Tenant) -> Path:
-    return checkpoint_root(pool) / run_id_of(tenant)
+    return checkpoint_root(pool) / (tenant.run_dir or run_id_of(tenant))
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -237,7 +246,7 @@ def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: 
         "rank": adapter.rank, "alpha": adapter.alpha, "seed": tenant.seed,
         "targets": sorted(adapter.weights),
         "train_attn": tenant.train_attn, "train_mlp": tenant.train_mlp, "train_unembed": tenant.train_unembed,
-        "step": adapter.adam.step, "client_id": tenant.client_id, "run_id": tenant.extra.get("run_id"),
+        "step": adapter.adam.step, "client_id": tenant.client_id, "run_id": tenant.run_id,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "saved_at": time.time(),
         "files": {fname: {"sha256": _sha256(data), "bytes": len(data)} for fname, data in files.items()},
     }
@@ -278,14 +287,10 @@ SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights":
 def tinker_path_dir(text: str, pool: Any = None) -> Path:
     """The directory of `tinker://<run>/<weights|sampler_weights>/<name>` under the pool's
     checkpoint_dir: the layout is tinker's, so its paths name our checkpoints too."""
-    parts = text[len(TINKER_SCHEME):].split("/")
-    if len(parts) != 3 or parts[1] not in SEGMENTS:
-        raise InvalidInputError(f"{text!r} is not a checkpoint path: expected "
-                                f"tinker://<run>/<weights|sampler_weights>/<name>", field="path")
-    run, segment, name = parts
-    validate_name(run, "path")
-    validate_name(name, "path")
-    return checkpoint_root(pool) / run / segment / name
+    parsed = parse_tinker_path(text)
+    validate_name(parsed.run_id, "path")
+    validate_name(parsed.name, "path")
+    return checkpoint_root(pool) / parsed.run_id / parsed.segment / parsed.name
 
 
 def tinker_path_of(directory: Path) -> str:
@@ -858,10 +863,11 @@ class CheckpointEntry:
         return total
 
 
-def _entries_of_run(root: Path, run_id: str, pool: Any, now: float) -> list[CheckpointEntry]:
+def _entries_of_run(root: Path, run_id: str, pool: Any, now: float, run_dir: str | None = None
+                    ) -> list[CheckpointEntry]:
     entries = []
     for segment in SEGMENTS:
-        folder = root / run_id / segment
+        folder = root / (run_dir or run_id) / segment
         try:
             names = sorted(os.listdir(folder))
         except OSError:
@@ -881,11 +887,15 @@ def _entries_of_run(root: Path, run_id: str, pool: Any, now: float) -> list[Chec
     return entries
 
 
-def list_checkpoints(pool: Any, run_id: str | None = None) -> list[CheckpointEntry]:
+def list_checkpoints(pool: Any, run_id: str | None = None, *, run_dir: str | None = None) -> list[CheckpointEntry]:
     """The checkpoints of one run (or of every run) under the pool's checkpoint_dir, oldest
-    first. Expired ones are deleted instead of listed."""
+    first. Expired ones are deleted instead of listed. `run_dir`: the run's directory, where it
+    is not `<run_id>` (a served run's)."""
     root = checkpoint_root(pool)
     now = time.time()
+    if run_id is not None and run_dir is not None:
+        entries = _entries_of_run(root, run_id, pool, now, validate_run_dir(run_dir))
+        return sorted(entries, key=lambda e: (e.created, e.checkpoint_id))
     if run_id is not None:
         validate_name(run_id, "training_run_id")
         runs = [run_id]
@@ -898,9 +908,13 @@ def list_checkpoints(pool: Any, run_id: str | None = None) -> list[CheckpointEnt
     return sorted(entries, key=lambda e: (e.created, e.run_id, e.checkpoint_id))
 
 
-def checkpoint_dir_of(pool: Any, run_id: str, checkpoint_id: str) -> Path:
-    """The directory of `checkpoint_id` ("weights/<name>" or "sampler_weights/<name>") of a run."""
-    validate_name(run_id, "training_run_id")
+def checkpoint_dir_of(pool: Any, run_id: str, checkpoint_id: str, *, run_dir: str | None = None) -> Path:
+    """The directory of `checkpoint_id` ("weights/<name>" or "sampler_weights/<name>") of a run
+    (in `run_dir` where that is not `<run_id>`)."""
+    if run_dir is not None:
+        run_id = validate_run_dir(run_dir)
+    else:
+        validate_name(run_id, "training_run_id")
     segment, _, name = checkpoint_id.partition("/") if isinstance(checkpoint_id, str) else ("", "", "")
     if segment not in SEGMENTS:
         raise InvalidInputError(f"must be 'weights/<name>' or 'sampler_weights/<name>', got {checkpoint_id!r}",

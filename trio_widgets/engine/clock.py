@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -57,7 +57,13 @@ class Tenant:
     train_mlp: bool = True
     train_unembed: bool = True
     kind: Literal["training", "sampling"] = "training"
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: a training run's public id (tinker's model_id; its tinker:// paths), made on first use
+    run_id: str | None = None
+    #: where its checkpoints go under the checkpoint root (default: run_id); a server keeps
+    #: each API key's runs apart so
+    run_dir: str | None = None
+    parent: str | None = None  # a snapshot sampler: the training client it was taken from
+    resumed_from: str | None = None  # a client made from a checkpoint: its directory
 
 
 @dataclass
@@ -368,7 +374,7 @@ class LocalPool:
             self._queues[tenant.client_id] = deque()
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
                                              label or tenant.client_id, tenant.rank or None,
-                                             parent=tenant.extra.get("parent")))
+                                             parent=tenant.parent))
 
     def tenant(self, client_id: str) -> Tenant:
         """The live tenant of `client_id`; ClientClosedError once it was closed."""

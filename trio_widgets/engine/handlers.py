@@ -137,8 +137,10 @@ def _refuse_existing(pool: LocalPool, tenant: Tenant, save: SaveRequest, op: str
         return
     target = _save_target(pool, tenant, op, save.name)
     if os.path.lexists(target):
-        raise CheckpointExistsError(f"a checkpoint named {save.name!r} exists already ({target}); pass "
-                                         f"overwrite=True to replace it", path=str(target))
+        # named by its tinker:// path: a served pool's directories are the server's business
+        shown = f"tinker://{ckpt.run_id_of(tenant)}/{target.parent.name}/{save.name}"
+        raise CheckpointExistsError(f"a checkpoint named {save.name!r} exists already ({shown}); pass "
+                                    f"overwrite=True to replace it", path=shown)
 
 
 def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
@@ -165,7 +167,7 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
     if not save.make_sampler:
         return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)
     sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
-                     kind="sampling", extra={"parent": tenant.client_id})
+                     kind="sampling", parent=tenant.client_id)
     pool.add_tenant(sampler, save.label or f"{tenant.client_id} sampler")
     return SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written)
 

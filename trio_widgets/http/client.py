@@ -56,7 +56,6 @@ from ..errors import (
     APIConnectionError,
     APIStatusError,
     AuthenticationError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
     ClientClosedError,
     InternalServerError,
@@ -68,6 +67,7 @@ from ..errors import (
     RequestFailedError,
 )
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
+from ..protocol import error_from_wire, parse_tinker_path
 from ..types import (
     Checkpoint,
     GetSamplerResponse,
@@ -107,12 +107,13 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     body = body if isinstance(body, dict) else {}
     message = str(body.get("detail") or response.text or response.reason_phrase)
     status = response.status_code
-    field_name = body.get("field")
+    field_name = body.get("field") if isinstance(body.get("field"), str) else None
+    if field_name and message.startswith(f"{field_name}: "):
+        message = message[len(field_name) + 2:]
+    known = error_from_wire(body.get("code"), message, field=field_name, path=path)
+    if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
+        return known
     if status in (400, 413, 415, 422):
-        if field_name and message.startswith(f"{field_name}: "):
-            message = message[len(field_name) + 2:]
-        if body.get("code") == "checkpoint_exists":  # (sent as a 400: the tinker SDK retries any 409)
-            return CheckpointExistsError(message, path=path, field=field_name or "name")
         return InvalidInputError(message, field=field_name)
     if status == 401:
         return AuthenticationError(message)
@@ -329,9 +330,12 @@ def _settle(future: concurrent.futures.Future, value: Any = None, exc: BaseExcep
 def _future_error(body: dict, request_id: str, owner: str | None, cycle: int | None, base_url: str) -> Exception:
     message, code = str(body.get("error")), body.get("code")
     if code == "server_shutdown":
-        return PoolClosedError(f"the trio server at {base_url} shut down: {message}")
-    if code == "session_expired":
-        return ClientClosedError(message)
+        message = f"the trio server at {base_url} shut down: {message}"
+    field_name = body.get("field") if isinstance(body.get("field"), str) else None
+    known = error_from_wire(code, message, field=field_name, category=body.get("category"), request_id=request_id,
+                            client_id=owner, cycle=cycle)
+    if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
+        return known
     try:
         category = RequestErrorCategory(body.get("category", "unknown"))
     except ValueError:
@@ -501,8 +505,6 @@ class HttpBackend:
         lane = self._lanes.get(client_id)
         if lane is None:
             raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
-        if isinstance(request, SaveRequest):
-            _check_save(request)
         if client_id in self._runs:
             self._runs[client_id] = (self._runs[client_id][0], _utcnow())
         item = _Outgoing(op, request, True, PoolFuture())
@@ -586,10 +588,12 @@ class HttpBackend:
                     lambda body, _p: OptimStepResponse(metrics=dict(body.get("metrics") or {})))
         if op == "save_state" and isinstance(request, SaveRequest):
             return ("/save_weights", {"model_id": model_id, "path": request.name, "seq_id": seq,
-                                      "overwrite": request.overwrite, "type": "save_weights"},
+                                      "overwrite": request.overwrite, "ttl_seconds": request.ttl_seconds,
+                                      "user_metadata": request.user_metadata, "type": "save_weights"},
                     lambda body, _p: SaveWeightsResponse(path=body["path"]))
         if op == "save_weights_for_sampler" and isinstance(request, SaveRequest):
             out: dict[str, Any] = {"model_id": model_id, "seq_id": seq, "kind": "snapshot",
+                                   "ttl_seconds": request.ttl_seconds, "user_metadata": request.user_metadata,
                                    "type": "save_weights_for_sampler"}
             if request.name is not None:
                 out["path"] = request.name
@@ -791,13 +795,6 @@ def _not_offered(what: str) -> InvalidInputError:
                              f"key's checkpoints; an in-process RestClient on the server's machine can)", field="op")
 
 
-def _check_save(request: SaveRequest) -> None:
-    if request.ttl_seconds is not None:
-        raise _not_served("ttl_seconds")
-    if request.user_metadata:
-        raise _not_served("user_metadata")
-
-
 def _decode_forward(payload: Any, protobuf: bool) -> Any:
     if not protobuf:
         raise InvalidInputError("the server answered a forward_backward with JSON, not protobuf", field="body")
@@ -809,5 +806,5 @@ def _tinker_path(path: Any, field_name: str = "path") -> str:
     if not isinstance(path, str) or not path.startswith("tinker://"):
         raise InvalidInputError(f"over HTTP a checkpoint is named by the tinker:// path that save_state / "
                                 f"save_weights_for_sampler returned, got {path!r:.200}", field=field_name)
-    wire.parse_tinker_path(path, field_name)
+    parse_tinker_path(path, field_name)
     return path

@@ -79,14 +79,13 @@ from ..engine import checkpoints as ckpt
 from ..engine.backend import LocalBackend
 from ..engine.clock import LocalPool
 from ..errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     ClientClosedError,
     InvalidInputError,
     PoolClosedError,
-    RequestFailedError,
 )
 from ..futures import APIFuture
+from ..protocol import WireError, parse_tinker_path, row_of, wire_error
 from ..types import SaveWeightsResponse
 from ..validation import check_loss
 from . import new_event_loop, wire
@@ -106,16 +105,26 @@ _STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own r
 
 
 class _HttpError(Exception):
-    """An answer other than 200: status, message and, for 400s, the field at fault."""
+    """An answer other than 200 that no exception of the pool stands for (auth, limits, the
+    body): status, message, the field at fault and, where the client should raise one of the
+    protocol's classes, its code (trio_widgets.protocol.errors)."""
 
-    def __init__(self, status: int, message: str, *, field: str | None = None):
+    def __init__(self, status: int, message: str, *, field: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
         self.field = field
+        self.code = code
+
+    def wire(self) -> WireError:
+        return WireError(self.status, self.code or "refused", "user", str(self), self.field)
 
 
 def _not_found(what: str) -> _HttpError:
-    return _HttpError(404, f"{what} was not found for this API key")
+    return _HttpError(404, f"{what} was not found for this API key", code="not_found")
+
+
+def _wire(exc: BaseException, code: str | None = None) -> WireError:
+    return exc.wire() if isinstance(exc, _HttpError) else wire_error(exc, code=code)
 
 
 def _is_loopback(host: str) -> bool:
@@ -147,17 +156,16 @@ class _Entry:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     body: bytes | dict | None = None
     protobuf: bool = False
-    error: tuple[str, str] | None = None  # (message, "user" | "server")
-    code: str | None = None  # why, for trio's client: "server_shutdown", "session_expired", "cancelled"
+    error: WireError | None = None
     cycle: int | None = None
     future: APIFuture | None = None  # while in the pool: for cancel
     retrieved: float | None = None
 
     def settle(self, body: bytes | dict | None = None, *, protobuf: bool = False,
-               error: tuple[str, str] | None = None, code: str | None = None) -> None:
+               error: WireError | None = None) -> None:
         if self.done.is_set():
             return
-        self.body, self.protobuf, self.error, self.code = body, protobuf, error, code
+        self.body, self.protobuf, self.error = body, protobuf, error
         self.future = None
         self.done.set()
 
@@ -253,10 +261,10 @@ class _Sequencer:
             if self.held and self.timer is None:
                 self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
 
-    def fail_held(self, message: str, category: str, code: str) -> None:
+    def fail_held(self, error: WireError) -> None:
         for held in self.held.values():
             if held.entry is not None:
-                held.entry.settle(error=(message, category), code=code)
+                held.entry.settle(error=error)
         self.held.clear()
         if self.timer is not None:
             self.timer.cancel()
@@ -354,7 +362,8 @@ class _Service:
             why = "was finished" if session.state == "finished" else \
                 f"expired (no heartbeat for {self.session_timeout_s:g} s)"
             raise _HttpError(404 if session.state == "finished" else 410,
-                             f"session {session_id} {why}: create a new ServiceClient")
+                             f"session {session_id} {why}: create a new ServiceClient",
+                             code="client_closed" if session.state == "finished" else "session_expired")
         session.last_seen = time.monotonic()
         return session
 
@@ -368,12 +377,16 @@ class _Service:
         name = (meta.get("name") if isinstance(meta, dict) else None) or body.get("display_name")
         label = str(name)[:40] if name else session_id[:13]
         self.sessions[session_id] = _Session(session_id, owner, label)
+        # the pool's one session table lists it, with the runs and samplers it makes
+        self.backend.open_session(session_id, meta if isinstance(meta, dict) else None,
+                                  str(body["display_name"]) if body.get("display_name") else None)
         return {"session_id": session_id, "type": "create_session"}
 
     def end_session(self, session: _Session, state: str, why: str) -> None:
         """Finish or expire a session: its queued requests are cancelled (expire) or left to run
         (finish), and its clients are retired once nothing of theirs is queued."""
         session.state = state
+        expired = _wire(ClientClosedError(why), "session_expired")
         if state == "expired":
             self.stats["sessions_expired"] += 1
             for entry in self.entries.values():
@@ -381,12 +394,12 @@ class _Service:
                     if entry.future is not None:
                         entry.future.cancel()  # withdrawn if still queued; one in a cycle finishes
                     if entry.future is None or entry.future.cancelled():
-                        entry.settle(error=(why, "user"), code="session_expired")
+                        entry.settle(error=expired)
         for cid in session.clients:
             model, sampler = self.trained.get(cid), self.samplers.get(cid)
             if model is not None:
                 if state == "expired":
-                    model.seq.fail_held(why, "user", "session_expired")
+                    model.seq.fail_held(expired)
                 model.seq.seen.clear()  # the session takes no more requests: nothing to deduplicate
             if sampler is not None:
                 sampler.seen.clear()
@@ -423,7 +436,7 @@ class _Service:
                encode: Callable[[Any], tuple[bytes | dict, bool]], raise_invalid: bool = False) -> None:
         """Put a request into the pool now; its future settles `entry` (on the loop's thread)."""
         if self.stopping:
-            entry.settle(error=("the server is shutting down", "server"), code="server_shutdown")
+            entry.settle(error=_wire(PoolClosedError("the server is shutting down"), "server_shutdown"))
             return
         try:
             future = submit()
@@ -432,7 +445,7 @@ class _Service:
             if raise_invalid:
                 self.forget(entry.request_id)
                 raise
-            entry.settle(error=(str(exc), "user" if isinstance(exc, (InvalidInputError, _HttpError)) else "server"))
+            entry.settle(error=_wire(exc))
             return
         entry.future = future
         loop = self.loop
@@ -447,18 +460,19 @@ class _Service:
         entry.cycle = future.cycle
         if future.cancelled():
             if not entry.done.is_set():
-                entry.settle(error=("cancelled before it ran", "user"), code="cancelled")
+                entry.settle(error=WireError(400, "cancelled", "user", "cancelled before it ran"))
             return
         exc = future.exception()
         if exc is not None:
-            user = isinstance(exc, (InvalidInputError, RequestFailedError, ClientClosedError))
-            entry.settle(error=(str(exc), "user" if user else "server"))
+            if row_of(exc).status >= 500:
+                log.error("%s failed in the pool: %s: %s", entry.request_id, type(exc).__name__, exc)
+            entry.settle(error=_wire(exc))
             return
         try:
             body, protobuf = encode(future.result())
         except Exception as exc:  # a bug in an encoder: the client hears of it
             log.exception("encoding the result of %s failed", entry.request_id)
-            entry.settle(error=(f"the server could not encode the result: {exc}", "server"))
+            entry.settle(error=WireError(500, "internal", "server", f"the server could not encode the result: {exc}"))
             return
         entry.settle(body, protobuf=protobuf)
 
@@ -471,10 +485,11 @@ class _Service:
                 value = await self.loop.run_in_executor(self.executor, work)
                 entry.settle(then(value))
             except (InvalidInputError, PoolClosedError, ClientClosedError, _HttpError) as exc:
-                entry.settle(error=(str(exc), "user"))
+                entry.settle(error=_wire(exc))
             except Exception as exc:
                 log.exception("%s failed", entry.kind)
-                entry.settle(error=(f"{entry.kind} failed: {type(exc).__name__}: {exc}", "server"))
+                entry.settle(error=WireError(500, "internal", "server",
+                                             f"{entry.kind} failed: {type(exc).__name__}: {exc}"))
 
         task = self.loop.create_task(run())
         self._tasks.add(task)
@@ -503,10 +518,7 @@ class _Service:
         self.mark_retrieved(entry)
         headers = {"X-Trio-Cycle": str(entry.cycle)} if entry.cycle is not None else {}
         if entry.error is not None:
-            error = {"error": entry.error[0], "category": entry.error[1]}
-            if entry.code is not None:
-                error["code"] = entry.code
-            return JSONResponse(error, headers=headers)
+            return JSONResponse(entry.error.future_body(), headers=headers)
         if entry.protobuf:
             assert isinstance(entry.body, bytes)
             return Response(entry.body, media_type=wire.PROTOBUF, headers=headers)
@@ -545,10 +557,8 @@ class _Service:
     def _register_model(self, session: _Session, model_id: str, handle: ModelHandle, label: str) -> dict:
         if session.state != "live" or self.stopping:  # it ended while the model was being built
             self.backend.release(handle.client_id)
-            raise _HttpError(410, f"session {session.session_id} ended while the model was being created")
-        # the run's checkpoints go where tinker:// paths of this model point (see _checkpoint_dir)
-        with contextlib.suppress(ClientClosedError):
-            self.pool.tenant(handle.client_id).extra["run_id"] = self._run_dir(session.owner, model_id)
+            raise _HttpError(410, f"session {session.session_id} ended while the model was being created",
+                             code="client_closed")
         self.trained[model_id] = _Model(model_id, session, handle, label, _Sequencer(self))
         session.clients.append(model_id)
         return {"model_id": model_id, "type": "create_model"}
@@ -580,10 +590,13 @@ class _Service:
                                     field="lora_config")
         model_id = f"{session.session_id}:train:{n}"
         label = self._model_label(session, n, body.get("user_metadata"))
+        # the run's checkpoints go where tinker:// paths of this model point (see _checkpoint_dir)
         request = CreateModelRequest(base, rank, seed,
                                      train_mlp=bool(lora.get("train_mlp", True)),
                                      train_attn=bool(lora.get("train_attn", True)),
-                                     train_unembed=bool(lora.get("train_unembed", True)), label=label)
+                                     train_unembed=bool(lora.get("train_unembed", True)), label=label,
+                                     user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
+                                     run_dir=self._run_dir(owner, model_id), session_id=session.session_id)
         entry = self.new_entry(owner, session, "create_model")
         session.model_requests[n] = entry
         self.in_background(entry, lambda: self.backend.create_model(request),
@@ -615,7 +628,9 @@ class _Service:
         local = self._checkpoint_dir(owner, body.get("path"))
         model_id = f"{session.session_id}:train:{n}"
         label = self._model_label(session, n, body.get("user_metadata"))
-        request = FromStateRequest(str(local), optimizer, label)
+        request = FromStateRequest(str(local), optimizer, label, user_metadata=_metadata(body.get("user_metadata")),
+                                   run_id=model_id, run_dir=self._run_dir(owner, model_id),
+                                   session_id=session.session_id)
         entry = self.new_entry(owner, session, "load_weights")
         session.model_requests[n] = entry
 
@@ -700,17 +715,18 @@ class _Service:
         model = self.model(body.get("model_id"), owner)
         with self._consumes(model, body.get("seq_id")):
             name = ckpt.validate_name(body.get("path"), "path")
-            target = self._checkpoint_dir(owner, f"tinker://{model.model_id}/weights/{name}", must_exist=False)
-            if not body.get("overwrite", False) and target.exists():
-                raise CheckpointExistsError(f"checkpoint {name!r} exists for this model; pass overwrite=True to "
-                                            f"replace it", path=f"tinker://{model.model_id}/weights/{name}",
-                                            field="path")
+            overwrite = body.get("overwrite", False)
+            if not isinstance(overwrite, bool):
+                raise InvalidInputError(f"must be true or false, got {overwrite!r:.40}", field="overwrite")
         path = f"tinker://{model.model_id}/weights/{name}"
 
         def encode(result: SaveWeightsResponse) -> tuple[dict, bool]:
             return {"path": path, "type": "save_weights"}, False
 
-        return self._sequenced(model, owner, body.get("seq_id"), "save_state", SaveRequest(name), encode)
+        # overwrite, TTL and metadata are the engine's to check and enforce, as in-process
+        request = SaveRequest(name, overwrite=overwrite, ttl_seconds=body.get("ttl_seconds"),
+                              user_metadata=body.get("user_metadata"))
+        return self._sequenced(model, owner, body.get("seq_id"), "save_state", request, encode)
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
@@ -748,14 +764,17 @@ class _Service:
             return out, False
 
         return self._sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler",
-                               SaveRequest(name, make_sampler=n is not None, label=label), encode)
+                               SaveRequest(name, make_sampler=n is not None, label=label,
+                                           ttl_seconds=body.get("ttl_seconds"),
+                                           user_metadata=body.get("user_metadata")), encode)
 
     # -- sampling ----------------------------------------------------------------------------
     def _register_sampler(self, session: _Session, sampler_id: str, handle: ModelHandle, model_path: str | None,
                           n: int) -> None:
         if session.state != "live" or self.stopping:
             self.backend.release(handle.client_id)
-            raise _HttpError(410, f"session {session.session_id} ended while the sampler was being created")
+            raise _HttpError(410, f"session {session.session_id} ended while the sampler was being created",
+                             code="client_closed")
         self.samplers[sampler_id] = _Sampler(sampler_id, session, handle, model_path)
         session.sampler_ids[n] = sampler_id
         session.clients.append(sampler_id)
@@ -771,11 +790,10 @@ class _Service:
         local = self._checkpoint_dir(owner, model_path) if model_path is not None else None
         if base is not None:
             self._base_model(base)
-        request = CreateSamplerRequest(str(local) if local else None, base, f"{session.label}:sample:{n}")
-        try:
-            handle = await self.loop.run_in_executor(self.executor, lambda: self.backend.create_sampler(request))
-        except (InvalidInputError, ClientClosedError, PoolClosedError) as exc:
-            raise _HttpError(404 if isinstance(exc, CheckpointNotFoundError) else 400, str(exc)) from None
+        request = CreateSamplerRequest(str(local) if local else None, base, f"{session.label}:sample:{n}",
+                                       session_id=session.session_id)
+        # a refusal propagates as its own class (the protocol's table maps it)
+        handle = await self.loop.run_in_executor(self.executor, lambda: self.backend.create_sampler(request))
         sampler_id = f"{session.session_id}:sample:{n}"
         if n in session.sampler_ids:  # a concurrent retry won: keep one
             self.backend.release(handle.client_id)
@@ -853,13 +871,17 @@ class _Service:
 
     def _checkpoint_dir(self, owner: str, path: Any, must_exist: bool = True) -> Path:
         """The directory a tinker:// path names, under this key's own directory (404 if absent)."""
-        run, kind, name = wire.parse_tinker_path(path)
+        parsed = parse_tinker_path(path)
+        run, kind, name = parsed.run_id, parsed.segment, parsed.name
+        # (the in-process class: no existence oracle across keys, another key's path reads as absent)
+        missing = CheckpointNotFoundError(f"checkpoint {path!r:.200} was not found for this API key",
+                                          path=str(path)[:200])
         if not _MODEL_RE.match(run):
-            raise _not_found(f"checkpoint {path!r:.200}")
+            raise missing
         ckpt.validate_name(name, "path")
         local = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, run) / kind / name
         if must_exist and not local.is_dir():
-            raise _not_found(f"checkpoint {path!r:.200}")
+            raise missing
         return local
 
     def list_checkpoints(self, owner: str, model_id: str) -> dict:
@@ -906,15 +928,15 @@ class _Service:
     def shut_down(self) -> None:
         """Every pending future gets a `server` error now; every served client is released."""
         self.stopping = True
-        why = ("the server is shutting down; this request did not finish (one already in a cycle may have run)",
-               "server")
+        why = _wire(PoolClosedError("the server is shutting down; this request did not finish (one already in a "
+                                    "cycle may have run)"), "server_shutdown")
         for entry in self.entries.values():
             if not entry.done.is_set():
                 if entry.future is not None:
                     entry.future.cancel()
-                entry.settle(error=why, code="server_shutdown")
+                entry.settle(error=why)
         for model in self.trained.values():
-            model.seq.fail_held(*why, "server_shutdown")
+            model.seq.fail_held(why)
         for session in self.sessions.values():
             if session.state == "live":
                 for cid in session.clients:
@@ -984,19 +1006,25 @@ class _Service:
         return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
 
 
+def _metadata(value: Any) -> dict[str, str] | None:
+    """A model's user_metadata as the engine keeps it (strings only; anything else is dropped:
+    the SDK sends what the user gave, and a label is no reason to refuse a model)."""
+    if not isinstance(value, dict):
+        return None
+    return {str(k)[:200]: str(v)[:1000] for k, v in list(value.items())[:64]}
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=True)}\n\n"
 
 
 # -- the HTTP layer -------------------------------------------------------------------------------
 
-def _error_response(status: int, message: str, field: str | None = None, code: str | None = None) -> JSONResponse:
-    body: dict[str, Any] = {"detail": message}
-    if field is not None:
-        body["field"] = field
-    if code is not None:
-        body["code"] = code
-    return JSONResponse(body, status_code=status)
+def _error_response(error: WireError) -> JSONResponse:
+    body: dict[str, Any] = {"detail": error.message, "code": error.code}
+    if error.field is not None:
+        body["field"] = error.field
+    return JSONResponse(body, status_code=error.status)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -1042,21 +1070,12 @@ def _endpoint(service: _Service, handler: Handler, *, observer: bool = False, op
         try:
             owner = "anonymous" if open_ else service.authenticate(request, observer)
             result = await handler(service, owner, request)
-        except _HttpError as exc:
-            return _error_response(exc.status, str(exc), exc.field)
-        except CheckpointNotFoundError as exc:
-            return _error_response(404, str(exc), exc.field)
-        except CheckpointExistsError as exc:
-            # 400, not tinker's 409: the SDK's retry handler retries every 409 (for minutes). trio's
-            # client reads the code and raises CheckpointExistsError (a ConflictError) as in-process.
-            return _error_response(400, str(exc), exc.field, code="checkpoint_exists")
-        except InvalidInputError as exc:
-            return _error_response(400, str(exc), exc.field)
-        except (PoolClosedError, ClientClosedError) as exc:
-            return _error_response(410, str(exc))
+        except (_HttpError, InvalidInputError, PoolClosedError, ClientClosedError) as exc:
+            # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
+            return _error_response(_wire(exc))
         except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
             log.exception("%s %s failed", request.method, request.url.path)
-            return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+            return _error_response(wire_error(exc))
         if isinstance(result, Response):
             return result
         return JSONResponse(result)
@@ -1142,7 +1161,8 @@ def _build_app(service: _Service) -> Starlette:
         return handler
 
     async def unknown(request: Request) -> Response:
-        return _error_response(404, f"no such endpoint: {request.method} {request.url.path}")
+        return _error_response(WireError(404, "no_endpoint", "user",
+                                         f"no such endpoint: {request.method} {request.url.path}"))
 
     def post(path: str, handler: Handler, **kw: Any) -> Route:
         return Route(API + path, _endpoint(service, handler, **kw), methods=["POST"])
@@ -1356,8 +1376,9 @@ class Server:
 
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
         """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""
-        run, kind, name = wire.parse_tinker_path(tinker_path)
-        return ckpt.checkpoint_root(self.pool) / self._service._run_dir(_owner_of(api_key), run) / kind / name
+        parsed = parse_tinker_path(tinker_path)
+        return ckpt.checkpoint_root(self.pool) / self._service._run_dir(_owner_of(api_key), parsed.run_id) / \
+            parsed.segment / parsed.name
 
 
 def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **settings: Any) -> Server:

@@ -14,7 +14,6 @@ Every decode of untrusted bytes checks lengths, dtypes and shapes and raises
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -419,16 +418,3 @@ def sampling_params_from_json(value: Any) -> SamplingParams:
         raise InvalidInputError("an empty stop list (never stop, not even at EOS) is not supported here; "
                                 "leave stop unset", field="sampling_params.stop")
     return SamplingParams(**kwargs)
-
-
-_TINKER_PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
-
-
-def parse_tinker_path(path: Any, field: str = "path") -> tuple[str, str, str]:
-    """(training run id, "weights" | "sampler_weights", name) of `tinker://<run>/<kind>/<name>`."""
-    m = _TINKER_PATH.match(path) if isinstance(path, str) else None
-    if m is None:
-        raise InvalidInputError(f"must be a tinker://<run>/weights/<name> or tinker://<run>/sampler_weights/<name> "
-                                f"path (what save_state / save_weights_for_sampler returned), got {path!r:.200}",
-                                field=field)
-    return m["run"], m["kind"], m["name"]

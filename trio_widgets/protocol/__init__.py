@@ -1,0 +1,16 @@
+"""What both transports agree on, in one place: the exception <-> (HTTP status, error code,
+user/server category) table and the one `tinker://` path parser.
+
+Torch-free and free of the engine: the client, the HTTP layer, the server and the engine all
+import it; it imports nothing of ours but `trio_widgets.errors`.
+"""
+
+from __future__ import annotations
+
+from .errors import ERRORS, ErrorRow, WireError, error_from_wire, row_of, wire_error
+from .paths import SEGMENTS, TINKER_SCHEME, TinkerPath, parse_tinker_path
+
+__all__ = [
+    "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "TinkerPath", "WireError", "error_from_wire",
+    "parse_tinker_path", "row_of", "wire_error",
+]

@@ -1,0 +1,45 @@
+"""The one parser of tinker's checkpoint paths: `tinker://<run>/<weights|sampler_weights>/<name>`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import InvalidInputError
+
+__all__ = ["SEGMENTS", "TINKER_SCHEME", "TinkerPath", "parse_tinker_path"]
+
+TINKER_SCHEME = "tinker://"
+#: a path's segment -> tinker's checkpoint type
+SEGMENTS: dict[str, Literal["training", "sampler"]] = {"weights": "training", "sampler_weights": "sampler"}
+_PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<segment>weights|sampler_weights)/(?P<name>[^/]+)$")
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    run_id: str
+    segment: Literal["weights", "sampler_weights"]
+    name: str
+
+    def __str__(self) -> str:
+        return f"{TINKER_SCHEME}{self.run_id}/{self.segment}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.segment}/{self.name}"
+
+    @property
+    def checkpoint_type(self) -> Literal["training", "sampler"]:
+        return SEGMENTS[self.segment]
+
+
+def parse_tinker_path(path: Any, field: str = "path") -> TinkerPath:
+    """The parts of a tinker:// checkpoint path; InvalidInputError naming `field` otherwise.
+    (The parts are not checked as file names here: whoever maps them to a directory does.)"""
+    m = _PATH.match(path) if isinstance(path, str) else None
+    if m is None:
+        raise InvalidInputError(f"must be a tinker://<run>/weights/<name> or tinker://<run>/sampler_weights/<name> "
+                                f"path (what save_state / save_weights_for_sampler returned), got {path!r:.200}",
+                                field=field)
+    return TinkerPath(m["run"], m["segment"], m["name"])  # type: ignore[arg-type]
