@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,lab]"
+	$(PY) -m pip install -q -e ".[engine,dev,lab]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -42,6 +42,7 @@ NUMERIC_TESTS := tests/test_isolation.py tests/test_gradients.py tests/test_loss
 lint: setup
 	$(VENV)/bin/ruff check trio_widgets tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: setup browser-deps lint
 	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests

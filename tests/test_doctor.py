@@ -128,7 +128,8 @@ def test_minimums_match_pyproject():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = {}
-    for line in project["dependencies"] + project["optional-dependencies"]["lab"]:
+    extras = project["optional-dependencies"]
+    for line in project["dependencies"] + extras["engine"] + extras["lab"]:
         req = Requirement(line)
         [spec] = [s for s in req.specifier if s.operator == ">="]
         declared[req.name] = spec.version

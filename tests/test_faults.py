@@ -167,7 +167,7 @@ def test_a_clock_that_dies_says_so_and_fails_what_it_cannot_run(monkeypatch):
     def broken(pool, tenant, request):
         raise SystemExit("a bug in the engine")
 
-    monkeypatch.setattr(handlers, "run_inspect", broken)
+    monkeypatch.setitem(handlers.HANDLERS, "inspect", handlers.OpHandlers(handlers.prepare_inspect, broken))
     with trio.LocalPool(min_cycle_s=0.0, name="dies") as pool:
         tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
         with pool.hold():

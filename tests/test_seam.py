@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import trio_widgets as trio
 import trio_widgets.backend as backend
 from trio_widgets import ops
 from trio_widgets.engine import handlers
-from trio_widgets.engine.clock import Prepared
+from trio_widgets.engine.tenants import Prepared
 
 # Every class a request may contain. Decoding looks names up here only: nothing from the
 # wire is evaluated or unpickled.
@@ -83,7 +84,11 @@ EXAMPLES = [
 
 def test_every_request_type_is_in_the_examples():
     requests = {name for name in backend.__all__ if name.endswith(("Request", "Handle", "Created"))}
-    assert requests == {type(e).__name__ for e in EXAMPLES} | {"ModelHandle"}
+    assert requests == {type(e).__name__ for e in EXAMPLES} | {"ModelHandle", "Request"}
+    # the union a backend's submit takes: every request type of a client's ops
+    assert set(typing.get_args(backend.Request)) == {type(e) for e in EXAMPLES if type(e).__name__ in {
+        "ForwardRequest", "OptimStepRequest", "SaveRequest", "LoadRequest", "InspectRequest", "SampleRequest",
+        "ComputeLogprobsRequest"}}
 
 
 @pytest.mark.parametrize("request_", EXAMPLES, ids=lambda e: type(e).__name__)
@@ -101,15 +106,15 @@ def test_engine_objects_are_not_plain_data():
 
 def test_every_op_has_its_prepare_and_run():
     for name, row in ops.OPS.items():
-        assert callable(getattr(handlers, f"prepare_{row.handler}")), name
-        assert callable(getattr(handlers, f"run_{row.handler}")), name
+        pair = handlers.HANDLERS[row.handler]
+        assert callable(pair.prepare) and callable(pair.run), name
     assert ops.UPDATE_OPS == {"forward_backward", "forward_backward_custom"}
     assert [name for name, row in ops.OPS.items() if row.is_step] == ["optim_step"]
 
 
 def test_a_new_op_is_a_row_and_its_handlers(monkeypatch):
-    """What adding an op takes: a row in trio_widgets/ops.py and prepare_/run_ in
-    trio_widgets/engine/handlers.py (the client method is the only other piece)."""
+    """What adding an op takes: a row in trio_widgets/ops.py and its prepare/run pair in the
+    HANDLERS registry of trio_widgets/engine/handlers.py (the client method is the only other piece)."""
     row = ops.OpSpec("echo_norm", "state", "echo_norm", "#123456", "echo norm")
     monkeypatch.setitem(ops.OPS, "echo_norm", row)
 
@@ -119,8 +124,7 @@ def test_a_new_op_is_a_row_and_its_handlers(monkeypatch):
     def run_echo_norm(pool, tenant, request):
         return {"asked": request.payload, "rank": tenant.rank}
 
-    monkeypatch.setattr(handlers, "prepare_echo_norm", prepare_echo_norm, raising=False)
-    monkeypatch.setattr(handlers, "run_echo_norm", run_echo_norm, raising=False)
+    monkeypatch.setitem(handlers.HANDLERS, "echo_norm", handlers.OpHandlers(prepare_echo_norm, run_echo_norm))
     with trio.LocalPool(min_cycle_s=0.0, name="new-op") as pool:
         tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         future = pool.submit(tc.client_id, "echo_norm", "hello")
@@ -132,5 +136,5 @@ def test_a_new_op_is_a_row_and_its_handlers(monkeypatch):
 
 def test_an_op_without_handlers_is_refused_when_the_pool_is_built(monkeypatch):
     monkeypatch.setitem(ops.OPS, "orphan", ops.OpSpec("orphan", "state", "orphan", "#000000", "orphan"))
-    with pytest.raises(RuntimeError, match="prepare_orphan"):
+    with pytest.raises(RuntimeError, match="HANDLERS has no entry 'orphan'"):
         trio.LocalPool(min_cycle_s=0.0, name="orphan-op")

@@ -1,6 +1,8 @@
 """trio-widgets: see and steer clock-cycle LoRA training from a notebook.
 
 `import trio_widgets as trio` gives the Tinker / PyTRIO client API over a local pool.
+The client, the HTTP backend and the dashboard need no torch; `LocalPool` (the engine, the
+`[engine]` extra) is imported when first asked for.
 """
 
 from . import data, types
@@ -15,10 +17,10 @@ from .client import (
     default_pool,
     shutdown_observability,
 )
+from .connect import DEFAULT_MODEL
 
 # Cheap (stdlib only at import). It shadows the submodule: use `from trio_widgets.doctor import ...`.
 from .doctor import doctor
-from .engine import DEFAULT_MODEL, LocalPool
 from .errors import (
     APIConnectionError,
     APIError,
@@ -171,6 +173,10 @@ __all__ = [
 def __getattr__(name: str):
     # The dashboard pulls in ipywidgets and bokeh, the server starlette and uvicorn: import them
     # only when asked for.
+    if name == "LocalPool":  # the engine: torch, transformers (the [engine] extra)
+        from .engine import LocalPool
+
+        return LocalPool
     if name == "Dashboard":
         from .widgets.dashboard import Dashboard
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 from .futures import APIFuture
 from .types import (
@@ -29,8 +29,8 @@ from .types import (
 )
 
 __all__ = [
-    "Backend", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ForwardRequest",
-    "FromStateRequest", "InspectRequest", "LoadRequest", "ModelHandle", "OptimStepRequest", "Reservation",
+    "Backend", "Catalog", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ForwardRequest",
+    "FromStateRequest", "InspectRequest", "LoadRequest", "ModelHandle", "OptimStepRequest", "Request", "Reservation",
     "SampleRequest", "SamplerCreated", "SaveRequest",
 ]
 
@@ -177,36 +177,15 @@ class Reservation(Protocol):
     def fail(self, error: BaseException) -> None: ...
 
 
-class Backend(Protocol):
-    """Where a ServiceClient's requests run. Every method raises InvalidInputError (naming the
-    field) for a request it refuses, before anything is queued."""
+#: Every request a client submits (the op travels beside it: one type serves several ops).
+Request = Union[ForwardRequest, OptimStepRequest, SaveRequest, LoadRequest, InspectRequest, SampleRequest,
+                ComputeLogprobsRequest]
 
-    name: str
 
-    def supported_models(self) -> list[str]: ...
+class Catalog(Protocol):
+    """What the RestClient asks (trio_widgets/rest.py); answers are the plain types of
+    trio_widgets.types. Ids: a training run's `run_id`, a sampler's client id."""
 
-    def create_model(self, request: CreateModelRequest) -> ModelHandle: ...
-
-    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle: ...
-
-    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle: ...
-
-    def submit(self, client_id: str, op: str, request: Any) -> APIFuture: ...
-
-    def reserve(self, client_id: str, op: str) -> Reservation: ...
-
-    def release(self, client_id: str) -> None: ...
-
-    def tokenizer(self, base_model: str) -> Any: ...
-
-    def run_in_background(self, work: Callable[[], None]) -> None:
-        """Run client-side work (a custom loss) off the caller's thread and off the clock."""
-        ...
-
-    def close(self) -> None: ...
-
-    # What the RestClient asks (trio_widgets/rest.py); answers are the plain types of
-    # trio_widgets.types. Ids: a training run's `run_id`, a sampler's client id.
     def capabilities(self) -> GetServerCapabilitiesResponse: ...
 
     def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]: ...
@@ -226,3 +205,53 @@ class Backend(Protocol):
     def session(self, session_id: str) -> GetSessionResponse: ...
 
     def sessions(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Catalog, Protocol):
+    """Where a ServiceClient's requests run (and, as a Catalog, what its RestClient lists).
+    Every method raises InvalidInputError (naming the field) for a request it refuses, before
+    anything is queued."""
+
+    name: str
+
+    @property
+    def session_id(self) -> str | None:
+        """The session this backend's clients are listed under (None: none yet)."""
+        ...
+
+    @property
+    def pool(self) -> Any:
+        """The in-process pool behind this backend, or None (a served pool)."""
+        ...
+
+    def supported_models(self) -> list[str]: ...
+
+    def is_base_model(self, name: Any) -> bool:
+        """Whether `name` names a model this backend serves (a sampling client's argument order)."""
+        ...
+
+    def is_checkpoint(self, path: Any) -> bool:
+        """Whether `path` names a checkpoint this backend can load."""
+        ...
+
+    def create_model(self, request: CreateModelRequest) -> ModelHandle: ...
+
+    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle: ...
+
+    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle: ...
+
+    def submit(self, client_id: str, op: str, request: Request) -> APIFuture: ...
+
+    def reserve(self, client_id: str, op: str) -> Reservation: ...
+
+    def release(self, client_id: str) -> None: ...
+
+    def tokenizer(self, base_model: str) -> Any: ...
+
+    def run_in_background(self, work: Callable[[], None]) -> None:
+        """Run client-side work (a custom loss) off the caller's thread and off the clock."""
+        ...
+
+    def close(self) -> None: ...

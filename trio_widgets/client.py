@@ -22,14 +22,13 @@ import concurrent.futures
 import getpass
 import inspect
 import math
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
-
-import torch
 
 from .backend import (
     Backend,
@@ -47,9 +46,8 @@ from .backend import (
     SampleRequest,
     SaveRequest,
 )
-from .engine.backend import LocalBackend
-from .engine.clock import LocalPool
-from .engine.models import DEFAULT_MODEL
+from .connect import DEFAULT_MODEL, Pool, connect
+from .connect import default_pool as default_pool
 from .errors import ClientClosedError, InvalidInputError, RequestErrorCategory, RequestFailedError
 from .futures import APIFuture
 from .types import (
@@ -71,7 +69,6 @@ from .types import (
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
-    SupportedModel,
     TensorData,
     check_text_only,
     finish_sample_response,
@@ -79,24 +76,13 @@ from .types import (
 from .validation import check_adam_params, check_batch, check_loss, check_ttl, check_user_metadata, is_number
 
 if TYPE_CHECKING:
+    import torch
+
+    from .engine.clock import LocalPool
     from .rest import RestClient
 
 __all__ = ["BackcompatSamplingClientFuture", "BackcompatTrainingClientFuture", "SamplingClient", "ServiceClient",
            "TrainingClient", "configure", "configure_observability", "default_pool", "shutdown_observability"]
-
-_DEFAULT_POOL: LocalPool | None = None
-_DEFAULT_POOL_LOCK = threading.Lock()
-
-
-def default_pool() -> LocalPool:
-    """The process-wide pool that `ServiceClient()` uses, created on first use."""
-    global _DEFAULT_POOL
-    with _DEFAULT_POOL_LOCK:
-        if _DEFAULT_POOL is None or _DEFAULT_POOL.closed:
-            # shared by every cell: re-running a cell must not close it
-            _DEFAULT_POOL = LocalPool(name="default", owned_by_cell=False)
-        return _DEFAULT_POOL
-
 
 def _release(backend_ref: weakref.ref[Backend], client_id: str) -> None:
     backend = backend_ref()
@@ -137,7 +123,7 @@ class _Client:
     @property
     def pool(self) -> LocalPool | None:
         """The in-process pool this client's requests run on (None for other backends)."""
-        return getattr(self._backend, "pool", None)
+        return self._backend.pool
 
     def _submit(self, op: str, request: Any) -> APIFuture:
         return self._backend.submit(self.client_id, op, request)
@@ -258,6 +244,8 @@ def _check_handle_inputs(handle: LossHandle, data: list[Datum]) -> None:
 def _run_loss_handle(handle: LossHandle, data: list[Datum], logprobs_list: list[torch.Tensor]) -> Any:
     """tinker's run_loss_handle: the per-datum losses summed; `:sum` metrics summed, `:mean`
     metrics averaged over the data."""
+    import torch  # custom losses need torch (the client's core install does not)
+
     total: Any = None
     sums: dict[str, float] = {}
     for datum, logprobs in zip(data, logprobs_list):
@@ -530,6 +518,8 @@ def _finish_custom_loss(forward: APIFuture, slot: Reservation, data: list[Datum]
         slot.fail(RequestFailedError(f"forward_backward_custom: {message}", client_id=client_id, cycle=forward.cycle,
                                      category=RequestErrorCategory.User))
 
+    import torch  # custom losses need torch (the client's core install does not)
+
     leaves = [o["logprobs"].to_torch().float().requires_grad_(True) for o in out.loss_fn_outputs]
     try:
         loss, metrics = loss_fn(data, leaves)
@@ -561,9 +551,10 @@ def _numeric_metrics(metrics: Any) -> dict[str, float] | str:
         return {}
     if not isinstance(metrics, dict):
         return f"your loss function returned metrics of type {type(metrics).__name__}; return a dict of numbers"
+    torch = sys.modules.get("torch")  # a tensor means torch was imported
     out = {}
     for key, value in metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
+        if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not is_number(value):
             return (f"your loss function returned metric {key!r} = {value!r:.60}, which is not a number "
@@ -821,13 +812,13 @@ class ServiceClient:
 
     def __init__(self, *args: Any, user_metadata: dict[str, str] | None = None, project_id: str | None = None,
                  display_name: str | None = None, base_url: str | None = None, api_key: str | None = None,
-                 default_headers_overrides: Mapping[str, str] | None = None, pool: LocalPool | None = None,
+                 default_headers_overrides: Mapping[str, str] | None = None, pool: Pool | None = None,
                  backend: Backend | None = None, **kwargs: Any):
         if len(args) > 2:
             raise TypeError(f"ServiceClient takes at most 2 positional arguments, got {len(args)}")
         if args:
             first = args[0]
-            if isinstance(first, LocalPool):
+            if isinstance(first, Pool):
                 if pool is not None:
                     raise TypeError("ServiceClient got a pool both by position and as pool=")
                 pool = first
@@ -846,17 +837,11 @@ class ServiceClient:
                           FutureWarning, stacklevel=2)
         user_metadata = check_user_metadata(user_metadata)
         self._own_backend: Backend | None = None  # made here from base_url: its session ends with close()
-        if backend is None and base_url is not None:  # a served pool (trio_widgets/http)
-            if pool is not None:
-                raise InvalidInputError("give a pool (in-process) or a base_url (a served pool), not both",
-                                        field="base_url")
-            from .http.client import HttpBackend
-
-            backend = HttpBackend(base_url, api_key)
-            self._own_backend = backend
         if backend is None:
-            backend = LocalBackend(pool if pool is not None else default_pool(), user_metadata=user_metadata,
-                                   display_name=display_name)
+            backend, owned = connect(pool, base_url=base_url, api_key=api_key, user_metadata=user_metadata,
+                                     display_name=display_name)
+            if owned:
+                self._own_backend = backend
         elif pool is not None:
             raise TypeError("ServiceClient takes a pool or a backend, not both")
         self.backend = backend
@@ -864,7 +849,7 @@ class ServiceClient:
         self._clients: weakref.WeakSet[_Client] = weakref.WeakSet()
         self._closed = False
         # pytrio's identity of the session, for code that prints it: the local user
-        self.service_session_cuid: str = getattr(backend, "session_id", None) or f"session-{id(self):x}"
+        self.service_session_cuid: str = backend.session_id or f"session-{id(self):x}"
         self.username: str = _local_user()
         self.display_name: str = display_name or self.username
         self.user_id: str = self.username
@@ -876,7 +861,7 @@ class ServiceClient:
     @property
     def pool(self) -> LocalPool | None:
         """The in-process pool behind this client (None for other backends)."""
-        return getattr(self.backend, "pool", None)
+        return self.backend.pool
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -923,10 +908,7 @@ class ServiceClient:
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """Each model with its context length and limits (tinker's and pytrio's fields). tinker
         0.38 prefers `RestClient().get_server_capabilities()`, which works here too."""
-        capabilities = getattr(self.backend, "capabilities", None)
-        if capabilities is None:  # a backend that only names its models
-            return GetServerCapabilitiesResponse([SupportedModel(n) for n in self.backend.supported_models()])
-        return capabilities()
+        return self.backend.capabilities()
 
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         return self.get_server_capabilities()
@@ -986,10 +968,7 @@ class ServiceClient:
         """(model_path, base_model) from a call in tinker's order or pytrio's
         `create_sampling_client(base_model, model_path)`: a value that names a base model and
         no checkpoint is a base model; one that names both is ambiguous."""
-        is_model = getattr(self.backend, "is_base_model", None)
-        is_checkpoint = getattr(self.backend, "is_checkpoint", None)
-        if is_model is None or is_checkpoint is None:
-            return model_path, base_model
+        is_model, is_checkpoint = self.backend.is_base_model, self.backend.is_checkpoint
 
         def kind(value: Any) -> str | None:
             if value is None:

@@ -227,10 +227,10 @@ def check_torch_device(pool: LocalPool | None) -> Check:
 def check_torch_threads(pool: LocalPool | None) -> Check:
     import torch
 
-    from .engine.models import TORCH_THREADS_ENV, _cgroup_cpu_quota, auto_torch_threads, usable_cpus
+    from .engine.models import TORCH_THREADS_ENV, auto_torch_threads, cgroup_cpu_quota, usable_cpus
 
     usable = usable_cpus()
-    quota = _cgroup_cpu_quota(Path("/sys/fs/cgroup"))
+    quota = cgroup_cpu_quota(Path("/sys/fs/cgroup"))
     limits = f"{usable} usable CPU{'s' if usable != 1 else ''} ({os.cpu_count()} on the machine"
     limits += f", cgroup quota {quota:g})" if quota is not None else ")"
     try:
@@ -517,9 +517,9 @@ def check_subshells(kernel: Any) -> Check:
 
 
 def _kernel() -> Any | None:
-    from .widgets._bokeh_setup import _kernel_shell
+    from .widgets._bokeh_setup import kernel_shell
 
-    shell = _kernel_shell()
+    shell = kernel_shell()
     return None if shell is None else shell.kernel
 
 

@@ -2,8 +2,9 @@
 
 One row per op. The clock schedules by `kind`; the advisor, the loop, telemetry, trace
 export and the dashboard read `starts_update`, `is_step`, `label` and `color` from here, and
-the pool resolves `handler` when it is built. Adding an op: a row here, its prepare/run pair
-in trio_widgets/engine/handlers.py, and the client method that submits it.
+the pool resolves `handler` in the registry when it is built. Adding an op: a row here, its
+prepare/run pair in trio_widgets/engine/handlers.py and its HANDLERS entry, and the client
+method that submits it.
 
 Kinds (the clock-cycle rules, see docs/architecture.md):
 
@@ -30,7 +31,7 @@ OpKind = Literal["forward", "optim", "state", "sample"]
 class OpSpec:
     name: str
     kind: OpKind
-    handler: str  # X: the pool runs prepare_X / run_X of trio_widgets/engine/handlers.py
+    handler: str  # its entry in the handler registry (HANDLERS in trio_widgets/engine/handlers.py)
     color: str  # timeline colour
     label: str  # how views name it
     starts_update: bool = False  # a forward_backward: the start of one training update

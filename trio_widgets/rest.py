@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend import Backend
-from .engine.backend import LocalBackend
-from .engine.clock import LocalPool
+from .connect import Pool, connect
 from .errors import InvalidInputError
 from .futures import APIFuture
 from .types import (
@@ -43,6 +42,13 @@ from .validation import is_int
 __all__ = ["RestClient"]
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class _HasBackend(Protocol):
+    """A ServiceClient (without importing it: the client module imports this one)."""
+
+    backend: Backend
 AccessScope = Literal["owned", "accessible"]
 
 
@@ -83,19 +89,15 @@ class RestClient:
     """
 
     def __init__(self, _holder: Any = None, *, base_url: str | None = None, api_key: str | None = None,
-                 pool: LocalPool | None = None):
-        from .client import ServiceClient, default_pool
-
+                 pool: Pool | None = None):
         self._own_backend: Backend | None = None  # made here from base_url: close() ends its session
-        if isinstance(_holder, ServiceClient):
+        if isinstance(_holder, _HasBackend):  # a ServiceClient: its session's backend
             backend: Backend = _holder.backend
-        elif _holder is None and pool is None and base_url is not None:  # a served pool (its own session)
-            from .http.client import HttpBackend
-
-            backend = HttpBackend(base_url, api_key)
-            self._own_backend = backend
-        elif isinstance(_holder, LocalPool) or _holder is None:
-            backend = LocalBackend(pool or _holder or default_pool(), session=False)
+        elif isinstance(_holder, Pool) or _holder is None:
+            # over HTTP it is a session of its own; over a pool, a reader of the pool's ledger
+            backend, owned = connect(pool or _holder, base_url=base_url, api_key=api_key, session=False)
+            if owned:
+                self._own_backend = backend
         else:
             raise InvalidInputError(f"expected a LocalPool or a ServiceClient, got {type(_holder).__name__}",
                                     field="RestClient()")

@@ -11,20 +11,23 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import PurePath
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import numpy as np
-import torch
 
 from ._numbers import is_int
 from .errors import InvalidInputError, RequestErrorCategory
 from .futures import APIFuture
 from .protocol.paths import TINKER_SCHEME, parse_tinker_path
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "APIFuture",
@@ -110,7 +113,8 @@ def _as_array(value: Any) -> np.ndarray:
     """Any numeric list (nested: rectangular), numpy array, torch tensor or TensorData."""
     if isinstance(value, TensorData):
         return value.to_numpy()
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor means torch was imported: the core install has none
+    if torch is not None and isinstance(value, torch.Tensor):
         value = value.detach().cpu()
         if value.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16
             value = value.float()
@@ -190,6 +194,8 @@ class TensorData:
         return np.asarray(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
+        import torch  # needs the engine extra (or any torch)
+
         return torch.from_numpy(self.to_numpy())
 
     def tolist(self) -> list:
@@ -873,10 +879,10 @@ class LossHandle:
 
 
 # tinker's type of the functions create_custom_loss takes: (logprobs, *inputs) -> (loss, metrics)
-PerDatumLossFn = Callable[..., tuple[torch.Tensor, Mapping[str, Any]]]
+PerDatumLossFn = Callable[..., tuple["torch.Tensor", Mapping[str, Any]]]
 
 
-LoRAPair = tuple[torch.Tensor, torch.Tensor]
+LoRAPair = tuple["torch.Tensor", "torch.Tensor"]
 
 
 @dataclass(frozen=True)

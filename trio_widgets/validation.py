@@ -18,6 +18,7 @@ import numpy as np
 
 from ._numbers import is_finite_number, is_int, is_number
 from .errors import InvalidInputError
+from .protocol.losses import FLOAT_INPUTS, REQUIRED_INPUTS, check_loss_inputs, normalise_loss_name, resolved_config
 from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = ["CheckedDatum", "ModelLimits", "RequestLimits", "SampleSpec", "check_adam_params", "check_batch",
@@ -72,8 +73,6 @@ def check_loss(loss_fn: Any, loss_fn_config: Any) -> tuple[str, dict[str, float]
     """A known loss name (case and surrounding spaces ignored, as pytrio does) and its config with
     defaults filled in, every value a finite number in its range (a NaN clip bound would only fail
     later, inside the cycle)."""
-    from .engine.losses import normalise_loss_name, resolved_config
-
     try:
         loss_fn = normalise_loss_name(loss_fn)
     except ValueError as exc:
@@ -108,10 +107,6 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
                 request_limits: RequestLimits | None = None) -> list[CheckedDatum]:
     """A batch against the loss (and, given `limits`, the model; given `request_limits`, the
     pool's bounds): the checked data, in order."""
-    import torch
-
-    from .engine.losses import FLOAT_INPUTS, REQUIRED_INPUTS, check_loss_inputs
-
     if isinstance(data, Datum):
         raise InvalidInputError("expected a list of Datum, got a single Datum (wrap it in a list)", field="data")
     if not isinstance(data, (list, tuple)):
@@ -179,7 +174,7 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
                         field=field_name, datum_index=i)
                 floats[key] = [float(v) for v in td.data]
         try:
-            check_loss_inputs(loss_fn, {k: torch.tensor(v) for k, v in floats.items()})
+            check_loss_inputs(loss_fn, floats)
         except ValueError as exc:  # the message names the loss_fn_inputs key
             raise InvalidInputError(str(exc), field=where, datum_index=i) from None
         checked.append(CheckedDatum(tokens, target, floats))

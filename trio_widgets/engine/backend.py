@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._worker import BackgroundWorker
 from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle, SaveRequest
@@ -37,10 +37,13 @@ from ..types import (
 )
 from ..validation import check_ttl, is_int
 from . import checkpoints as ckpt
-from .clock import LocalPool, Tenant
 from .handlers import handle_of
 from .lora import LoRAAdapter
 from .models import context_length_of, is_base_model_name
+from .tenants import Tenant
+
+if TYPE_CHECKING:  # (the clock builds these backends: LocalPool.connect)
+    from .clock import LocalPool
 
 __all__ = ["LocalBackend"]
 

@@ -54,9 +54,9 @@ from ..types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
-from .clock import Tenant
 from .lora import AdamState, LoRAAdapter, all_finite
 from .models import BaseModel
+from .tenants import Tenant
 
 __all__ = [
     "LoadedCheckpoint",

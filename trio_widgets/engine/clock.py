@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._notebook import CellRegistry
+from .. import pools
 from .._numbers import is_int, is_number
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, RequestFailedError
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
@@ -40,51 +40,11 @@ from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from ..validation import RequestLimits
 from .gil import GilWatchdog, RunMeter
-from .lora import LoRAAdapter
+from .handlers import HANDLERS
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
+from .tenants import AddTenant, Prepared, Request, Tenant
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Tenant:
-    client_id: str
-    base: BaseModel
-    adapter: LoRAAdapter | None  # None for sampling clients of the bare base
-    rank: int
-    seed: int
-    train_attn: bool = True
-    train_mlp: bool = True
-    train_unembed: bool = True
-    kind: Literal["training", "sampling"] = "training"
-    #: a training run's public id (tinker's model_id; its tinker:// paths), made on first use
-    run_id: str | None = None
-    #: where its checkpoints go under the checkpoint root (default: run_id); a server keeps
-    #: each API key's runs apart so
-    run_dir: str | None = None
-    parent: str | None = None  # a snapshot sampler: the training client it was taken from
-    resumed_from: str | None = None  # a client made from a checkpoint: its directory
-
-
-@dataclass
-class Prepared:
-    """What an op's `prepare` hands the clock: its payload, and what telemetry counts."""
-
-    payload: Any
-    tokens: int = 0
-    weight: float = 0.0  # loss-weighted tokens (forward ops)
-
-
-@dataclass
-class Request:
-    request_id: int
-    client_id: str
-    op: str
-    payload: Any
-    result: concurrent.futures.Future
-    future: APIFuture
-    record: RequestRecord
-    ready: bool = True  # a reservation is not, until it is filled
 
 
 @dataclass(frozen=True)
@@ -95,16 +55,13 @@ class _Op:
 
 
 def _resolve_ops() -> dict[str, _Op]:
-    """Every op of the table with its prepare/run pair from engine/handlers.py."""
-    from . import handlers
-
+    """Every op of the table with its handlers from the registry (engine/handlers.py HANDLERS)."""
     resolved = {}
     for name, spec in OPS.items():
-        prepare = getattr(handlers, f"prepare_{spec.handler}", None)
-        run = getattr(handlers, f"run_{spec.handler}", None)
-        if prepare is None or run is None:
-            raise RuntimeError(f"op {name!r}: engine/handlers.py has no prepare_{spec.handler} / run_{spec.handler}")
-        resolved[name] = _Op(spec, prepare, run)
+        pair = HANDLERS.get(spec.handler)
+        if pair is None:
+            raise RuntimeError(f"op {name!r}: engine/handlers.py HANDLERS has no entry {spec.handler!r}")
+        resolved[name] = _Op(spec, pair.prepare, pair.run)
     return resolved
 
 
@@ -133,15 +90,14 @@ def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int) -> 
     return taken
 
 
-_CELL_POOLS = CellRegistry()
-_LIVE_POOLS: weakref.WeakSet[LocalPool] = weakref.WeakSet()
 _ATEXIT_LOCK = threading.Lock()
 _atexit_registered = False
 
 
 def _close_live_pools() -> None:
-    for pool in list(_LIVE_POOLS):
-        pool.close(timeout=5.0)
+    for pool in pools.live_pools():
+        if isinstance(pool, LocalPool):
+            pool.close(timeout=5.0)
 
 
 class _Clock:
@@ -254,7 +210,7 @@ class LocalPool:
         # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
         self.allow_download = allow_download
         self.name = name or f"pool-{next(_POOL_IDS)}"
-        self.serial = next(_POOL_SERIALS)  # creation order: a Dashboard() without a pool follows the newest
+        self.serial = pools.next_serial()  # creation order: a Dashboard() without a pool follows the newest
         self.telemetry = Telemetry(telemetry_capacity)
         self.cycle_index = 0  # the index the next boundary will take
 
@@ -275,8 +231,8 @@ class LocalPool:
         self._cycle_tenants: dict[str, Tenant] = {}  # the running cycle's (clock thread only)
 
         if owned_by_cell:
-            _CELL_POOLS.claim(self)
-        _LIVE_POOLS.add(self)
+            pools.claim_cell(self)
+        pools.register(self)
         _register_atexit()
 
         self._clock.thread = threading.Thread(target=_run_clock, args=(weakref.ref(self), self._clock),
@@ -285,6 +241,19 @@ class LocalPool:
         self._clock.thread.start()
         if gil_watchdog:
             self._clock.watchdog = GilWatchdog(self.telemetry, self.name).start()
+
+    def connect(self, *, user_metadata: dict[str, str] | None = None, display_name: str | None = None,
+                session: bool = True) -> Any:
+        """A backend over this pool (trio_widgets.connect.Pool): a ServiceClient's session, or,
+        with `session=False`, a RestClient's reader."""
+        from .backend import LocalBackend  # (the backend module builds on this one)
+
+        return LocalBackend(self, user_metadata=user_metadata, display_name=display_name, session=session)
+
+    @property
+    def device_type(self) -> str:
+        """Where the pool computes: "cpu", "cuda", ... (trio_widgets.pools.PoolView)."""
+        return self.device.type
 
     # -- lifecycle -------------------------------------------------------------
     @property
@@ -310,7 +279,7 @@ class LocalPool:
         self._finalizer.detach()
         _stop_clock(self._clock, timeout)
         self._clock.fail_queued("was closed")
-        _LIVE_POOLS.discard(self)
+        pools.unregister(self)
         hooks, self._on_close = self._on_close, []
         for hook in hooks:
             try:
@@ -540,6 +509,9 @@ class LocalPool:
         request.record.started_at = time.perf_counter()
         try:
             value = self._ops[request.op].run(self, tenant, request)
+            if isinstance(value, AddTenant):  # the op made a client: the pool adds it, here
+                self.add_tenant(value.tenant, value.label)
+                value = value.result
         except Exception as exc:
             value = _as_failure(request, exc)
         request.record.finished_at = time.perf_counter()
@@ -629,7 +601,6 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
 
 
 _POOL_IDS = itertools.count(1)
-_POOL_SERIALS = itertools.count(1)
 _IDLE_TICK_S = 0.001
 _MAX_CYCLE_S = 3600.0  # a cycle longer than an hour is a typo (and time_t overflows at inf)
 _GATE_POLL_S = 0.05  # how often a clock waiting on hold() looks whether the pool is closing

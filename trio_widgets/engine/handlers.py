@@ -46,13 +46,13 @@ from ..validation import (
     check_save_extras,
 )
 from . import checkpoints as ckpt
-from .clock import Prepared, Tenant
 from .compute import make_forward_job, run_forward_jobs
 from .lora import LoRAAdapter
 from .sampling import run_sample_batch
+from .tenants import AddTenant, OpHandlers, Prepared, Request, Tenant
 
 if TYPE_CHECKING:
-    from .clock import LocalPool, Request
+    from .clock import LocalPool
     from .models import BaseModel
 
 
@@ -168,8 +168,8 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
         return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)
     sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
                      kind="sampling", parent=tenant.client_id)
-    pool.add_tenant(sampler, save.label or f"{tenant.client_id} sampler")
-    return SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written)
+    return AddTenant(sampler, save.label or f"{tenant.client_id} sampler",
+                     SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written))
 
 
 def handle_of(tenant: Tenant, model_path: str | None = None) -> ModelHandle:
@@ -261,3 +261,15 @@ def run_sample(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Reque
 
 
 run_logprobs = run_sample
+
+
+#: The registry: each op of the table (trio_widgets/ops.py) names its handler here.
+HANDLERS: dict[str, OpHandlers] = {
+    "forward": OpHandlers(prepare_forward, run_forward),
+    "optim_step": OpHandlers(prepare_optim_step, run_optim_step),
+    "save": OpHandlers(prepare_save, run_save),
+    "load": OpHandlers(prepare_load, run_load),
+    "inspect": OpHandlers(prepare_inspect, run_inspect),
+    "sample": OpHandlers(prepare_sample, run_sample),
+    "logprobs": OpHandlers(prepare_logprobs, run_sample),
+}

@@ -396,9 +396,19 @@ class HttpBackend:
         return self._link.closed
 
     # -- clients --------------------------------------------------------------------------
+    #: no in-process pool behind this backend (trio_widgets.backend.Backend.pool)
+    pool = None
+
     def supported_models(self) -> list[str]:
         body = self._link.call("GET", "/get_server_capabilities")
         return [m["model_name"] for m in body.get("supported_models", []) if isinstance(m, dict)]
+
+    def is_base_model(self, name: Any) -> bool:
+        return isinstance(name, str) and not name.startswith("tinker://") and name in self.supported_models()
+
+    def is_checkpoint(self, path: Any) -> bool:
+        """Over HTTP a checkpoint is named by its tinker:// path."""
+        return isinstance(getattr(path, "path", path), str) and str(getattr(path, "path", path)).startswith("tinker://")
 
     def _wait(self, submitted: dict, what: str, decode: Callable[[Any, bool], Any] = lambda body, _p: body) -> Any:
         item = _Outgoing(what, None, True, PoolFuture())
@@ -480,16 +490,17 @@ class HttpBackend:
 
     def tokenizer(self, base_model: str) -> Any:
         if base_model not in self._tokenizers:
-            from ..engine.models import BUILTIN_MODELS, _load_tokenizer, byte_tokenizer
+            from ..protocol import DEFAULT_MODEL
+            from ..tokenizers import byte_tokenizer, load_tokenizer
 
             where = self._tokenizer_ids.get(base_model)
-            if base_model in BUILTIN_MODELS:
+            if base_model == DEFAULT_MODEL:  # the built-in model's byte tokenizer
                 self._tokenizers[base_model] = byte_tokenizer()
             elif where is not None:
                 import os
 
                 if os.path.isdir(where):
-                    self._tokenizers[base_model] = _load_tokenizer(where)
+                    self._tokenizers[base_model] = load_tokenizer(where)
                 else:
                     from transformers import AutoTokenizer
 

@@ -131,6 +131,7 @@ class RemotePool:
         self.name = f"{info['name']} @ {self.base_url.split('://', 1)[1]}"
         self.min_cycle_s = float(info["min_cycle_s"])
         self.device = SimpleNamespace(type=str(info["device"]))
+        self.device_type = str(info["device"])  # trio_widgets.pools.PoolView
         self.models = list(info.get("models", []))
         self.cycle_index = int(info["cycle_index"])
         self.telemetry = RemoteTelemetry()

@@ -10,7 +10,10 @@ from __future__ import annotations
 from .errors import ERRORS, ErrorRow, WireError, error_from_wire, row_of, wire_error
 from .paths import SEGMENTS, TINKER_SCHEME, TinkerPath, parse_tinker_path
 
+#: The built-in tiny model every pool serves (trained from scratch here; no download).
+DEFAULT_MODEL = "trio/tiny-llama-byte"
+
 __all__ = [
-    "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "TinkerPath", "WireError", "error_from_wire",
+    "DEFAULT_MODEL", "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "TinkerPath", "WireError", "error_from_wire",
     "parse_tinker_path", "row_of", "wire_error",
 ]

@@ -53,7 +53,7 @@ _lock = threading.Lock()
 _loaded = False
 
 
-def _kernel_shell() -> Any | None:
+def kernel_shell() -> Any | None:
     """The IPython shell if we run inside a Jupyter kernel, else None."""
     try:
         from IPython import get_ipython
@@ -92,7 +92,7 @@ def ensure_bokehjs(*, force: bool = False) -> None:
     with _lock:
         if _loaded and not force:
             return
-        if _kernel_shell() is None:
+        if kernel_shell() is None:
             return
         from bokeh import __version__ as bokeh_version
         from IPython.display import publish_display_data

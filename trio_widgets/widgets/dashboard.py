@@ -33,15 +33,15 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import ipywidgets as W
 from bokeh.core.property.validation import validate
 
+from .. import pools
 from .._notebook import CellRegistry
 from ..advisor import Diagnosis, diagnose_telemetry
-from ..engine import DEFAULT_MODEL, LocalPool
-from ..engine import clock as _clock
+from ..connect import DEFAULT_MODEL
 from ..loop import MODES, TrainingRun, run_endings
 from ..metrics import cycles_per_update, format_cycles, period_history
 from ..ops import OPS, UPDATE_OPS
@@ -51,6 +51,9 @@ from .controls import INT_RANGES, Controls, check_setting
 from .feed import TelemetryFeed
 from .figures import CLIENT_COLORS, DashboardFigures
 from .sweep import SweepLauncher, lr_multipliers
+
+if TYPE_CHECKING:  # the dashboard drives in-process pools; it reads any pool as pools.PoolView
+    from ..engine import LocalPool
 
 __all__ = ["Dashboard", "lr_multipliers"]  # lr_multipliers: the sweep's, kept importable from here
 
@@ -121,8 +124,7 @@ def _si(value: float) -> str:
 
 
 def _newest_pool() -> LocalPool | None:
-    pools = [p for p in list(_clock._LIVE_POOLS) if not p.closed]
-    return max(pools, key=lambda p: getattr(p, "serial", 0), default=None)
+    return pools.newest_pool()
 
 
 class Dashboard(W.VBox):
@@ -174,7 +176,7 @@ class Dashboard(W.VBox):
                 # what close() reads when this half-built widget is dropped (ipywidgets' __del__ calls it)
                 self._closed = True
                 raise
-            pool = cast(LocalPool, remote)  # it has what the views read of a pool
+            pool = cast("LocalPool", remote)  # it has what the views read of a pool
         self.follow = pool is None  # (a served pool is watched until it stops; never replaced)
         if pool is None:
             pool = _newest_pool()
@@ -285,7 +287,7 @@ class Dashboard(W.VBox):
             return "closed"
         if self.pool.closed:
             # closed by the cell that is building its successor, which shows up in a moment
-            return "waiting" if _clock._CELL_POOLS.successor(self.pool) is not None else "closed"
+            return "waiting" if pools.successor(self.pool) is not None else "closed"
         now = time.perf_counter()
         if now - self._last_update_at <= _ACTIVE_S:
             return "training"
@@ -539,8 +541,8 @@ class Dashboard(W.VBox):
         pool = self.pool
         successor = None
         if pool is not None and pool.closed:
-            successor = _clock._CELL_POOLS.successor(pool)
-            if successor is not None and not successor.closed and successor not in _clock._LIVE_POOLS:
+            successor = pools.successor(pool)
+            if successor is not None and not successor.closed and not pools.is_live(successor):
                 return  # being built right now (it closed ours on its way): next tick
             if successor is not None and successor.closed:
                 successor = None
@@ -587,7 +589,7 @@ class Dashboard(W.VBox):
         if pool is None:
             sub = "waiting for a pool: build one (trio.LocalPool) in any cell"
         else:
-            sub = f"{pool.name} · min cycle {pool.min_cycle_s * 1e3:.0f} ms · {pool.device.type}"
+            sub = f"{pool.name} · min cycle {pool.min_cycle_s * 1e3:.0f} ms · {pool.device_type}"
         value = f"{title}<span class='trio-sub'>{html.escape(sub)}</span></div>"
         if self._header.value != value:
             self._header.value = value

@@ -12,16 +12,18 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..client import ServiceClient, TrainingClient
 from ..data import addition_batches
-from ..engine import LocalPool
 from ..loop import TrainingRun
 
 __all__ = ["SweepLauncher", "lr_multipliers"]
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from ..engine import LocalPool
 
 
 def lr_multipliers(runs: int) -> list[float]:
