@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import adapter_weights, make_datum, random_batch
+from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
+from transports import DIFFERENCES, TRANSPORTS, checkpoint_dir, differs, inspect, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -32,9 +33,21 @@ def ckpool(tmp_path):
         yield pool
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def sc(ckpool):
-    return trio.ServiceClient(ckpool)
+def sc(ckpool, transport):
+    with service(transport, ckpool) as svc:
+        yield svc
+
+
+@pytest.fixture
+def look(sc, ckpool):
+    """`look(client)`: its adapter as the pool holds it, whichever transport the client uses."""
+    return lambda client: inspect(sc, ckpool, client)
 
 
 def _trained(sc: trio.ServiceClient, seed: int = 0, steps: int = 2, rank: int = 4) -> trio.TrainingClient:
@@ -74,7 +87,7 @@ def test_creation_returns_the_client_and_a_future_of_it(sc):
     assert sampler.result() is sampler and asyncio.run(sampler.result_async()) is sampler
 
 
-def test_a_snapshot_sampler_is_a_pending_future_that_is_also_the_client(sc, ckpool):
+def test_a_snapshot_sampler_is_a_pending_future_that_is_also_the_client(sc, ckpool, look):
     tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     with ckpool.hold():  # the snapshot lands in the optim_step's cycle, after it
         tc.forward_backward(random_batch(1, n=1, length=8))
@@ -82,8 +95,8 @@ def test_a_snapshot_sampler_is_a_pending_future_that_is_also_the_client(sc, ckpo
         snap = tc.save_weights_and_get_sampling_client()
         assert isinstance(snap, trio.APIFuture) and not snap.done() and "pending" in repr(snap)
     assert snap.result(timeout=60) is snap and snap.cycle == opt.cycle is not None
-    after_step = adapter_weights(tc)
-    assert _equal_weights(snap.inspect_adapter().result(timeout=60).state_dict(), after_step)
+    after_step = look(tc).state_dict()
+    assert _equal_weights(look(snap).state_dict(), after_step)
     # used directly (pytrio), it waits for its snapshot
     direct = tc.save_weights_and_get_sampling_client()
     response = direct.sample(trio.ModelInput.from_ints(PROMPT), 2, trio.SamplingParams(max_tokens=3, seed=1))
@@ -108,25 +121,25 @@ def test_a_cancelled_snapshot_never_makes_a_client(sc, ckpool):
         snap.sample(PROMPT)
 
 
-def test_a_dropped_pending_snapshot_is_released(sc, ckpool):
+def test_a_dropped_pending_snapshot_is_released(sc, ckpool, look):
     tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     before = ckpool.tenant_count
     with ckpool.hold():
         tc.save_weights_and_get_sampling_client()  # dropped at once, before its cycle
     tc.optim_step(ADAM).result(timeout=60)  # the snapshot's cycle, and the one after, have run
-    tc.inspect_adapter().result(timeout=60)
+    look(tc)
     assert ckpool.tenant_count == before
 
 
-def test_from_state_loads_weights_only_and_with_optimizer_both(sc):
+def test_from_state_loads_weights_only_and_with_optimizer_both(sc, look):
     tc = _trained(sc)
     path = tc.save_state("s").result(timeout=60).path
-    saved = tc.inspect_adapter().result(timeout=60)
+    saved = look(tc)
     weights_only = sc.create_training_client_from_state(path).result()
-    state = weights_only.inspect_adapter().result(timeout=60)
+    state = look(weights_only)
     assert state.exp_avg == {} and state.step == 0 and _equal_weights(state.state_dict(), saved.state_dict())
     both = sc.create_training_client_from_state_with_optimizer(path, trio.DEFAULT_MODEL, None, "token").result()
-    resumed = both.inspect_adapter().result(timeout=60)
+    resumed = look(both)
     assert resumed.step == saved.step > 0 and resumed.exp_avg.keys() == saved.exp_avg.keys()
     # tinker's base_model (second positional): checked against the checkpoint
     with pytest.raises(trio.CheckpointError) as wrong:
@@ -145,7 +158,7 @@ def test_optimizer_config_is_adamw_only(sc):
 
 # -- create_sampling_client: both SDKs' argument orders ------------------------------------------
 
-def test_sampling_client_in_both_argument_orders(sc, tmp_path):
+def test_sampling_client_in_both_argument_orders(sc, tmp_path, transport):
     tc = _trained(sc)
     path = tc.save_weights_for_sampler("w").result(timeout=60).path
     params = trio.SamplingParams(max_tokens=6, temperature=0.0)
@@ -160,6 +173,8 @@ def test_sampling_client_in_both_argument_orders(sc, tmp_path):
     base = sc.create_sampling_client(trio.DEFAULT_MODEL)  # pytrio: (base_model)
     assert base.model_path is None and greedy(base) != adapted
     assert greedy(sc.create_sampling_client(base_model=trio.DEFAULT_MODEL)) == greedy(base)
+    if differs(transport, "filesystem-paths"):
+        return
     # a directory that is both a model and a checkpoint: which one was meant cannot be told
     both = tmp_path / "both"
     shutil.copytree(path, both)
@@ -185,14 +200,15 @@ def test_sampler_options_of_tinker(sc):
 
 # -- who a run is, and what results carry ---------------------------------------------------------
 
-def test_ids_and_info_of_both_sdks(sc):
+def test_ids_and_info_of_both_sdks(sc, transport):
     tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=3, seed=4, train_mlp=False)
     info = tc.get_info()
     assert (info.model_id, info.model_data.model_name, info.lora_rank, info.is_lora) == (
         tc.model_id, trio.DEFAULT_MODEL, 3, True)
     assert info.model_data.arch == "llama" and info.optimizer_config == trio.AdamOptimizerConfig()
     assert asyncio.run(tc.get_info_async()) == info
-    assert tc.training_run_cuid == tc.model_id != tc.client_id and tc.model_alias == trio.DEFAULT_MODEL
+    assert tc.training_run_cuid == tc.model_id and tc.model_alias == trio.DEFAULT_MODEL
+    assert (tc.model_id == tc.client_id) == differs(transport, "client-ids")
     assert (tc.lora.rank, tc.lora.seed, tc.lora.train_mlp, tc.lora.train_attn) == (3, 4, False, True)
     path = tc.save_state("named").result(timeout=60).path
     assert trio.ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id == tc.model_id
@@ -218,13 +234,13 @@ def test_pytrio_metric_keys(sc):
     assert tc.forward([datum], "importance_sampling").result(timeout=60).metrics["token_count"] == 11
 
 
-def test_save_responses_and_load_response(sc):
+def test_save_responses_and_load_response(sc, ckpool):
     tc = _trained(sc)
     saved = tc.save_state("a").result(timeout=60)
-    on_disk = sum(f.stat().st_size for f in Path(saved.path).iterdir())
+    on_disk = sum(f.stat().st_size for f in checkpoint_dir(sc, ckpool, saved).iterdir())
     assert (saved.model, saved.size) == (trio.DEFAULT_MODEL, on_disk)
     sampler_weights = tc.save_weights_for_sampler("b").result(timeout=60)
-    assert sampler_weights.size == sum(f.stat().st_size for f in Path(sampler_weights.path).iterdir())
+    assert sampler_weights.size == sum(f.stat().st_size for f in checkpoint_dir(sc, ckpool, sampler_weights).iterdir())
     assert tc.load_state(saved.path, weights_access_token="x").result(timeout=60).model_id == tc.model_id
 
 
@@ -279,7 +295,7 @@ def test_close_and_context_manager(ckpool):
 
 # -- TrainingClient arguments ---------------------------------------------------------------------
 
-def test_optim_step_forms_give_the_same_weights(sc):
+def test_optim_step_forms_give_the_same_weights(sc, look):
     batch = random_batch(3, n=2, length=10)
     clients = [sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=7) for _ in range(3)]
     for tc in clients:
@@ -287,7 +303,7 @@ def test_optim_step_forms_give_the_same_weights(sc):
     clients[0].optim_step(ADAM)
     clients[1].optim_step(optim_params=ADAM)
     clients[2].optim_step(adam_params=ADAM)
-    weights = [adapter_weights(tc) for tc in clients]
+    weights = [look(tc).state_dict() for tc in clients]
     assert _equal_weights(weights[0], weights[1]) and _equal_weights(weights[0], weights[2])
     with pytest.raises(ValueError, match="Specify optim_params or legacy adam_params, not both"):
         clients[0].optim_step(ADAM, adam_params=ADAM)
@@ -297,22 +313,22 @@ def test_optim_step_forms_give_the_same_weights(sc):
         assert isinstance(info.value, trio.InvalidInputError) and info.value.field == "adam_params"
 
 
-def test_save_state_overwrite_metadata_and_ttl(sc, ckpool):
+def test_save_state_overwrite_metadata_and_ttl(sc, ckpool, look):
     tc = _trained(sc, steps=1)
     first = tc.save_state("ckpt", user_metadata={"step": "1"}).result(timeout=60)
-    before = tc.inspect_adapter().result(timeout=60).state_dict()
+    before = look(tc).state_dict()
     tc.forward_backward(random_batch(4, n=1, length=10))
     tc.optim_step(ADAM)
-    after = adapter_weights(tc)
+    after = look(tc).state_dict()
     with pytest.raises(trio.CheckpointExistsError) as taken:
         tc.save_state("ckpt")
     assert isinstance(taken.value, trio.ConflictError) and taken.value.status_code == 409
     assert taken.value.field == "name"
-    loaded = sc.create_training_client_from_state(first.path).inspect_adapter().result(timeout=60)
+    loaded = look(sc.create_training_client_from_state(first.path))
     assert _equal_weights(loaded.state_dict(), before)  # the refused save changed nothing
     second = tc.save_state("ckpt", ttl_seconds=7200, overwrite=True, user_metadata={"step": "2"}).result(timeout=60)
     assert second.path == first.path
-    loaded = sc.create_training_client_from_state(second.path).inspect_adapter().result(timeout=60)
+    loaded = look(sc.create_training_client_from_state(second.path))
     assert _equal_weights(loaded.state_dict(), after)
     listed = trio.RestClient(ckpool).list_checkpoints(tc.model_id).result().checkpoints
     assert [(c.checkpoint_id, c.user_metadata) for c in listed] == [("weights/ckpt", {"step": "2"})]
@@ -328,7 +344,7 @@ def test_save_state_overwrite_metadata_and_ttl(sc, ckpool):
         assert info.value.field == next(iter(bad))
 
 
-def test_auto_shift_equals_the_shifted_datum(sc):
+def test_auto_shift_equals_the_shifted_datum(sc, look):
     tokens = [3 + b for b in b"auto shift: labels aligned with the input"]
     weights = [0.5 + (i % 3) / 2 for i in range(len(tokens))]
     aligned = trio.Datum(trio.ModelInput.from_ints(tokens), {"target_tokens": tokens, "weights": weights})
@@ -339,7 +355,7 @@ def test_auto_shift_equals_the_shifted_datum(sc):
     out_b = b.forward_backward([shifted]).result(timeout=60)
     assert out_a.metrics == out_b.metrics
     assert torch.equal(out_a.loss_fn_outputs[0]["logprobs"].to_torch(), out_b.loss_fn_outputs[0]["logprobs"].to_torch())
-    grads = [tc.inspect_adapter().result(timeout=60).grad_dict() for tc in (a, b)]
+    grads = [look(tc).grad_dict() for tc in (a, b)]
     assert _equal_weights(*grads)
     misaligned = trio.Datum(trio.ModelInput.from_ints(tokens), {"target_tokens": tokens[1:]})  # shifted already
     with pytest.raises(trio.InvalidInputError) as info:
@@ -370,7 +386,7 @@ def test_loss_input_checks_and_failure_categories(sc):
     assert failed.category == trio.errors.RequestErrorCategory.User
 
 
-def test_custom_loss_config_and_handles(sc):
+def test_custom_loss_config_and_handles(sc, look):
     batch = random_batch(6, n=2, length=9)
     seen = {}
 
@@ -405,7 +421,7 @@ def test_custom_loss_config_and_handles(sc):
     # a metric is summed over the data in float64, the loss in float32: two terms of rounding
     assert_fp32_close(results[2].metrics["custom/neg_ll:sum"], results[2].metrics["loss:sum"], 2, "neg_ll:sum")
     assert results[0].metrics["loss_sum"] == results[0].metrics["loss:sum"] and results[0].metrics["token_count"] == 18
-    grads = [tc.inspect_adapter().result(timeout=60).grad_dict() for tc in clients]
+    grads = [look(tc).grad_dict() for tc in clients]
     for name in grads[3]:  # each is 2 x the weighted cross-entropy's gradient
         for g in grads[:3]:
             assert_fp32_close(g[name], 2 * grads[3][name], terms, f"gradient of {name}")
@@ -447,7 +463,7 @@ def test_image_prompts_are_refused_naming_the_base_model(sc):
         assert info.value.field == "prompt.chunks[1]" and trio.DEFAULT_MODEL in str(info.value)
 
 
-def test_logprob_options_are_checked(sc):
+def test_logprob_options_are_checked(sc, transport):
     sampler = sc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
     prompt = trio.ModelInput.from_ints(PROMPT)
     cases = [({"prompt_logprobs_last_n": 2}, "prompt_logprobs_last_n", "set include_prompt_logprobs"),
@@ -462,13 +478,17 @@ def test_logprob_options_are_checked(sc):
     for kwargs, field, text in cases:
         with pytest.raises(trio.InvalidInputError) as info:
             sampler.sample(prompt, 1, **kwargs)
+        if differs(transport, "sampling-options"):
+            text = "not supported by a served trio pool"
         assert info.value.field == field and text in str(info.value), (kwargs, str(info.value))
     with pytest.raises(trio.InvalidInputError) as info:
         sampler.compute_logprobs(prompt, prompt_logprobs_last_n=8)
     assert info.value.field == "prompt_logprobs_last_n"
 
 
-def test_compute_logprobs_last_n(sc, ckpool):
+def test_compute_logprobs_last_n(sc, ckpool, transport):
+    if differs(transport, "sampling-options"):
+        pytest.skip(DIFFERENCES["sampling-options"])
     sampler = sc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
     prompt = trio.ModelInput.from_ints(PROMPT)
     with ckpool.hold():  # one cycle, one batch: the last n are the full computation's own numbers
@@ -544,7 +564,7 @@ async def _no_warning() -> None:
 
 # -- RestClient ------------------------------------------------------------------------------
 
-def test_rest_client_lists_deletes_and_expires_checkpoints(sc, ckpool):
+def test_rest_client_lists_deletes_and_expires_checkpoints(sc, ckpool, look, transport):
     tc = _trained(sc, steps=1)
     state = tc.save_state("first", user_metadata={"kind": "state"}).result(timeout=60)
     sampler = tc.save_weights_for_sampler("second", ttl_seconds=3600).result(timeout=60)
@@ -553,12 +573,14 @@ def test_rest_client_lists_deletes_and_expires_checkpoints(sc, ckpool):
     assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [("weights/first", "training"),
                                                                      ("sampler_weights/second", "sampler")]
     first, second = listed
-    assert (first.path, second.path) == (state.path, sampler.path)  # pytrio's field: the directory
+    assert (first.path, second.path) == (state.path, sampler.path)  # pytrio's field: what the save returned
     assert first.tinker_path == f"tinker://{tc.model_id}/weights/first"  # tinker's, which loads too
     assert first.user_metadata == {"kind": "state"} and first.expires_at is None and second.expires_at is not None
     assert first.size_bytes == state.size and not first.public
     resumed = sc.create_training_client_from_state_with_optimizer(first.tinker_path)
-    assert resumed.inspect_adapter().result(timeout=60).step == 1
+    assert look(resumed).step == 1
+    if differs(transport, "rest-catalog"):
+        return
     info = rest.get_weights_info_by_tinker_path(first.tinker_path).result()
     assert (info.base_model, info.lora_rank, info.is_lora, info.train_mlp) == (trio.DEFAULT_MODEL, 4, True, True)
     run = rest.get_training_run(tc.model_id).result()
@@ -591,6 +613,7 @@ def test_rest_client_lists_deletes_and_expires_checkpoints(sc, ckpool):
 
 
 def test_rest_client_samplers_sessions_and_unknown_ids(sc, ckpool):
+    """The pool's own RestClient lists every session's samplers and runs by their public ids."""
     tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     sampler = sc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
     snap = tc.save_weights_and_get_sampling_client().result(timeout=60)

@@ -2,7 +2,7 @@
 (`ServiceClient(pool)`) and over HTTP (`ServiceClient(base_url=...)` against the same pool
 served on 127.0.0.1). Each rule (overwrite, TTL, run ids, sessions, error classes) lives in one
 place; a difference between the transports fails here. What still differs, and why, is the
-allow-list DIFFERENCES below; a test checks that each listed difference still exists, so the
+allow-list DIFFERENCES in tests/transports.py; a test here checks that each listed difference still exists, so the
 list cannot go stale."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from served import served
+from transports import DIFFERENCES
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -176,16 +177,6 @@ def test_one_tinker_path_parser():
 
 # -- what still differs, and why ----------------------------------------------------------------
 
-#: Each entry: a difference between the transports that stays, with its reason. The test below
-#: shows each still exists (an entry whose difference is gone fails, and comes off the list).
-DIFFERENCES: dict[str, str] = {
-    "filesystem-paths": "over HTTP a checkpoint is named only by its tinker:// path; the server's directories "
-                        "are not the caller's to name (in-process, a directory path loads too)",
-    "inspect-adapter": "inspect_adapter reads the adapter in the pool's memory; over HTTP it is refused "
-                       "(save_state and read the checkpoint)",
-}
-
-
 def _differs(name: str, service: trio.ServiceClient, pool: trio.LocalPool, transport: str) -> bool:
     """Whether `name`'s difference shows on this transport (True means: behaves the other way)."""
     if name == "filesystem-paths":
@@ -197,6 +188,21 @@ def _differs(name: str, service: trio.ServiceClient, pool: trio.LocalPool, trans
         assert directory
         return isinstance(outcome(lambda: service.create_training_client_from_state(directory[0])),
                           trio.InvalidInputError)
+    if name == "client-ids":
+        tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=9)
+        return tc.client_id == tc.model_id
+    if name == "sampling-options":
+        sampler = service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
+        got = outcome(lambda: sampler.sample(trio.ModelInput.from_ints(TEXT[:6]), 1,
+                                             trio.SamplingParams(max_tokens=2), topk_sample_logprobs=2))
+        return isinstance(got, trio.InvalidInputError) and got.field == "topk_sample_logprobs"
+    if name == "rest-catalog":
+        tc = trained(service, seed=10)
+        saved = tc.save_state("catalog").result(timeout=60).path
+        rest = service.create_rest_client()
+        return isinstance(outcome(lambda: rest.get_weights_info_by_tinker_path(
+            f"tinker://{tc.model_id}/weights/catalog" if not saved.startswith("tinker://") else saved)),
+            trio.InvalidInputError)
     if name == "inspect-adapter":
         tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=7)
         return isinstance(outcome(tc.inspect_adapter), trio.InvalidInputError)

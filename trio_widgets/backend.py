@@ -73,6 +73,7 @@ class CreateSamplerRequest:
     base_model: str | None = None
     label: str | None = None
     session_id: str | None = None  # as CreateModelRequest's
+    sampler_id: str | None = None  # set by a server: the public id the session's catalog lists it by
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class SaveRequest:
     overwrite: bool = True
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
+    sampler_id: str | None = None  # with make_sampler, set by a server: the sampler's public id
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ from .types import (
     check_text_only,
     finish_sample_response,
 )
-from .validation import check_adam_params, check_batch, check_loss, check_ttl, check_user_metadata, is_number
+from .validation import check_adam_params, check_batch, check_loss, check_ttl, check_user_metadata, is_int, is_number
 
 if TYPE_CHECKING:
     import torch
@@ -591,9 +591,13 @@ class SamplingClient(_Client):
         """pytrio: this sampler's id (tinker's sampler_id, for RestClient.get_sampler)."""
         return self.client_id
 
-    def _prompt(self, prompt: Any) -> None:
+    def _prompt(self, prompt: Any) -> Any:
+        """A list of token ids is a ModelInput (as the engine reads it), here for every backend."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(is_int(t) for t in prompt):
+            prompt = ModelInput.from_ints([int(t) for t in prompt])
         if isinstance(prompt, ModelInput):
             check_text_only(prompt, self._handle.base_model, field="prompt")
+        return prompt
 
     def sample(self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams | None = None,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0,
@@ -614,7 +618,7 @@ class SamplingClient(_Client):
                                     field="topk_sample_logprobs")
         if not isinstance(return_text, bool):
             raise InvalidInputError(f"must be True or False, got {return_text!r}", field="return_text")
-        self._prompt(prompt)
+        prompt = self._prompt(prompt)
         future = self._submit("sample", SampleRequest(
             prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,
@@ -630,7 +634,7 @@ class SamplingClient(_Client):
                          ) -> APIFuture[list[float | None]]:
         """The log-probability of each prompt token given the ones before it (the first is None;
         with `prompt_logprobs_last_n`, every entry before the last n is None too)."""
-        self._prompt(prompt)
+        prompt = self._prompt(prompt)
         return self._submit("compute_logprobs", ComputeLogprobsRequest(prompt, prompt_logprobs_last_n))
 
     async def sample_async(self, prompt: ModelInput, num_samples: int = 1,

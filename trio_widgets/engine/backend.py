@@ -9,6 +9,7 @@ checkpoints under its `checkpoint_dir`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import os
 import secrets
@@ -229,7 +230,7 @@ class LocalBackend:
             base = pool.get_base_model(request.base_model)
             tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling")
             pool.add_tenant(tenant, request.label)
-            return self._served(handle_of(tenant), session_id=request.session_id)
+            return self._served(handle_of(tenant), session_id=request.session_id, key=request.sampler_id)
         loaded = ckpt.read_checkpoint(request.model_path, pool)
         path = request.model_path
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
@@ -245,7 +246,8 @@ class LocalBackend:
         adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
         tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling")
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant, model_path=loaded.path), session_id=request.session_id)
+        return self._served(handle_of(tenant, model_path=loaded.path), session_id=request.session_id,
+                            key=request.sampler_id)
 
     def release(self, client_id: str) -> None:
         if not self.pool.closed:
@@ -265,14 +267,14 @@ class LocalBackend:
         if isinstance(request, SaveRequest) and request.make_sampler:
             # a snapshot sampler belongs to its training run's session, once the pool has made it
             session_id = record.session_id if record is not None else self.session_id
-            future.add_done_callback(lambda f: self._adopt_snapshot(f, session_id))
+            future.add_done_callback(lambda f: self._adopt_snapshot(f, session_id, request.sampler_id))
         return future
 
-    def _adopt_snapshot(self, future: APIFuture, session_id: str) -> None:
+    def _adopt_snapshot(self, future: APIFuture, session_id: str, key: str | None) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         created = future.result()
-        self._served(created.sampler, session_id=session_id)
+        self._served(created.sampler, session_id=session_id, key=key)
 
     def reserve(self, client_id: str, op: str) -> Any:
         return self.pool.reserve(client_id, op)
@@ -286,9 +288,11 @@ class LocalBackend:
 
     # -- what the RestClient shows ------------------------------------------------------------
     def _served(self, handle: ModelHandle, user_metadata: dict[str, str] | None = None,
-                session_id: str | None = None) -> ModelHandle:
+                session_id: str | None = None, key: str | None = None) -> ModelHandle:
+        """Record a client in the ledger under its public id: a run's id, or a sampler's `key`
+        (a server's name for it) or client id."""
         training = handle.run_id is not None
-        key = handle.run_id if handle.run_id is not None else handle.client_id
+        key = handle.run_id if handle.run_id is not None else (key or handle.client_id)
         session_id = session_id or self.session_id
         run_dir = None
         if training:
@@ -330,6 +334,12 @@ class LocalBackend:
         if run_id is None:
             return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool)]
         return [self._checkpoint(e) for e in self._entries(run_id, self._record(run_id))]
+
+    def run_checkpoints(self, run_id: str, run_dir: str) -> list[Checkpoint]:
+        """A run's checkpoints in its directory `run_dir` (a server names its runs' directories;
+        its clients see tinker:// paths, never the server's directories)."""
+        return [dataclasses.replace(c, path=c.tinker_path)
+                for c in map(self._checkpoint, ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir))]
 
     def _record(self, run_id: Any) -> _Served | None:
         with self._ledger.lock:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import RequestErrorCategory, RequestFailedError
+from ..protocol.losses import forward_metrics, tokens_read
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import RequestLimits, check_batch
 from .lora import LoRAAdapter, finite_flags
@@ -58,16 +59,8 @@ def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str,
     tensors = [PreparedDatum(torch.tensor(d.tokens, dtype=torch.long), torch.tensor(d.target_tokens, dtype=torch.long),
                              {k: torch.tensor(v, dtype=torch.float32) for k, v in d.floats.items()}) for d in checked]
     job = ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward,
-                     token_count=sum(_tokens_read(loss_fn, d.length, d.floats.get("weights")) for d in checked))
+                     token_count=sum(tokens_read(loss_fn, d.length, d.floats.get("weights")) for d in checked))
     return job, sum(d.weight for d in checked)
-
-
-def _tokens_read(loss_fn: str, length: int, weights: list[float] | None) -> int:
-    """pytrio's `token_count` of one datum: the tokens with a weight other than 0 for
-    cross_entropy (all of them without `weights`), every target token for the other losses."""
-    if loss_fn != "cross_entropy" or weights is None:
-        return length
-    return sum(1 for w in weights if w != 0)
 
 
 @dataclass
@@ -191,11 +184,7 @@ def _finite(results: list[_PassResult]) -> list[bool]:
 def _output(job: ForwardJob, result: _PassResult) -> ForwardBackwardOutput:
     outputs = [{"logprobs": TensorData.from_torch(lp), "elementwise_loss": TensorData.from_torch(el)}
                for lp, el in zip(result.logprobs, result.elementwise)]
-    # tinker's `name:reduction` key, and pytrio's three (the loss is a sum in both: loss_mean
-    # is a metric only)
-    tokens = job.token_count
-    metrics = {"loss:sum": result.loss_sum, "loss_sum": result.loss_sum, "token_count": tokens,
-               "loss_mean": result.loss_sum / tokens if tokens else 0.0}
+    metrics = forward_metrics(result.loss_sum, job.token_count)
     return ForwardBackwardOutput(loss_fn_output_type=job.loss_fn, loss_fn_outputs=outputs, metrics=metrics)
 
 

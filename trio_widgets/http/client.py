@@ -68,17 +68,20 @@ from ..errors import (
 )
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..protocol import error_from_wire, parse_tinker_path
+from ..protocol.losses import forward_metrics, tokens_read
 from ..types import (
     Checkpoint,
     GetSamplerResponse,
     GetServerCapabilitiesResponse,
     GetSessionResponse,
     LoadWeightsResponse,
+    ModelOperationCapabilities,
     OptimStepResponse,
     SamplingParams,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     SupportedModel,
+    TensorData,
     TrainingRun,
     WeightsInfoResponse,
     check_text_only,
@@ -581,7 +584,8 @@ class HttpBackend:
             lane.next_seq += 1
             submitted = self._link.call("POST", "/forward_backward", content=body,
                                         headers={"Content-Type": wire.PROTOBUF})
-            decode = _decode_forward
+            count = _tokens_read(request)
+            decode = lambda payload, protobuf: _with_pytrio_metrics(_decode_forward(payload, protobuf), count)
         else:
             path, json_body, decode = self._json_request(lane, op, request, seq)
             checkpoint = json_body.get("path") if op.startswith("load_state") else None
@@ -601,7 +605,8 @@ class HttpBackend:
             return ("/save_weights", {"model_id": model_id, "path": request.name, "seq_id": seq,
                                       "overwrite": request.overwrite, "ttl_seconds": request.ttl_seconds,
                                       "user_metadata": request.user_metadata, "type": "save_weights"},
-                    lambda body, _p: SaveWeightsResponse(path=body["path"]))
+                    lambda body, _p: SaveWeightsResponse(path=body["path"], model=str(body.get("model") or ""),
+                                                         size=int(body.get("size") or 0)))
         if op == "save_weights_for_sampler" and isinstance(request, SaveRequest):
             out: dict[str, Any] = {"model_id": model_id, "seq_id": seq, "kind": "snapshot",
                                    "ttl_seconds": request.ttl_seconds, "user_metadata": request.user_metadata,
@@ -610,7 +615,9 @@ class HttpBackend:
                 out["path"] = request.name
             if not request.make_sampler:
                 return "/save_weights_for_sampler", out, \
-                    lambda body, _p: SaveWeightsForSamplerResponse(path=body.get("path"))
+                    lambda body, _p: SaveWeightsForSamplerResponse(path=body.get("path"),
+                                                                   model=str(body.get("model") or ""),
+                                                                   size=int(body.get("size") or 0))
             out["sampling_session_seq_id"] = next(self._sampler_seq)
             h = lane.handle
 
@@ -625,7 +632,7 @@ class HttpBackend:
             path = _tinker_path(request.path)
             return ("/load_weights", {"model_id": model_id, "seq_id": seq, "path": path,
                                       "optimizer": op == "load_state_with_optimizer", "type": "load_weights"},
-                    lambda body, _p: LoadWeightsResponse(path=body.get("path") or path))
+                    lambda body, _p: LoadWeightsResponse(path=body.get("path") or path, model_id=body.get("model_id")))
         if op == "inspect_adapter":
             raise InvalidInputError("inspect_adapter reads the adapter in the server's memory and is not offered "
                                     "over HTTP; save_state and read the checkpoint instead", field="op")
@@ -679,8 +686,16 @@ class HttpBackend:
     # -- what the RestClient asks (trio_widgets/rest.py): this session's runs and samplers -------
     def capabilities(self) -> GetServerCapabilitiesResponse:
         body = self._link.call("GET", "/get_server_capabilities")
+        def ops(value: Any) -> ModelOperationCapabilities | None:
+            if not isinstance(value, dict):
+                return None
+            return ModelOperationCapabilities(bool(value.get("available")), value.get("max_batch_size"),
+                                              value.get("max_tokens_per_request"), value.get("max_seq_len"))
+
         return GetServerCapabilitiesResponse([
-            SupportedModel(str(m["model_name"]), trainable=m.get("trainable"), sampleable=m.get("sampleable"))
+            SupportedModel(str(m["model_name"]), max_context_length=m.get("max_context_length"),
+                           trainable=m.get("trainable"), sampleable=m.get("sampleable"),
+                           training=ops(m.get("training")), sampling=ops(m.get("sampling")))
             for m in body.get("supported_models", []) if isinstance(m, dict) and "model_name" in m])
 
     def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
@@ -702,8 +717,11 @@ class HttpBackend:
         out = []
         for c in body.get("checkpoints", []):
             when = datetime.datetime.fromisoformat(str(c["time"]).replace("Z", "+00:00"))
+            expires = c.get("expires_at")
             out.append(Checkpoint(checkpoint_id=c["checkpoint_id"], checkpoint_type=c["checkpoint_type"], time=when,
-                                  tinker_path=c["tinker_path"], path=c["tinker_path"]))
+                                  tinker_path=c["tinker_path"], path=c["tinker_path"], size_bytes=c.get("size_bytes"),
+                                  user_metadata=c.get("user_metadata"),
+                                  expires_at=datetime.datetime.fromisoformat(expires) if expires else None))
         return out
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
@@ -804,6 +822,25 @@ def _not_served(key: str, off: Any = None) -> InvalidInputError:
 def _not_offered(what: str) -> InvalidInputError:
     return InvalidInputError(f"{what} is not offered over HTTP by a served trio pool (the server keeps each API "
                              f"key's checkpoints; an in-process RestClient on the server's machine can)", field="op")
+
+
+def _tokens_read(request: ForwardRequest) -> int:
+    """pytrio's token_count of a forward, from the data sent (the wire carries only `loss:sum`)."""
+    total = 0
+    for datum in request.data:
+        inputs = datum.loss_fn_inputs
+        length = len(TensorData.from_any(inputs["target_tokens"]).data) if "target_tokens" in inputs else 0
+        weights = inputs.get("weights")
+        total += tokens_read(request.loss_fn, length,
+                             [float(w) for w in TensorData.from_any(weights).data] if weights is not None else None)
+    return total
+
+
+def _with_pytrio_metrics(out: Any, token_count: int) -> Any:
+    loss_sum = out.metrics.get("loss:sum")
+    if loss_sum is not None:
+        out.metrics = {**forward_metrics(float(loss_sum), token_count), **out.metrics}
+    return out
 
 
 def _decode_forward(payload: Any, protobuf: bool) -> Any:

@@ -86,7 +86,7 @@ from ..errors import (
 )
 from ..futures import APIFuture
 from ..protocol import WireError, parse_tinker_path, row_of, wire_error
-from ..types import SaveWeightsResponse
+from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
 from ..validation import check_loss
 from . import new_event_loop, wire
 
@@ -623,12 +623,12 @@ class _Service:
         n = self._check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
         if n in session.model_requests:
             return {"request_id": session.model_requests[n].request_id}
-        if body.get("base_model") is not None:
-            self._base_model(body["base_model"])
         local = self._checkpoint_dir(owner, body.get("path"))
         model_id = f"{session.session_id}:train:{n}"
         label = self._model_label(session, n, body.get("user_metadata"))
-        request = FromStateRequest(str(local), optimizer, label, user_metadata=_metadata(body.get("user_metadata")),
+        base = body.get("base_model")  # compared with the checkpoint's by the engine, as in-process
+        request = FromStateRequest(str(local), optimizer, label, base_model=base if isinstance(base, str) else None,
+                                   user_metadata=_metadata(body.get("user_metadata")),
                                    run_id=model_id, run_dir=self._run_dir(owner, model_id),
                                    session_id=session.session_id)
         entry = self.new_entry(owner, session, "load_weights")
@@ -721,7 +721,8 @@ class _Service:
         path = f"tinker://{model.model_id}/weights/{name}"
 
         def encode(result: SaveWeightsResponse) -> tuple[dict, bool]:
-            return {"path": path, "type": "save_weights"}, False
+            # model and size as in-process (pytrio's fields; the tinker SDK ignores them)
+            return {"path": path, "type": "save_weights", "model": result.model, "size": result.size}, False
 
         # overwrite, TTL and metadata are the engine's to check and enforce, as in-process
         request = SaveRequest(name, overwrite=overwrite, ttl_seconds=body.get("ttl_seconds"),
@@ -756,6 +757,8 @@ class _Service:
             out: dict[str, Any] = {"type": "save_weights_for_sampler"}
             if path is not None:
                 out["path"] = path
+            if isinstance(result, SaveWeightsForSamplerResponse):
+                out.update(model=result.model, size=result.size)
             if isinstance(result, SamplerCreated):
                 assert n is not None  # only a request with sampling_session_seq_id makes a sampler
                 sampler_id = f"{session.session_id}:sample:{n}"
@@ -766,7 +769,9 @@ class _Service:
         return self._sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler",
                                SaveRequest(name, make_sampler=n is not None, label=label,
                                            ttl_seconds=body.get("ttl_seconds"),
-                                           user_metadata=body.get("user_metadata")), encode)
+                                           user_metadata=body.get("user_metadata"),
+                                           sampler_id=f"{session.session_id}:sample:{n}" if n is not None else None),
+                               encode)
 
     # -- sampling ----------------------------------------------------------------------------
     def _register_sampler(self, session: _Session, sampler_id: str, handle: ModelHandle, model_path: str | None,
@@ -791,7 +796,7 @@ class _Service:
         if base is not None:
             self._base_model(base)
         request = CreateSamplerRequest(str(local) if local else None, base, f"{session.label}:sample:{n}",
-                                       session_id=session.session_id)
+                                       session_id=session.session_id, sampler_id=f"{session.session_id}:sample:{n}")
         # a refusal propagates as its own class (the protocol's table maps it)
         handle = await self.loop.run_in_executor(self.executor, lambda: self.backend.create_sampler(request))
         sampler_id = f"{session.session_id}:sample:{n}"
@@ -890,17 +895,9 @@ class _Service:
         root = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, model_id)
         if not root.is_dir():
             raise _not_found(f"training run {model_id!r:.80}")
-        found = []
-        for kind, ctype in (("weights", "training"), ("sampler_weights", "sampler")):
-            folder = root / kind
-            names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-                if folder.is_dir() else []
-            for name in names[:1000]:  # bounded: a listing, not an export
-                stamp = (folder / name).stat().st_mtime
-                found.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": ctype,
-                              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(stamp)),
-                              "tinker_path": f"tinker://{model_id}/{kind}/{name}"})
-        return {"checkpoints": found}
+        # the engine's catalog, as in-process: metadata, size, expiry (expired ones are deleted)
+        found = self.backend.run_checkpoints(model_id, self._run_dir(owner, model_id))[:1000]  # a listing, bounded
+        return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found]}
 
     # -- upkeep -------------------------------------------------------------------------------
     async def reap(self) -> None:
@@ -1004,6 +1001,11 @@ class _Service:
     def _totals(self) -> dict:
         t = self.pool.telemetry
         return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
+
+
+def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
+    """Datetimes as ISO 8601 (what the SDK's models parse)."""
+    return {k: v.isoformat() if hasattr(v, "isoformat") else v for k, v in row.items()}
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -1132,7 +1134,9 @@ def _build_app(service: _Service) -> Starlette:
         return await s.retrieve(owner, _json(await _read_body(request, s.max_body_bytes)))
 
     async def capabilities(s: _Service, owner: str, request: Request) -> dict:
-        return {"supported_models": [{"model_name": m, "trainable": True, "sampleable": True} for m in s.models]}
+        # the engine's answer, as in-process (the SDK's model ignores pytrio's extra fields)
+        served = [dataclasses.asdict(m) for m in s.backend.capabilities().supported_models if m.model_name in s.models]
+        return {"supported_models": served}
 
     async def healthz(s: _Service, owner: str, request: Request) -> dict:
         return {"status": "ok"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 __all__ = ["CONFIG_KEYS", "FLOAT_INPUTS", "LOSS_NAMES", "REQUIRED_INPUTS", "UNAVAILABLE_LOSSES", "check_loss_inputs",
-           "normalise_loss_name", "resolved_config"]
+           "forward_metrics", "normalise_loss_name", "resolved_config", "tokens_read"]
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
@@ -80,3 +80,19 @@ def resolved_config(loss_fn: str, loss_fn_config: dict | None) -> dict[str, floa
             raise KeyError(f"unknown key {key!r} for loss {loss_fn!r} (allowed: {allowed})")
         config[key] = float(value)
     return config
+
+
+def tokens_read(loss_fn: str, length: int, weights: Sequence[float] | None) -> int:
+    """pytrio's `token_count` of one datum: the tokens with a weight other than 0 for
+    cross_entropy (all of them without `weights`), every target token for the other losses."""
+    if loss_fn != "cross_entropy" or weights is None:
+        return length
+    return sum(1 for w in weights if w != 0)
+
+
+def forward_metrics(loss_sum: float, token_count: int) -> dict[str, float]:
+    """A forward's metrics: tinker's `loss:sum` and pytrio's three (the loss is a sum in both;
+    loss_mean is a metric only). Only `loss:sum` travels (the SDK refuses other keys): over HTTP
+    the client adds pytrio's from the data it sent."""
+    return {"loss:sum": loss_sum, "loss_sum": loss_sum, "token_count": token_count,
+            "loss_mean": loss_sum / token_count if token_count else 0.0}

@@ -1,0 +1,89 @@
+"""Helpers for running client-level tests through both transports (not a test module).
+
+`service(transport, pool)` is a ServiceClient in-process (`"local"`) or over HTTP to the same
+pool served on 127.0.0.1 (`"http"`); `adapter_of(tc)` reads a client's adapter from the pool
+that knows the truth, whichever way the client reached it. What still differs between the
+transports is DIFFERENCES, each with its reason: a test that meets one calls
+`differs(transport, name)`, and tests/test_transports.py checks each entry still holds."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from served import served
+
+import trio_widgets as trio
+from trio_widgets.backend import InspectRequest
+
+KEY = "tml-both-transports"
+
+#: Each entry: a difference between the transports that stays, with its reason.
+DIFFERENCES: dict[str, str] = {
+    "filesystem-paths": "over HTTP a checkpoint is named only by its tinker:// path; the server's directories "
+                        "are not the caller's to name (in-process, a directory path loads too)",
+    "client-ids": "in-process a client's id is the pool's (its lane) and its model_id names its run; over HTTP "
+                  "both are the model_id the server gave (the pool's ids are the server's business)",
+    "inspect-adapter": "inspect_adapter reads the adapter in the pool's memory; over HTTP it is refused "
+                       "(save_state and read the checkpoint)",
+    "sampling-options": "top-k prompt/sample logprobs, prompt_logprobs_last_n, target_prompt_logprobs and "
+                        "prompt_alt_tokens_k are not sent over HTTP yet (tinker's protobuf has fields for top-k: "
+                        "issue 23); the served pool refuses them naming the field",
+    "rest-catalog": "over HTTP a RestClient sees its own session's runs, and deleting a checkpoint, setting its "
+                    "TTL and weights info are not offered (the pool's own RestClient can)",
+}
+
+TRANSPORTS = ["local", "http"]
+
+
+def differs(transport: str, name: str) -> bool:
+    """Whether the listed difference `name` applies on `transport` (a typo fails)."""
+    assert name in DIFFERENCES, f"{name!r} is not in tests/transports.py DIFFERENCES"
+    return transport == "http"
+
+
+@contextlib.contextmanager
+def service(transport: str, pool: trio.LocalPool) -> Iterator[trio.ServiceClient]:
+    if transport == "local":
+        with trio.ServiceClient(pool) as svc:
+            yield svc
+        return
+    with served(pool) as server, trio.ServiceClient(base_url=server.url, api_key=KEY) as svc:
+        svc._server = server  # type: ignore[attr-defined]  # for adapter_of: the pool behind it
+        yield svc
+
+
+def pool_client_id(svc: trio.ServiceClient, client: Any) -> str:
+    """The pool's id of a client (over HTTP the client knows its model id, the server maps it)."""
+    server = getattr(svc, "_server", None)
+    return client.client_id if server is None else server.clients()[client.client_id]
+
+
+def inspect(svc: trio.ServiceClient, pool: trio.LocalPool, client: Any) -> trio.types.AdapterSnapshot:
+    """The client's adapter (weights, optimizer state, gradient), read in the pool that knows the
+    truth: `inspect_adapter()` in-process; over HTTP, where it is not offered, the pool is asked
+    directly. Await what the client submitted first (over HTTP its requests travel apart)."""
+    if getattr(svc, "_server", None) is None:
+        return client.inspect_adapter().result(timeout=120)
+    return pool.submit(pool_client_id(svc, client), "inspect_adapter", InspectRequest()).result(timeout=120)
+
+
+def adapter_of(svc: trio.ServiceClient, pool: trio.LocalPool, client: Any) -> dict[str, torch.Tensor]:
+    """`name.lora_A` / `name.lora_B` -> a copy, read in the pool."""
+    return inspect(svc, pool, client).state_dict()
+
+
+def checkpoint_dir(svc: trio.ServiceClient, pool: trio.LocalPool, path: Any) -> Path:
+    """The directory on this machine a save's path names (over HTTP a tinker:// path of the key)."""
+    path = getattr(path, "path", path)
+    server = getattr(svc, "_server", None)
+    if server is not None and str(path).startswith("tinker://"):
+        return server.checkpoint_path(str(path), KEY)
+    return Path(path)
+
+
+both = pytest.mark.parametrize("transport", TRANSPORTS)
