@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import DIFFERENCES, TRANSPORTS, checkpoint_dir, differs, inspect, service
+from transports import TRANSPORTS, checkpoint_dir, differs, inspect, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -478,7 +478,7 @@ def test_logprob_options_are_checked(sc, transport):
     for kwargs, field, text in cases:
         with pytest.raises(trio.InvalidInputError) as info:
             sampler.sample(prompt, 1, **kwargs)
-        if differs(transport, "sampling-options"):
+        if field != "prompt_logprobs_last_n" and differs(transport, "sampling-options"):
             text = "not supported by a served trio pool"
         assert info.value.field == field and text in str(info.value), (kwargs, str(info.value))
     with pytest.raises(trio.InvalidInputError) as info:
@@ -486,9 +486,7 @@ def test_logprob_options_are_checked(sc, transport):
     assert info.value.field == "prompt_logprobs_last_n"
 
 
-def test_compute_logprobs_last_n(sc, ckpool, transport):
-    if differs(transport, "sampling-options"):
-        pytest.skip(DIFFERENCES["sampling-options"])
+def test_compute_logprobs_last_n(sc, ckpool):
     sampler = sc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
     prompt = trio.ModelInput.from_ints(PROMPT)
     with ckpool.hold():  # one cycle, one batch: the last n are the full computation's own numbers

@@ -16,6 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from served import served
+from transports import TRANSPORTS, differs
+
+import trio_widgets as trio
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((Path(__file__).parent / "sdk_style").glob("*.py"))
@@ -45,14 +49,30 @@ def test_every_script_is_checked_and_imports_no_sdk():
         assert "import trio_widgets as " in text and "# was: " in text, script.name
 
 
+@pytest.fixture(scope="module")
+def served_url(tmp_path_factory):
+    """A pool served on 127.0.0.1 for the scripts' `ServiceClient()` ($TRIO_BASE_URL)."""
+    with trio.LocalPool(min_cycle_s=0.0, name="styles", checkpoint_dir=str(tmp_path_factory.mktemp("ckpt"))) as pool, \
+            served(pool) as server:
+        yield server.url
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_sdk_style_script_runs_with_only_the_import_changed(script, tmp_path):
+def test_sdk_style_script_runs_with_only_the_import_changed(script, transport, tmp_path, served_url):
     env = dict(os.environ, BASE_MODEL="trio/tiny-llama-byte", XDG_CACHE_HOME=str(tmp_path / "cache"),
                HOME=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRIO_BASE_URL", None)
+    if transport == "http":  # the same script, its ServiceClient() on a served pool
+        env.update(TRIO_BASE_URL=served_url, TRIO_API_KEY=f"tml-{script.stem}")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0, f"{script.name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     for pattern in EXPECTED[script.name]:
+        if differs(transport, "client-ids"):
+            pattern = pattern.replace(r"lora-\d+-\w+", r"sess-\w+:train:\d+")
+        if differs(transport, "filesystem-paths"):
+            pattern = pattern.replace("-> /", "-> tinker://")
         assert re.search(pattern, out.stdout), f"{script.name}: no {pattern!r} in its output:\n{out.stdout}"
     # no deprecation or other warning from trio_widgets itself: the SDKs' styles are not deprecated here
     assert "trio_widgets" not in out.stderr, out.stderr[-3000:]

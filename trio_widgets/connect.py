@@ -10,6 +10,7 @@ participant's machine needs no torch to talk to a served pool.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
@@ -36,6 +37,9 @@ class Pool(Protocol):
         """A backend over this pool; `session=False`: one that only reads (a RestClient's)."""
         ...
 
+
+#: Where `ServiceClient()` / `RestClient()` without a pool or base_url send their requests.
+BASE_URL_ENV, API_KEY_ENV = "TRIO_BASE_URL", "TRIO_API_KEY"
 
 _FACTORY: Callable[[], Pool] | None = None
 _DEFAULT: Pool | None = None
@@ -68,8 +72,12 @@ def default_pool() -> Pool:
 def connect(pool: Pool | None = None, *, base_url: str | None = None, api_key: str | None = None,
             user_metadata: dict[str, str] | None = None, display_name: str | None = None,
             session: bool = True) -> tuple[Backend, bool]:
-    """A backend for a client: over HTTP to `base_url`, else over `pool` (or the default pool).
-    Returns it and whether the caller owns it (an HTTP backend's session ends when it closes)."""
+    """A backend for a client: over HTTP to `base_url`, else over `pool`, else to
+    `$TRIO_BASE_URL` (with `$TRIO_API_KEY`) where it is set, else over the default pool. Returns
+    it and whether the caller owns it (an HTTP backend's session ends when it closes)."""
+    if base_url is None and pool is None and os.environ.get(BASE_URL_ENV):
+        # code written as `ServiceClient()` runs against a served pool unchanged (a workshop)
+        base_url, api_key = os.environ[BASE_URL_ENV], api_key or os.environ.get(API_KEY_ENV)
     if base_url is not None:
         if pool is not None:
             raise InvalidInputError("give a pool (in-process) or a base_url (a served pool), not both",

@@ -642,16 +642,16 @@ class HttpBackend:
     def _sample(self, sampler_id: str, op: str, request: Any) -> APIFuture:
         handle, seqs = self._samplers[sampler_id]
         if op == "compute_logprobs" and isinstance(request, ComputeLogprobsRequest):
-            if request.prompt_logprobs_last_n is not None:
-                raise _not_served("prompt_logprobs_last_n")
             prompt, num, params, logprobs = request.prompt, 1, SamplingParams(max_tokens=1), True
+            last_n = request.prompt_logprobs_last_n
         elif op == "sample" and isinstance(request, SampleRequest):
             for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
-                             ("prompt_logprobs_last_n", None), ("target_prompt_logprobs", None)):
+                             ("target_prompt_logprobs", None)):
                 if getattr(request, key) not in (off, None):
                     raise _not_served(key, off)
             prompt, num, logprobs = request.prompt, request.num_samples, request.include_prompt_logprobs
             params = request.sampling_params or SamplingParams()
+            last_n = request.prompt_logprobs_last_n
         else:
             raise InvalidInputError(f"op {op!r} is not a sampling op", field="op")
         check_text_only(prompt, handle.base_model, "prompt")
@@ -660,6 +660,8 @@ class HttpBackend:
         body = {"sampling_session_id": sampler_id, "seq_id": next(seqs), "num_samples": num,
                 "prompt": wire.model_input_to_json(prompt), "sampling_params": wire.sampling_params_to_json(params),
                 "prompt_logprobs": logprobs, "type": "sample"}
+        if last_n is not None:  # a trio field (the engine checks it, as in-process)
+            body["prompt_logprobs_last_n"] = last_n
         submitted = self._link.call("POST", "/asample", json=body)
         ids = list(submitted.get("sample_sequence_ids") or [])
         item = _Outgoing(op, request, True, PoolFuture())

@@ -830,8 +830,7 @@ class _Service:
                                     field="sampling_session_id")
         sampler = self.sampler(body.get("sampling_session_id"), owner)
         for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
-                         ("prompt_logprobs_last_n", None), ("target_prompt_logprobs", None),
-                         ("record_stability_info", False)):
+                         ("target_prompt_logprobs", None), ("record_stability_info", False)):
             if body.get(key) not in (off, None):
                 raise InvalidInputError(f"is not supported by the local pool; leave it at {off!r}", field=key)
         seq = body.get("seq_id")
@@ -841,7 +840,8 @@ class _Service:
         prompt = wire.model_input_from_json(body.get("prompt"))
         params = wire.sampling_params_from_json(body.get("sampling_params") or {})
         num = body.get("num_samples", 1)
-        request = SampleRequest(prompt, num, params, bool(body.get("prompt_logprobs")))
+        request = SampleRequest(prompt, num, params, bool(body.get("prompt_logprobs")),
+                                prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"))
         entry = self.new_entry(owner, sampler.session, "sample")
         try:
             self.launch(entry, lambda: self.backend.submit(sampler.handle.client_id, "sample", request),
