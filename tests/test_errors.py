@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import adapter_weights, make_datum, random_batch
+from served import served
+from transports import KEY, TRANSPORTS, adapter_of, pool_client_id
 
 import trio_widgets as trio
 
@@ -35,6 +37,25 @@ def victim_reference():
 def shared_pool():
     with trio.LocalPool(min_cycle_s=0.0, name="errors") as p:
         yield p
+
+
+@pytest.fixture(scope="module")
+def shared_server(shared_pool):
+    with served(shared_pool) as server:
+        yield server
+
+
+@pytest.fixture(params=TRANSPORTS)
+def culprits(request, shared_pool, shared_server):
+    """The culprit's ServiceClient: in-process, or over HTTP to the same pool (the victim is
+    always in-process: what it must not see is the culprit's request, however it came)."""
+    if request.param == "local":
+        svc = trio.ServiceClient(shared_pool)
+    else:
+        svc = trio.ServiceClient(base_url=shared_server.url, api_key=KEY)
+        svc._server = shared_server  # for adapter_of / pool_client_id
+    yield svc
+    svc.close()
 
 
 def assert_victim_untouched(pool, reference, victim) -> None:
@@ -167,10 +188,10 @@ BAD_CLIENTS = [
 
 
 @pytest.mark.parametrize("case", BAD_FORWARD_BACKWARD, ids=[c[0] for c in BAD_FORWARD_BACKWARD])
-def test_bad_request_is_rejected_and_nothing_is_lost(shared_pool, victim_reference, case):
+def test_bad_request_is_rejected_and_nothing_is_lost(shared_pool, victim_reference, case, culprits):
     _, call, message, field = case
-    culprit = trio.ServiceClient(shared_pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
-    state_before = adapter_weights(culprit)
+    culprit = culprits.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
+    state_before = adapter_of(culprits, shared_pool, culprit)
     with shared_pool.hold():
         victim = victim_update(shared_pool)
         with pytest.raises(trio.InvalidInputError) as info:
@@ -181,19 +202,19 @@ def test_bad_request_is_rejected_and_nothing_is_lost(shared_pool, victim_referen
     assert err.field is not None and err.field.startswith(field), err.field
     if field.startswith("data["):
         assert err.datum_index == int(field[5])
-    assert shared_pool.queue_depths()[culprit.client_id] == 0  # nothing was queued
+    assert shared_pool.queue_depths()[pool_client_id(culprits, culprit)] == 0  # nothing was queued
     assert_victim_untouched(shared_pool, victim_reference, victim)
-    assert all(torch.equal(v, state_before[k]) for k, v in adapter_weights(culprit).items())
+    assert all(torch.equal(v, state_before[k]) for k, v in adapter_of(culprits, shared_pool, culprit).items())
 
 
 @pytest.mark.parametrize("case", BAD_CLIENTS, ids=[c[0] for c in BAD_CLIENTS])
-def test_bad_client_is_rejected_and_nothing_is_lost(shared_pool, victim_reference, case):
+def test_bad_client_is_rejected_and_nothing_is_lost(shared_pool, victim_reference, case, culprits):
     _, kwargs, message, field = case
     n_clients = len(shared_pool.telemetry.clients)
     with shared_pool.hold():
         victim = victim_update(shared_pool)
         with pytest.raises(trio.InvalidInputError) as info:
-            trio.ServiceClient(shared_pool).create_lora_training_client(**{"base_model": trio.DEFAULT_MODEL, **kwargs})
+            culprits.create_lora_training_client(**{"base_model": trio.DEFAULT_MODEL, **kwargs})
     assert message in str(info.value) and info.value.field == field
     assert len(shared_pool.telemetry.clients) == n_clients + 1  # only the victim was added
     assert_victim_untouched(shared_pool, victim_reference, victim)

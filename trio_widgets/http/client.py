@@ -113,7 +113,7 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     field_name = body.get("field") if isinstance(body.get("field"), str) else None
     if field_name and message.startswith(f"{field_name}: "):
         message = message[len(field_name) + 2:]
-    known = error_from_wire(body.get("code"), message, field=field_name, path=path)
+    known = error_from_wire(body.get("code"), message, field=field_name, path=path, datum_index=body.get("datum_index"))
     if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
         return known
     if status in (400, 413, 415, 422):
@@ -336,7 +336,7 @@ def _future_error(body: dict, request_id: str, owner: str | None, cycle: int | N
         message = f"the trio server at {base_url} shut down: {message}"
     field_name = body.get("field") if isinstance(body.get("field"), str) else None
     known = error_from_wire(code, message, field=field_name, category=body.get("category"), request_id=request_id,
-                            client_id=owner, cycle=cycle)
+                            client_id=owner, cycle=cycle, datum_index=body.get("datum_index"))
     if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
         return known
     try:

@@ -550,7 +550,7 @@ class _Service:
 
     def _base_model(self, name: Any) -> str:
         if name not in self.models:
-            raise InvalidInputError(f"{name!r:.80} is not served here; this server serves: {', '.join(self.models)}",
+            raise InvalidInputError(f"unknown model {name!r:.80}: this server serves {', '.join(self.models)}",
                                     field="base_model")
         return name
 
@@ -579,15 +579,8 @@ class _Service:
         optimizer = body.get("optimizer_config") or {"type": "adamw"}
         if not isinstance(optimizer, dict) or optimizer.get("type", "adamw") != "adamw":
             raise InvalidInputError(f"only AdamW is supported here, got {optimizer!r:.80}", field="optimizer_config")
+        # rank, seed and the train_* flags are the engine's to check (LocalBackend.create_model), as in-process
         rank, seed = lora.get("rank", 32), lora.get("seed")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not (1 <= rank <= self.pool.max_rank):
-            raise InvalidInputError(f"must be an integer from 1 to the pool's max_rank {self.pool.max_rank}, "
-                                    f"got {rank!r:.40}", field="lora_config.rank")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise InvalidInputError(f"must be an integer or null, got {seed!r:.40}", field="lora_config.seed")
-        if not any(bool(lora.get(k, True)) for k in ("train_mlp", "train_attn", "train_unembed")):
-            raise InvalidInputError("nothing to train: train_mlp, train_attn and train_unembed are all false",
-                                    field="lora_config")
         model_id = f"{session.session_id}:train:{n}"
         label = self._model_label(session, n, body.get("user_metadata"))
         # the run's checkpoints go where tinker:// paths of this model point (see _checkpoint_dir)
@@ -1026,6 +1019,8 @@ def _error_response(error: WireError) -> JSONResponse:
     body: dict[str, Any] = {"detail": error.message, "code": error.code}
     if error.field is not None:
         body["field"] = error.field
+    if error.datum_index is not None:
+        body["datum_index"] = error.datum_index
     return JSONResponse(body, status_code=error.status)
 
 

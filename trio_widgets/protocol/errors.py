@@ -75,12 +75,15 @@ class WireError:
     category: Category
     message: str
     field: str | None = None
+    datum_index: int | None = None
 
     def future_body(self) -> dict[str, Any]:
         """A failed future's body, as retrieve_future answers it."""
         body: dict[str, Any] = {"error": self.message, "category": self.category, "code": self.code}
         if self.field is not None:
             body["field"] = self.field
+        if self.datum_index is not None:
+            body["datum_index"] = self.datum_index
         return body
 
 
@@ -95,12 +98,14 @@ def wire_error(exc: BaseException, *, code: str | None = None) -> WireError:
         message = message[len(field) + 2:]  # the field travels apart; the client's error adds it back
     elif row is _INTERNAL:
         message = f"internal error: {type(exc).__name__}: {exc}"
-    return WireError(row.status, code or row.code, row.category, message, field if isinstance(field, str) else None)
+    index = getattr(exc, "datum_index", None)
+    return WireError(row.status, code or row.code, row.category, message, field if isinstance(field, str) else None,
+                     index if isinstance(index, int) else None)
 
 
 def error_from_wire(code: Any, message: str, *, field: str | None = None, path: str | None = None,
                     category: Any = None, request_id: str = "", client_id: str | None = None,
-                    cycle: int | None = None) -> Exception | None:
+                    cycle: int | None = None, datum_index: Any = None) -> Exception | None:
     """The exception `code` stands for, or None for a code not in the table (the caller then
     goes by the HTTP status, or raises RequestFailedError with the category)."""
     row = _BY_CODE.get(_ALIASES.get(code, code)) if isinstance(code, str) else None
@@ -111,7 +116,10 @@ def error_from_wire(code: Any, message: str, *, field: str | None = None, path: 
         default = "name" if kind is CheckpointExistsError else "path"
         return kind(message, path=path, field=field or default)
     if issubclass(kind, InvalidInputError):
-        return kind(message, field=field)
+        refused = kind(message, field=field)
+        refused.datum_index = datum_index if isinstance(datum_index, int) and not isinstance(datum_index, bool) \
+            else None
+        return refused
     if kind is RequestFailedError:
         try:
             cat = RequestErrorCategory(category) if category is not None else RequestErrorCategory.User
