@@ -314,7 +314,7 @@ def solo(index: int, seed: int, updates: int, pool: Any) -> tuple[dict[str, torc
 def served_weights(ckpt: str, result: dict) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from trio_widgets.http.server import _owner_of
+    from trio_widgets.http.auth import owner_of as _owner_of
     from trio_widgets.protocol import parse_tinker_path
 
     parsed = parse_tinker_path(result["path"])

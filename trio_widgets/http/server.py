@@ -37,12 +37,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
-import hashlib
-import hmac
-import ipaddress
 import itertools
-import json
 import logging
 import re
 import secrets
@@ -52,16 +47,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse, Response
 
 from ..backend import (
     CreateModelRequest,
@@ -85,61 +78,24 @@ from ..errors import (
     PoolClosedError,
 )
 from ..futures import APIFuture
-from ..protocol import WireError, parse_tinker_path, row_of, wire_error
+from ..protocol import WireError, parse_tinker_path, row_of
 from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
 from ..validation import check_loss
 from . import new_event_loop, wire
+from .auth import HttpError as _HttpError
+from .auth import authenticate, check_bind, owner_of, wire_of
+from .auth import not_found as _not_found
+from .routes import build_app
+from .sequencer import Sequencer
+from .stream import telemetry_stream
 
 __all__ = ["Server", "check_bind", "serve"]
 
 log = logging.getLogger(__name__)
 
-API = "/api/v1"
 _SESSION_RE = re.compile(r"^sess-[0-9a-f]{16}$")
 _MODEL_RE = re.compile(r"^(?P<session>sess-[0-9a-f]{16}):train:(?P<n>\d{1,9})$")
-_SEEN_PER_MODEL = 4096  # (model, seq_id) pairs remembered for deduplication
-_HELD_PER_MODEL = 1024  # requests of a model that may wait for a missing predecessor
 _SEEN_PER_SAMPLER = 4096
-_TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered")
-_STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
-
-
-class _HttpError(Exception):
-    """An answer other than 200 that no exception of the pool stands for (auth, limits, the
-    body): status, message, the field at fault and, where the client should raise one of the
-    protocol's classes, its code (trio_widgets.protocol.errors)."""
-
-    def __init__(self, status: int, message: str, *, field: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.field = field
-        self.code = code
-
-    def wire(self) -> WireError:
-        return WireError(self.status, self.code or "refused", "user", str(self), self.field)
-
-
-def _not_found(what: str) -> _HttpError:
-    return _HttpError(404, f"{what} was not found for this API key", code="not_found")
-
-
-def _wire(exc: BaseException, code: str | None = None) -> WireError:
-    return exc.wire() if isinstance(exc, _HttpError) else wire_error(exc, code=code)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # another host name: it may resolve anywhere
-
-
-@functools.lru_cache(maxsize=1024)  # asked on every request; bounded, as keys may be anything on loopback
-def _owner_of(key: str | None) -> str:
-    """Who a key is, as a directory-safe digest (the key itself is never written down)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:20] if key else "anonymous"
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -171,104 +127,75 @@ class _Entry:
 
 
 @dataclass
-class _Held:
-    seq: int
-    entry: _Entry | None  # None: a refused request's seq_id, only to be stepped over
-    submit: Callable[[], APIFuture] | None
-    encode: Callable[[Any], tuple[bytes | dict, bool]] | None
+class _Pending:
+    """A model's request as its sequencer holds it until its turn."""
+
+    entry: _Entry
+    submit: Callable[[], APIFuture]
+    encode: Callable[[Any], tuple[bytes | dict, bool]]
 
 
-class _Sequencer:
-    """Per model: runs requests in seq_id order, holds early arrivals, skips lasting gaps,
-    answers repeats with the first request's id. Used on the event loop's thread only."""
+class _Ordered:
+    """A model's requests in seq_id order: the pure Sequencer (trio_widgets/http/sequencer.py)
+    decides, this launches what it says and keeps its one timer. On the event loop's thread."""
 
-    def __init__(self, service: _Service, start: int = 0):
+    def __init__(self, service: Service):
         self.service = service
-        self.last = start  # highest seq_id run (0: the create)
-        self.seen: OrderedDict[int, _Entry] = OrderedDict()
-        self.held: dict[int, _Held] = {}
+        self.seq: Sequencer[_Pending] = Sequencer()
         self.timer: asyncio.TimerHandle | None = None
 
     def arrive(self, seq: Any, entry: _Entry, submit: Callable[[], APIFuture],
                encode: Callable[[Any], tuple[bytes | dict, bool]]) -> _Entry:
-        if seq is None:  # unnumbered (not from the SDKs): runs at once, no deduplication
-            self.service.launch(entry, submit, encode)
-            return entry
-        if isinstance(seq, bool) or not isinstance(seq, int) or not (0 <= seq < 2**31):
-            raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
-        if seq in self.seen:
+        arrival = self.seq.arrive(seq, _Pending(entry, submit, encode))
+        if arrival.kind == "duplicate":
             self.service.stats["duplicates"] += 1
-            return self.seen[seq]  # a retry: the first submission's request, run once
-        if seq <= self.last and (len(self.seen) >= _SEEN_PER_MODEL and seq < next(iter(self.seen))):
-            raise InvalidInputError(f"seq_id {seq} is older than the last {_SEEN_PER_MODEL} requests of this "
-                                    f"model; it was used already", field="seq_id")
-        if seq > self.last + 1 and len(self.held) >= _HELD_PER_MODEL:
-            raise InvalidInputError(f"{len(self.held)} requests of this model already wait for seq_id "
-                                    f"{self.last + 1}; send that one first", field="seq_id")
-        self.seen[seq] = entry
-        while len(self.seen) > _SEEN_PER_MODEL:
-            self.seen.popitem(last=False)
-        if seq > self.last + 1:  # its predecessor has not arrived (yet): hold it, for a while
+        elif arrival.kind == "held":
             self.service.stats["held"] += 1
-            self.held[seq] = _Held(seq, entry, submit, encode)
-            if self.timer is None:
-                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
-            return entry
-        # next in line, or late (its gap was skipped already): run it now
-        self.last = max(self.last, seq)
-        try:
-            self.service.launch(entry, submit, encode, raise_invalid=True)
-        except BaseException:
-            self.seen.pop(seq, None)  # refused with a 4xx: no request id was given out for it
-            raise
-        finally:
-            self._release()
-        return entry
+        else:
+            try:
+                self.service.launch(entry, submit, encode, raise_invalid=seq is not None)
+            except BaseException:
+                self.seq.unsee(seq)  # refused with a 4xx: no request id was given out for it
+                raise
+            finally:
+                self._launch(arrival.ready)
+        self._time()
+        return arrival.item.entry
 
     def refuse(self, seq: Any) -> None:
-        """A request that was refused (4xx) before it could be queued still used its seq_id: the
-        client moves on to the next one, so its successors must not wait for it."""
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq <= self.last or seq in self.seen:
-            return
-        if seq == self.last + 1:
-            self.last = seq
-            self._release()
-        elif len(self.held) < _HELD_PER_MODEL:
-            self.held.setdefault(seq, _Held(seq, None, None, None))
-            if self.timer is None:
-                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
+        self._launch(self.seq.refuse(seq))
+        self._time()
 
-    def _release(self) -> None:
-        while self.last + 1 in self.held:
-            held = self.held.pop(self.last + 1)
-            self.last = held.seq
-            if held.entry is not None and held.submit is not None and held.encode is not None:
-                self.service.launch(held.entry, held.submit, held.encode)
-        if not self.held and self.timer is not None:
+    def fail_held(self, error: WireError) -> None:
+        for pending in self.seq.drop_held():
+            pending.entry.settle(error=error)
+        self._time()
+
+    def forget_seen(self) -> None:
+        """The session takes no more requests: nothing to deduplicate."""
+        self.seq.seen.clear()
+
+    def _launch(self, ready: list[_Pending]) -> None:
+        for pending in ready:
+            self.service.launch(pending.entry, pending.submit, pending.encode)
+
+    def _time(self) -> None:
+        if self.seq.waiting and self.timer is None:
+            self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
+        elif not self.seq.waiting and self.timer is not None:
             self.timer.cancel()
             self.timer = None
 
     def _skip_gap(self) -> None:
-        """A seq_id never came (its client consumed it without sending it): go on without it."""
         self.timer = None
-        if self.held:
-            missing = min(self.held) - 1
-            self.service.stats["gaps_skipped"] += 1
-            log.info("seq_ids %d..%d never arrived within %.1f s; running what came after them",
-                     self.last + 1, missing, self.service.reorder_wait_s)
-            self.last = missing
-            self._release()
-            if self.held and self.timer is None:
-                self.timer = self.service.loop.call_later(self.service.reorder_wait_s, self._skip_gap)
-
-    def fail_held(self, error: WireError) -> None:
-        for held in self.held.values():
-            if held.entry is not None:
-                held.entry.settle(error=error)
-        self.held.clear()
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        if not self.seq.waiting:
+            return
+        first, missing, ready = self.seq.skip_gap()
+        self.service.stats["gaps_skipped"] += 1
+        log.info("seq_ids %d..%d never arrived within %.1f s; running what came after them",
+                 first, missing, self.service.reorder_wait_s)
+        self._launch(ready)
+        self._time()
 
 
 @dataclass
@@ -290,7 +217,7 @@ class _Model:
     session: _Session
     handle: ModelHandle
     label: str
-    seq: _Sequencer
+    seq: _Ordered
 
 
 @dataclass
@@ -304,7 +231,7 @@ class _Sampler:
 
 # -- the service: every endpoint's behaviour ---------------------------------------------------
 
-class _Service:
+class Service:
     def __init__(self, pool: LocalPool, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
                  models: Iterable[str] | None, session_timeout_s: float, long_poll_s: float,
                  reorder_wait_s: float, max_body_bytes: int, fwdbwd_max_chunk_len: int | None,
@@ -341,17 +268,10 @@ class _Service:
 
     # -- auth ---------------------------------------------------------------------------
     def authenticate(self, request: Request, observer: bool = False) -> str:
-        key = request.headers.get("x-api-key")
-        if self.api_keys or self.observer_keys:
-            if not key:
-                raise _HttpError(401, "missing API key: send it in the X-API-Key header")
-            valid = [k for k in (*self.api_keys, *self.observer_keys) if hmac.compare_digest(k, key)]
-            if not valid:
-                raise _HttpError(401, "invalid API key")
-            if observer and not any(hmac.compare_digest(k, key) for k in self.observer_keys):
-                raise _HttpError(403, "this key may train but not watch the whole pool: watching needs an "
-                                      "observer key (serve(..., observer_keys=...))")
-        return _owner_of(key)
+        return authenticate(request.headers.get("x-api-key"), self.api_keys, self.observer_keys, observer)
+
+    async def telemetry_stream(self, request: Request) -> Response:
+        return await telemetry_stream(self, request)
 
     # -- sessions -----------------------------------------------------------------------
     def session(self, session_id: Any, owner: str, *, live: bool = True) -> _Session:
@@ -386,7 +306,7 @@ class _Service:
         """Finish or expire a session: its queued requests are cancelled (expire) or left to run
         (finish), and its clients are retired once nothing of theirs is queued."""
         session.state = state
-        expired = _wire(ClientClosedError(why), "session_expired")
+        expired = wire_of(ClientClosedError(why), "session_expired")
         if state == "expired":
             self.stats["sessions_expired"] += 1
             for entry in self.entries.values():
@@ -400,7 +320,7 @@ class _Service:
             if model is not None:
                 if state == "expired":
                     model.seq.fail_held(expired)
-                model.seq.seen.clear()  # the session takes no more requests: nothing to deduplicate
+                model.seq.forget_seen()
             if sampler is not None:
                 sampler.seen.clear()
             with contextlib.suppress(PoolClosedError, ClientClosedError):
@@ -436,7 +356,7 @@ class _Service:
                encode: Callable[[Any], tuple[bytes | dict, bool]], raise_invalid: bool = False) -> None:
         """Put a request into the pool now; its future settles `entry` (on the loop's thread)."""
         if self.stopping:
-            entry.settle(error=_wire(PoolClosedError("the server is shutting down"), "server_shutdown"))
+            entry.settle(error=wire_of(PoolClosedError("the server is shutting down"), "server_shutdown"))
             return
         try:
             future = submit()
@@ -445,7 +365,7 @@ class _Service:
             if raise_invalid:
                 self.forget(entry.request_id)
                 raise
-            entry.settle(error=_wire(exc))
+            entry.settle(error=wire_of(exc))
             return
         entry.future = future
         loop = self.loop
@@ -466,7 +386,7 @@ class _Service:
         if exc is not None:
             if row_of(exc).status >= 500:
                 log.error("%s failed in the pool: %s: %s", entry.request_id, type(exc).__name__, exc)
-            entry.settle(error=_wire(exc))
+            entry.settle(error=wire_of(exc))
             return
         try:
             body, protobuf = encode(future.result())
@@ -485,7 +405,7 @@ class _Service:
                 value = await self.loop.run_in_executor(self.executor, work)
                 entry.settle(then(value))
             except (InvalidInputError, PoolClosedError, ClientClosedError, _HttpError) as exc:
-                entry.settle(error=_wire(exc))
+                entry.settle(error=wire_of(exc))
             except Exception as exc:
                 log.exception("%s failed", entry.kind)
                 entry.settle(error=WireError(500, "internal", "server",
@@ -559,7 +479,7 @@ class _Service:
             self.backend.release(handle.client_id)
             raise _HttpError(410, f"session {session.session_id} ended while the model was being created",
                              code="client_closed")
-        self.trained[model_id] = _Model(model_id, session, handle, label, _Sequencer(self))
+        self.trained[model_id] = _Model(model_id, session, handle, label, _Ordered(self))
         session.clients.append(model_id)
         return {"model_id": model_id, "type": "create_model"}
 
@@ -918,7 +838,7 @@ class _Service:
     def shut_down(self) -> None:
         """Every pending future gets a `server` error now; every served client is released."""
         self.stopping = True
-        why = _wire(PoolClosedError("the server is shutting down; this request did not finish (one already in a "
+        why = wire_of(PoolClosedError("the server is shutting down; this request did not finish (one already in a "
                                     "cycle may have run)"), "server_shutdown")
         for entry in self.entries.values():
             if not entry.done.is_set():
@@ -949,49 +869,7 @@ class _Service:
                 "cycle_index": pool.cycle_index, "models": self.models, "now": time.perf_counter(),
                 "stats": dict(self.stats)}
 
-    async def telemetry_stream(self, request: Request) -> StreamingResponse:
-        if self.streams >= 32:
-            raise _HttpError(400, "32 telemetry streams are open, the server's limit")
-        events: deque = deque(maxlen=16384)  # bounded: a slow reader loses the oldest (views are windows)
-        telemetry = self.pool.telemetry
-
-        def keep(event: Any) -> None:  # on the clock thread: an append, nothing else
-            if event.kind in _TELEMETRY_KINDS:
-                events.append((event.kind, event.record))
-
-        unsubscribe = telemetry.subscribe(keep)
-        self.streams += 1
-        asked = request.query_params.get("backfill", "2048")
-        n = min(int(asked), 4096) if asked.isdigit() else 2048
-        backfill = {"clients": [dataclasses.asdict(c) for c in telemetry.live_clients().values()],
-                    "cycles": [dataclasses.asdict(c) for c in list(telemetry.cycles)[-n:]],
-                    "boundaries": [dataclasses.asdict(b) for b in list(telemetry.queue_depths)[-n:]],
-                    "requests": [dataclasses.asdict(r) for r in list(telemetry.requests)
-                                 if r.delivered_at is not None][-n:]}
-
-        async def batches() -> Any:
-            try:
-                yield _sse({**self.info(), **self._totals(), "backfill": backfill})
-                quiet_since = time.monotonic()
-                while not self.stopping and not self.pool.closed:
-                    await asyncio.sleep(1.0 / _STREAM_HZ)
-                    out = []
-                    for _ in range(len(events)):
-                        kind, record = events.popleft()
-                        out.append([kind, dataclasses.asdict(record)])
-                    if out or time.monotonic() - quiet_since > 1.0:  # at least one a second: a heartbeat
-                        quiet_since = time.monotonic()
-                        yield _sse({"now": time.perf_counter(), "cycle_index": self.pool.cycle_index,
-                                    **self._totals(), "events": out})
-                yield _sse({"now": time.perf_counter(), "closed": True, "events": []})
-            finally:
-                unsubscribe()
-                self.streams -= 1
-
-        return StreamingResponse(batches(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def _totals(self) -> dict:
+    def totals(self) -> dict:
         t = self.pool.telemetry
         return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
 
@@ -1009,197 +887,7 @@ def _metadata(value: Any) -> dict[str, str] | None:
     return {str(k)[:200]: str(v)[:1000] for k, v in list(value.items())[:64]}
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=True)}\n\n"
-
-
 # -- the HTTP layer -------------------------------------------------------------------------------
-
-def _error_response(error: WireError) -> JSONResponse:
-    body: dict[str, Any] = {"detail": error.message, "code": error.code}
-    if error.field is not None:
-        body["field"] = error.field
-    if error.datum_index is not None:
-        body["datum_index"] = error.datum_index
-    return JSONResponse(body, status_code=error.status)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise _HttpError(400, "Content-Length is not a number")
-        if int(length) > limit:
-            raise _HttpError(413, f"the body has {int(length)} bytes, more than this server's limit of {limit} "
-                                  f"(max_body_bytes); send smaller batches")
-    encoding = request.headers.get("content-encoding", "identity").lower()
-    if encoding not in ("", "identity"):
-        raise _HttpError(415, f"Content-Encoding {encoding!r} is not supported: this server does not advertise "
-                              f"compressed request bodies")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _json(body: bytes) -> dict:
-    if not body:
-        return {}
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise _HttpError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise _HttpError(400, f"the body must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-Handler = Callable[[_Service, str, Request], Awaitable[Any]]
-
-
-def _endpoint(service: _Service, handler: Handler, *, observer: bool = False, open_: bool = False
-              ) -> Callable[[Request], Awaitable[Response]]:
-    """Auth, bounded body, and every refusal as a JSON 4xx (never a bare 400: the SDK retries those)."""
-    async def endpoint(request: Request) -> Response:
-        try:
-            owner = "anonymous" if open_ else service.authenticate(request, observer)
-            result = await handler(service, owner, request)
-        except (_HttpError, InvalidInputError, PoolClosedError, ClientClosedError) as exc:
-            # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
-            return _error_response(_wire(exc))
-        except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
-            log.exception("%s %s failed", request.method, request.url.path)
-            return _error_response(wire_error(exc))
-        if isinstance(result, Response):
-            return result
-        return JSONResponse(result)
-
-    return endpoint
-
-
-def _json_handler(method: Callable[[_Service, str, dict], Any]) -> Handler:
-    async def handler(service: _Service, owner: str, request: Request) -> Any:
-        body = _json(await _read_body(request, service.max_body_bytes))
-        result = method(service, owner, body)
-        return await result if asyncio.iscoroutine(result) else result
-
-    return handler
-
-
-def _build_app(service: _Service) -> Starlette:
-    async def config(s: _Service, owner: str, request: Request) -> dict:
-        await _read_body(request, s.max_body_bytes)
-        # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
-        return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "pjwt_auth_enabled": False,
-                "fwdbwd_max_chunk_len": s.fwdbwd_max_chunk_len,
-                "fwdbwd_max_chunk_bytes_count": max(1, s.max_body_bytes // 2),
-                "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
-                "sample_join_sampling_session": False}
-
-    async def dynamic_config(s: _Service, owner: str, request: Request) -> dict:
-        await _read_body(request, s.max_body_bytes)
-        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
-
-    async def heartbeat(s: _Service, owner: str, request: Request) -> dict:
-        body = _json(await _read_body(request, s.max_body_bytes))
-        s.session(body.get("session_id"), owner)  # 410 once expired: the SDK stops heartbeating then
-        return {"type": "session_heartbeat"}
-
-    async def finish(s: _Service, owner: str, request: Request) -> dict:
-        await _read_body(request, s.max_body_bytes)
-        session = s.session(request.path_params["session_id"], owner, live=False)
-        if session.state == "live":
-            s.end_session(session, "finished", "the client finished its session")
-        return {}
-
-    async def telemetry_sink(s: _Service, owner: str, request: Request) -> dict:
-        await _read_body(request, s.max_body_bytes)  # the SDK's own telemetry: accepted, not kept
-        return {"status": "accepted"}
-
-    async def forward_backward(s: _Service, owner: str, request: Request) -> dict:
-        ctype = request.headers.get("content-type", "")
-        if not ctype.startswith(wire.PROTOBUF):
-            raise _HttpError(415, f"forward_backward takes a protobuf body ({wire.PROTOBUF}), got {ctype!r}")
-        return s.forward_backward(owner, await _read_body(request, s.max_body_bytes))
-
-    async def retrieve(s: _Service, owner: str, request: Request) -> Response:
-        return await s.retrieve(owner, _json(await _read_body(request, s.max_body_bytes)))
-
-    async def capabilities(s: _Service, owner: str, request: Request) -> dict:
-        # the engine's answer, as in-process (the SDK's model ignores pytrio's extra fields)
-        served = [dataclasses.asdict(m) for m in s.backend.capabilities().supported_models if m.model_name in s.models]
-        return {"supported_models": served}
-
-    async def healthz(s: _Service, owner: str, request: Request) -> dict:
-        return {"status": "ok"}
-
-    async def get_sampler(s: _Service, owner: str, request: Request) -> dict:
-        return s.get_sampler(owner, request.path_params["sampler_id"])
-
-    async def checkpoints(s: _Service, owner: str, request: Request) -> dict:
-        return s.list_checkpoints(owner, request.path_params["model_id"])
-
-    async def info(s: _Service, owner: str, request: Request) -> dict:
-        return {**s.info(), **s._totals()}
-
-    async def telemetry(s: _Service, owner: str, request: Request) -> Response:
-        return await s.telemetry_stream(request)
-
-    def unsupported(what: str) -> Handler:
-        async def handler(s: _Service, owner: str, request: Request) -> Any:
-            body = _json(await _read_body(request, s.max_body_bytes))
-            model_id = body.get("model_id")
-            model = s.trained.get(model_id) if isinstance(model_id, str) else None
-            if model is not None and model.session.owner == owner:
-                model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
-            raise _HttpError(400, f"{what} is not supported by a local trio pool")
-
-        return handler
-
-    async def unknown(request: Request) -> Response:
-        return _error_response(WireError(404, "no_endpoint", "user",
-                                         f"no such endpoint: {request.method} {request.url.path}"))
-
-    def post(path: str, handler: Handler, **kw: Any) -> Route:
-        return Route(API + path, _endpoint(service, handler, **kw), methods=["POST"])
-
-    def get(path: str, handler: Handler, **kw: Any) -> Route:
-        return Route(API + path, _endpoint(service, handler, **kw), methods=["GET"])
-
-    routes = [
-        post("/client/config", config), post("/client/dynamic_config", dynamic_config),
-        post("/create_session", _json_handler(_Service.create_session)),
-        post("/session_heartbeat", heartbeat), post("/sessions/{session_id}/finish", finish),
-        post("/telemetry", telemetry_sink),
-        post("/create_model", _json_handler(_Service.create_model)),
-        post("/get_info", _json_handler(_Service.get_info)),
-        post("/forward_backward", forward_backward),
-        post("/optim_step", _json_handler(_Service.optim_step)),
-        post("/save_weights", _json_handler(_Service.save_weights)),
-        post("/save_weights_for_sampler", _json_handler(_Service.save_weights_for_sampler)),
-        post("/load_weights", _json_handler(_Service.load_weights)),
-        post("/create_sampling_session", _json_handler(_Service.create_sampling_session)),
-        get("/samplers/{sampler_id}", get_sampler),
-        post("/asample", _json_handler(_Service.asample)),
-        post("/retrieve_future", retrieve),
-        post("/cancel_future", _json_handler(_Service.cancel)),
-        get("/get_server_capabilities", capabilities),
-        get("/healthz", healthz, open_=True),
-        get("/training_runs/{model_id}/checkpoints", checkpoints),
-        post("/save_weights_external", unsupported("save_weights_external (uploading weights elsewhere)")),
-        post("/create_custom_loss", unsupported("a server-side custom loss (create_custom_loss)")),
-        post("/auth/token", unsupported("JWT authentication")),
-        post("/trio/release", _json_handler(_Service.release)),
-        get("/trio/info", info, observer=True),
-        get("/trio/telemetry", telemetry, observer=True),
-    ]
-    app = Starlette(routes=routes)
-    app.add_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    return app
-
 
 # -- the server ------------------------------------------------------------------------------------
 
@@ -1210,16 +898,6 @@ def _run_event_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
             runner.run(main())
     else:
         asyncio.run(main())
-
-
-def check_bind(host: str, keys: list[str]) -> None:
-    """Refuse a non-loopback address without API keys (ValueError saying why), and short keys."""
-    if any(not isinstance(k, str) or len(k) < 8 for k in keys):
-        raise ValueError("API keys must be strings of at least 8 characters")
-    if not _is_loopback(host) and not keys:
-        raise ValueError(f"refusing to serve on {host!r} without API keys: anyone who can reach it could train on "
-                         f"this pool and read its checkpoints. Give keys (serve(..., api_keys=[...]); CLI: "
-                         f"--api-key / --api-keys-file / $TRIO_API_KEYS), or serve on 127.0.0.1")
 
 
 class Server:
@@ -1247,7 +925,7 @@ class Server:
         self.host = host
         self._requested_port = int(port)
         self.owns_pool = owns_pool
-        self._service = _Service(pool, api_keys=api_keys, observer_keys=observer_keys, models=models,
+        self._service = Service(pool, api_keys=api_keys, observer_keys=observer_keys, models=models,
                                  session_timeout_s=session_timeout_s, long_poll_s=long_poll_s,
                                  reorder_wait_s=reorder_wait_s, max_body_bytes=max_body_bytes,
                                  fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
@@ -1276,7 +954,7 @@ class Server:
         sock.setblocking(False)
         self._socket = sock
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(_build_app(self._service), log_level="warning", access_log=False, log_config=None,
+        config = uvicorn.Config(build_app(self._service), log_level="warning", access_log=False, log_config=None,
                                 lifespan="off", limit_concurrency=1024, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30)
         self._uvicorn = uvicorn.Server(config)
@@ -1376,7 +1054,7 @@ class Server:
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
         """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""
         parsed = parse_tinker_path(tinker_path)
-        return ckpt.checkpoint_root(self.pool) / self._service._run_dir(_owner_of(api_key), parsed.run_id) / \
+        return ckpt.checkpoint_root(self.pool) / self._service._run_dir(owner_of(api_key), parsed.run_id) / \
             parsed.segment / parsed.name
 
 

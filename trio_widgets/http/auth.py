@@ -1,0 +1,76 @@
+"""Who is asking, and the answers other than 200 that no exception of the pool stands for:
+API keys (compared in constant time), owners as key digests, the loopback-only default, and
+`HttpError` / `wire_of` (an exception as the protocol's WireError)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import ipaddress
+
+from ..protocol import WireError, wire_error
+
+__all__ = ["HttpError", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of", "wire_of"]
+
+
+class HttpError(Exception):
+    """An answer other than 200 that no exception of the pool stands for (auth, limits, the
+    body): status, message, the field at fault and, where the client should raise one of the
+    protocol's classes, its code (trio_widgets.protocol.errors)."""
+
+    def __init__(self, status: int, message: str, *, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.code = code
+
+    def wire(self) -> WireError:
+        return WireError(self.status, self.code or "refused", "user", str(self), self.field)
+
+
+def not_found(what: str) -> HttpError:
+    return HttpError(404, f"{what} was not found for this API key", code="not_found")
+
+
+def wire_of(exc: BaseException, code: str | None = None) -> WireError:
+    return exc.wire() if isinstance(exc, HttpError) else wire_error(exc, code=code)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve anywhere
+
+
+@functools.lru_cache(maxsize=1024)  # asked on every request; bounded, as keys may be anything on loopback
+def owner_of(key: str | None) -> str:
+    """Who a key is, as a directory-safe digest (the key itself is never written down)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:20] if key else "anonymous"
+
+
+def authenticate(key: str | None, api_keys: list[str], observer_keys: list[str], observer: bool = False) -> str:
+    """The owner `key` stands for (401 / 403 as an HttpError where it may not ask)."""
+    if api_keys or observer_keys:
+        if not key:
+            raise HttpError(401, "missing API key: send it in the X-API-Key header")
+        valid = [k for k in (*api_keys, *observer_keys) if hmac.compare_digest(k, key)]
+        if not valid:
+            raise HttpError(401, "invalid API key")
+        if observer and not any(hmac.compare_digest(k, key) for k in observer_keys):
+            raise HttpError(403, "this key may train but not watch the whole pool: watching needs an "
+                                 "observer key (serve(..., observer_keys=...))")
+    return owner_of(key)
+
+
+def check_bind(host: str, keys: list[str]) -> None:
+    """Refuse a non-loopback address without API keys (ValueError saying why), and short keys."""
+    if any(not isinstance(k, str) or len(k) < 8 for k in keys):
+        raise ValueError("API keys must be strings of at least 8 characters")
+    if not is_loopback(host) and not keys:
+        raise ValueError(f"refusing to serve on {host!r} without API keys: anyone who can reach it could train on "
+                         f"this pool and read its checkpoints. Give keys (serve(..., api_keys=[...]); CLI: "
+                         f"--api-key / --api-keys-file / $TRIO_API_KEYS), or serve on 127.0.0.1")

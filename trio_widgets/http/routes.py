@@ -1,0 +1,217 @@
+"""The HTTP layer of a served pool: Tinker's routes, each decoded, authenticated and bounded
+here, then handed to the service (trio_widgets/http/server.py); every refusal is a JSON 4xx from
+the protocol's one error table (never a bare 400: the SDK retries those)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import ClientClosedError, InvalidInputError, PoolClosedError
+from ..protocol import WireError, wire_error
+from . import wire
+from .auth import HttpError, wire_of
+
+if TYPE_CHECKING:
+    from .server import Service
+
+__all__ = ["API", "build_app", "error_response", "json_body", "read_body"]
+
+log = logging.getLogger("trio_widgets.http.server")
+
+API = "/api/v1"
+
+
+def error_response(error: WireError) -> JSONResponse:
+    body: dict[str, Any] = {"detail": error.message, "code": error.code}
+    if error.field is not None:
+        body["field"] = error.field
+    if error.datum_index is not None:
+        body["datum_index"] = error.datum_index
+    return JSONResponse(body, status_code=error.status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise HttpError(400, "Content-Length is not a number")
+        if int(length) > limit:
+            raise HttpError(413, f"the body has {int(length)} bytes, more than this server's limit of {limit} "
+                                  f"(max_body_bytes); send smaller batches")
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding not in ("", "identity"):
+        raise HttpError(415, f"Content-Encoding {encoding!r} is not supported: this server does not advertise "
+                              f"compressed request bodies")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_body(body: bytes) -> dict:
+    if not body:
+        return {}
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise HttpError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise HttpError(400, f"the body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+Handler = Callable[["Service", str, Request], Awaitable[Any]]
+
+
+def _endpoint(service: Service, handler: Handler, *, observer: bool = False, open_: bool = False
+              ) -> Callable[[Request], Awaitable[Response]]:
+    """Auth, bounded body, and every refusal as a JSON 4xx (never a bare 400: the SDK retries those)."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            owner = "anonymous" if open_ else service.authenticate(request, observer)
+            result = await handler(service, owner, request)
+        except (HttpError, InvalidInputError, PoolClosedError, ClientClosedError) as exc:
+            # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
+            return error_response(wire_of(exc))
+        except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error_response(wire_error(exc))
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(result)
+
+    return endpoint
+
+
+def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
+    async def handler(service: Service, owner: str, request: Request) -> Any:
+        body = json_body(await read_body(request, service.max_body_bytes))
+        result = method(service, owner, body)
+        return await result if asyncio.iscoroutine(result) else result
+
+    return handler
+
+
+def build_app(service: Service) -> Starlette:
+    async def config(s: Service, owner: str, request: Request) -> dict:
+        await read_body(request, s.max_body_bytes)
+        # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
+        return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "pjwt_auth_enabled": False,
+                "fwdbwd_max_chunk_len": s.fwdbwd_max_chunk_len,
+                "fwdbwd_max_chunk_bytes_count": max(1, s.max_body_bytes // 2),
+                "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                "sample_join_sampling_session": False}
+
+    async def dynamic_config(s: Service, owner: str, request: Request) -> dict:
+        await read_body(request, s.max_body_bytes)
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    async def heartbeat(s: Service, owner: str, request: Request) -> dict:
+        body = json_body(await read_body(request, s.max_body_bytes))
+        s.session(body.get("session_id"), owner)  # 410 once expired: the SDK stops heartbeating then
+        return {"type": "session_heartbeat"}
+
+    async def finish(s: Service, owner: str, request: Request) -> dict:
+        await read_body(request, s.max_body_bytes)
+        session = s.session(request.path_params["session_id"], owner, live=False)
+        if session.state == "live":
+            s.end_session(session, "finished", "the client finished its session")
+        return {}
+
+    async def telemetry_sink(s: Service, owner: str, request: Request) -> dict:
+        await read_body(request, s.max_body_bytes)  # the SDK's own telemetry: accepted, not kept
+        return {"status": "accepted"}
+
+    async def forward_backward(s: Service, owner: str, request: Request) -> dict:
+        ctype = request.headers.get("content-type", "")
+        if not ctype.startswith(wire.PROTOBUF):
+            raise HttpError(415, f"forward_backward takes a protobuf body ({wire.PROTOBUF}), got {ctype!r}")
+        return s.forward_backward(owner, await read_body(request, s.max_body_bytes))
+
+    async def retrieve(s: Service, owner: str, request: Request) -> Response:
+        return await s.retrieve(owner, json_body(await read_body(request, s.max_body_bytes)))
+
+    async def capabilities(s: Service, owner: str, request: Request) -> dict:
+        # the engine's answer, as in-process (the SDK's model ignores pytrio's extra fields)
+        served = [dataclasses.asdict(m) for m in s.backend.capabilities().supported_models if m.model_name in s.models]
+        return {"supported_models": served}
+
+    async def healthz(s: Service, owner: str, request: Request) -> dict:
+        return {"status": "ok"}
+
+    async def get_sampler(s: Service, owner: str, request: Request) -> dict:
+        return s.get_sampler(owner, request.path_params["sampler_id"])
+
+    async def checkpoints(s: Service, owner: str, request: Request) -> dict:
+        return s.list_checkpoints(owner, request.path_params["model_id"])
+
+    async def info(s: Service, owner: str, request: Request) -> dict:
+        return {**s.info(), **s.totals()}
+
+    async def telemetry(s: Service, owner: str, request: Request) -> Response:
+        return await s.telemetry_stream(request)
+
+    def unsupported(what: str) -> Handler:
+        async def handler(s: Service, owner: str, request: Request) -> Any:
+            body = json_body(await read_body(request, s.max_body_bytes))
+            model_id = body.get("model_id")
+            model = s.trained.get(model_id) if isinstance(model_id, str) else None
+            if model is not None and model.session.owner == owner:
+                model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
+            raise HttpError(400, f"{what} is not supported by a local trio pool")
+
+        return handler
+
+    async def unknown(request: Request) -> Response:
+        return error_response(WireError(404, "no_endpoint", "user",
+                                         f"no such endpoint: {request.method} {request.url.path}"))
+
+    def post(path: str, handler: Handler, **kw: Any) -> Route:
+        return Route(API + path, _endpoint(service, handler, **kw), methods=["POST"])
+
+    def get(path: str, handler: Handler, **kw: Any) -> Route:
+        return Route(API + path, _endpoint(service, handler, **kw), methods=["GET"])
+
+    routes = [
+        post("/client/config", config), post("/client/dynamic_config", dynamic_config),
+        post("/create_session", _json_handler(lambda s, o, b: s.create_session(o, b))),
+        post("/session_heartbeat", heartbeat), post("/sessions/{session_id}/finish", finish),
+        post("/telemetry", telemetry_sink),
+        post("/create_model", _json_handler(lambda s, o, b: s.create_model(o, b))),
+        post("/get_info", _json_handler(lambda s, o, b: s.get_info(o, b))),
+        post("/forward_backward", forward_backward),
+        post("/optim_step", _json_handler(lambda s, o, b: s.optim_step(o, b))),
+        post("/save_weights", _json_handler(lambda s, o, b: s.save_weights(o, b))),
+        post("/save_weights_for_sampler", _json_handler(lambda s, o, b: s.save_weights_for_sampler(o, b))),
+        post("/load_weights", _json_handler(lambda s, o, b: s.load_weights(o, b))),
+        post("/create_sampling_session", _json_handler(lambda s, o, b: s.create_sampling_session(o, b))),
+        get("/samplers/{sampler_id}", get_sampler),
+        post("/asample", _json_handler(lambda s, o, b: s.asample(o, b))),
+        post("/retrieve_future", retrieve),
+        post("/cancel_future", _json_handler(lambda s, o, b: s.cancel(o, b))),
+        get("/get_server_capabilities", capabilities),
+        get("/healthz", healthz, open_=True),
+        get("/training_runs/{model_id}/checkpoints", checkpoints),
+        post("/save_weights_external", unsupported("save_weights_external (uploading weights elsewhere)")),
+        post("/create_custom_loss", unsupported("a server-side custom loss (create_custom_loss)")),
+        post("/auth/token", unsupported("JWT authentication")),
+        post("/trio/release", _json_handler(lambda s, o, b: s.release(o, b))),
+        get("/trio/info", info, observer=True),
+        get("/trio/telemetry", telemetry, observer=True),
+    ]
+    app = Starlette(routes=routes)
+    app.add_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    return app

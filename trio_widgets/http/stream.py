@@ -1,0 +1,72 @@
+"""The served pool's telemetry for remote views (`GET /api/v1/trio/telemetry`, server-sent
+events): a bounded backfill, then at most STREAM_HZ batches a second of what the clock
+recorded. The clock thread only appends to a bounded deque; a slow reader loses the oldest."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from .auth import HttpError
+
+if TYPE_CHECKING:
+    from .server import Service
+
+__all__ = ["STREAM_HZ", "TELEMETRY_KINDS", "sse", "telemetry_stream"]
+
+TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered")
+STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=True)}\n\n"
+
+
+async def telemetry_stream(service: Service, request: Request) -> StreamingResponse:
+    if service.streams >= 32:
+        raise HttpError(400, "32 telemetry streams are open, the server's limit")
+    events: deque = deque(maxlen=16384)  # bounded: a slow reader loses the oldest (views are windows)
+    telemetry = service.pool.telemetry
+
+    def keep(event: Any) -> None:  # on the clock thread: an append, nothing else
+        if event.kind in TELEMETRY_KINDS:
+            events.append((event.kind, event.record))
+
+    unsubscribe = telemetry.subscribe(keep)
+    service.streams += 1
+    asked = request.query_params.get("backfill", "2048")
+    n = min(int(asked), 4096) if asked.isdigit() else 2048
+    backfill = {"clients": [dataclasses.asdict(c) for c in telemetry.live_clients().values()],
+                "cycles": [dataclasses.asdict(c) for c in list(telemetry.cycles)[-n:]],
+                "boundaries": [dataclasses.asdict(b) for b in list(telemetry.queue_depths)[-n:]],
+                "requests": [dataclasses.asdict(r) for r in list(telemetry.requests)
+                             if r.delivered_at is not None][-n:]}
+
+    async def batches() -> Any:
+        try:
+            yield sse({**service.info(), **service.totals(), "backfill": backfill})
+            quiet_since = time.monotonic()
+            while not service.stopping and not service.pool.closed:
+                await asyncio.sleep(1.0 / STREAM_HZ)
+                out = []
+                for _ in range(len(events)):
+                    kind, record = events.popleft()
+                    out.append([kind, dataclasses.asdict(record)])
+                if out or time.monotonic() - quiet_since > 1.0:  # at least one a second: a heartbeat
+                    quiet_since = time.monotonic()
+                    yield sse({"now": time.perf_counter(), "cycle_index": service.pool.cycle_index,
+                                **service.totals(), "events": out})
+            yield sse({"now": time.perf_counter(), "closed": True, "events": []})
+        finally:
+            unsubscribe()
+            service.streams -= 1
+
+    return StreamingResponse(batches(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
