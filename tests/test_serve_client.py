@@ -275,7 +275,9 @@ def test_closing_the_service_finishes_its_session_and_stops_its_threads(server, 
         tc.forward_backward([datum(0)])
     # and a RestClient made by URL has a session of its own, ended the same way
     with trio.RestClient(base_url=server.url, api_key=KEY) as rest:
-        assert rest.list_training_runs().result().training_runs == []
+        assert rest.list_training_runs().result().training_runs == []  # this session made none: asks nothing
+        assert threads_of(rest._backend) == []  # the session opens when the server is first asked
+        assert rest.get_server_capabilities().result().supported_models
         assert len(threads_of(rest._backend)) == 2
     assert threads_of(rest._backend) == [] and session_state(server, rest._backend.session_id) == "finished"
     rest.close()  # a second close does nothing
@@ -333,3 +335,34 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
         own.list_checkpoints("sess-0000000000000000:train:0").result()
     own.close()
     assert threads_of(own._backend) == []
+
+
+def test_the_backend_does_no_io_until_used_and_takes_an_httpx_transport():
+    """httpx's seam: a MockTransport answers here, so what the client sends is seen exactly; the
+    constructor sends nothing, and the first call opens the session (config, create_session)."""
+    from trio_widgets.http.client import HttpBackend
+
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        path = request.url.path.removeprefix("/api/v1")
+        sent.append(path)
+        if path == "/create_session":
+            return httpx.Response(200, json={"session_id": "sess-0123456789abcdef"})
+        if path == "/get_server_capabilities":
+            return httpx.Response(200, json={"supported_models": [{"model_name": "m", "max_context_length": 64,
+                                                                    "trainable": True, "sampleable": True}]})
+        return httpx.Response(200, json={})
+
+    backend = HttpBackend("http://trio.invalid:1", KEY, transport=httpx.MockTransport(answer), heartbeat_s=60)
+    service = trio.ServiceClient(backend=backend)
+    assert sent == [] and not backend._link.thread.is_alive() and "session=None" in repr(backend)
+    assert [m.model_name for m in service.get_server_capabilities().supported_models] == ["m"]
+    assert sent == ["/client/config", "/create_session", "/get_server_capabilities"]
+    assert service.service_session_cuid == backend.session_id == "sess-0123456789abcdef"
+    backend.close()
+    assert sent[-1] == "/sessions/sess-0123456789abcdef/finish"
+    assert not backend._link.thread.is_alive() and not backend._link.heartbeat.is_alive()
+    unused = HttpBackend("http://trio.invalid:1", KEY, transport=httpx.MockTransport(answer))
+    unused.close()  # never opened: nothing to finish, no thread to stop
+    assert sent[-1] == "/sessions/sess-0123456789abcdef/finish" and unused._link.thread.ident is None

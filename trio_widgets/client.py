@@ -853,7 +853,7 @@ class ServiceClient:
         self._clients: weakref.WeakSet[_Client] = weakref.WeakSet()
         self._closed = False
         # pytrio's identity of the session, for code that prints it: the local user
-        self.service_session_cuid: str = backend.session_id or f"session-{id(self):x}"
+        self._cuid = f"session-{id(self):x}"  # until (or unless) the backend names the session
         self.username: str = _local_user()
         self.display_name: str = display_name or self.username
         self.user_id: str = self.username
@@ -866,6 +866,11 @@ class ServiceClient:
     def pool(self) -> LocalPool | None:
         """The in-process pool behind this client (None for other backends)."""
         return self.backend.pool
+
+    @property
+    def service_session_cuid(self) -> str:
+        """pytrio's identity of the session: the backend's session id (over HTTP, asking opens it)."""
+        return self.backend.session_id or self._cuid
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""

@@ -159,7 +159,8 @@ class _Link:
     """The connection state the threads share; the backend holds it (the threads never hold the
     backend, so dropping the backend stops them)."""
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, retry_s: float, long_poll_s: float):
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, retry_s: float, long_poll_s: float,
+                 transport: httpx.BaseTransport | None = None, label: str | None = None, heartbeat_s: float = 10.0):
         self.base_url = base_url
         self.retry_s = retry_s
         self.long_poll_s = long_poll_s
@@ -168,21 +169,45 @@ class _Link:
             headers["X-API-Key"] = api_key
         self.headers = headers
         self.timeout = httpx.Timeout(timeout_s, connect=5.0)
-        self.http = httpx.Client(base_url=f"{base_url}/api/v1", headers=headers, timeout=self.timeout)
+        self.transport = transport
+        self.http = httpx.Client(base_url=f"{base_url}/api/v1", headers=headers, timeout=self.timeout,
+                                 transport=transport)
         self.session_id: str | None = None
+        self.label, self.heartbeat_s = label, heartbeat_s
+        self.opening = threading.Lock()
         self.stop = threading.Event()
         self.closed = False
-        self.loop = new_event_loop()
+        self.loop = new_event_loop()  # (an object: no socket until the poller starts)
         self.pending: dict[str, tuple[_Outgoing, Callable[[Any, bool], Any], str | None]] = {}
         self.thread = threading.Thread(target=self._run_poller, name="trio-http-poller", daemon=True)
         self.heartbeat: threading.Thread | None = None
         self.aclient: httpx.AsyncClient | None = None
+
+    def open(self) -> None:
+        """The session, made on first use (a backend's constructor does no I/O): the server's
+        config, create_session, then the poller and the heartbeat threads."""
+        with self.opening:
+            if self.session_id is not None or self.closed:
+                return
+            if self.thread.ident is None:  # (a failed first open leaves it running for the next)
+                self.thread.start()
+            self._call("POST", "/client/config", json={"sdk_version": "trio-widgets"})
+            body: dict[str, Any] = {"tags": [], "user_metadata": {"name": self.label} if self.label else {},
+                                    "sdk_version": "trio-widgets", "type": "create_session"}
+            self.session_id = str(self._call("POST", "/create_session", json=body)["session_id"])
+            self.start_heartbeat(self.heartbeat_s)
 
     # -- plain calls (any thread but the poller's) -------------------------------------------
     def call(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
              headers: dict[str, str] | None = None, retry: bool = True, checkpoint: str | None = None) -> Any:
         """One request, retried in transport failures and 408/429/5xx for up to `retry_s` seconds
         (every retried call here is idempotent on the server); its JSON body, or an exception."""
+        self.open()
+        return self._call(method, path, json=json, content=content, headers=headers, retry=retry,
+                          checkpoint=checkpoint)
+
+    def _call(self, method: str, path: str, *, json: Any = None, content: bytes | None = None,
+              headers: dict[str, str] | None = None, retry: bool = True, checkpoint: str | None = None) -> Any:
         deadline = time.monotonic() + self.retry_s
         delay = 0.05
         while True:
@@ -206,9 +231,11 @@ class _Link:
     def _run_poller(self) -> None:
         mark_delivery_thread()  # a done-callback that waits on another result here would wait forever
         asyncio.set_event_loop(self.loop)
+        transport = self.transport if isinstance(self.transport, httpx.AsyncBaseTransport) else None
         self.aclient = httpx.AsyncClient(base_url=f"{self.base_url}/api/v1", headers=self.headers,
                                          timeout=httpx.Timeout(self.long_poll_s + 20.0, connect=5.0),
-                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                                         transport=transport)
         try:
             self.loop.run_forever()
         finally:
@@ -360,23 +387,19 @@ class HttpBackend:
 
     def __init__(self, base_url: str, api_key: str | None = None, *, label: str | None = None,
                  timeout_s: float = 60.0, retry_s: float = 10.0, heartbeat_s: float = 10.0,
-                 long_poll_s: float = 20.0):
+                 long_poll_s: float = 20.0, transport: httpx.BaseTransport | None = None):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise InvalidInputError(f"must be an http:// or https:// URL, got {base_url!r:.80}", field="base_url")
         if api_key is not None and not isinstance(api_key, str):
             raise InvalidInputError(f"must be a string, got {type(api_key).__name__}", field="api_key")
         self.base_url = base_url.rstrip("/")
         self.name = self.base_url
-        self._link = _Link(self.base_url, api_key, timeout_s, retry_s, long_poll_s)
-        link = self._link
+        # no I/O here: the session is made by the first call that needs the server (_Link.open).
+        # `transport`: httpx's seam (a MockTransport in tests; one that also handles async
+        # requests serves the long-polls too)
+        self._link = _Link(self.base_url, api_key, timeout_s, retry_s, long_poll_s, transport, label, heartbeat_s)
         self._worker = BackgroundWorker("trio-client-http")  # custom losses: started on first use
-        self._finalizer = weakref.finalize(self, _close, link, self._worker)
-        link.thread.start()
-        link.call("POST", "/client/config", json={"sdk_version": "trio-widgets"})
-        body: dict[str, Any] = {"tags": [], "user_metadata": {"name": label} if label else {},
-                                "sdk_version": "trio-widgets", "type": "create_session"}
-        link.session_id = str(link.call("POST", "/create_session", json=body)["session_id"])
-        link.start_heartbeat(heartbeat_s)
+        self._finalizer = weakref.finalize(self, _close, self._link, self._worker)
         self._model_seq = itertools.count()
         self._sampler_seq = itertools.count()
         self._lanes: dict[str, _Lane] = {}
@@ -388,10 +411,13 @@ class HttpBackend:
         self._sampler_ids: list[str] = []
 
     def __repr__(self) -> str:
-        return f"<HttpBackend {self.base_url} session={self.session_id}>"
+        return f"<HttpBackend {self.base_url} session={self._link.session_id}>"
 
     @property
     def session_id(self) -> str | None:
+        """The server's id of this session (asking for it opens the session)."""
+        if not self._link.closed:
+            self._link.open()
         return self._link.session_id
 
     @property
