@@ -41,6 +41,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import IO, Any, Literal, TypeVar
 
+from .client import TrainingClient
 from .errors import PoolClosedError
 from .futures import APIFuture
 from .metrics import batch_weight, gil_wait, json_safe, loss_per_token
@@ -100,7 +101,8 @@ def run_endings(after: int = 0) -> list[RunEnding]:
 
 
 def _pool_of(client: Any) -> Any:
-    return getattr(getattr(client, "_backend", None), "pool", None)
+    """The in-process pool a client of ours trains on (None for another SDK's client, or over HTTP)."""
+    return client.pool if isinstance(client, TrainingClient) else None
 
 
 def _say_pool_closed(pool_ref: weakref.ref) -> None:
@@ -111,7 +113,7 @@ def _say_pool_closed(pool_ref: weakref.ref) -> None:
         if pool is not None and _pool_of(run.client) is pool and not run.done() and run.state != "created":
             run._pool_closed_said = True
             log.warning("training run %r stops at step %d: its pool %r was closed", run.name, run.step,
-                        getattr(pool, "name", "?"))
+                        pool.name)
 
 
 class RunInterrupted(Exception):
@@ -131,12 +133,10 @@ class RunInterrupted(Exception):
 
 def _client_label(client: Any) -> str | None:
     """The label the pool shows for this client (`user_metadata={"name": ...}`), if it has one."""
-    pool = getattr(getattr(client, "_backend", None), "pool", None)
-    telemetry = getattr(pool, "telemetry", None)
-    client_id = getattr(client, "client_id", None)
-    if telemetry is None or client_id is None:
+    pool = _pool_of(client)
+    if pool is None:
         return None
-    info = telemetry.client_info(client_id)
+    info = pool.telemetry.client_info(client.client_id)
     return info.label if info is not None else None
 
 
@@ -530,7 +530,7 @@ class TrainingRun:
         loss_sum = float(result.metrics.get("loss:sum", math.nan))
         cycle = update.fb.cycle
         cycles = None if self._last_fb_cycle is None or cycle is None else cycle - self._last_fb_cycle
-        pool = getattr(self.client, "pool", None)  # a LocalPool: its telemetry has the cycles' GIL waits
+        pool = _pool_of(self.client)  # a LocalPool: its telemetry has the cycles' GIL waits
         self._last_fb_cycle = cycle
         optim_cycle = update.opt.cycle if update.opt is not None else None
         row = {
