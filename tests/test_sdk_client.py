@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -577,8 +576,6 @@ def test_rest_client_lists_deletes_and_expires_checkpoints(sc, ckpool, look, tra
     assert first.size_bytes == state.size and not first.public
     resumed = sc.create_training_client_from_state_with_optimizer(first.tinker_path)
     assert look(resumed).step == 1
-    if differs(transport, "rest-catalog"):
-        return
     info = rest.get_weights_info_by_tinker_path(first.tinker_path).result()
     assert (info.base_model, info.lora_rank, info.is_lora, info.train_mlp) == (trio.DEFAULT_MODEL, 4, True, True)
     run = rest.get_training_run(tc.model_id).result()
@@ -593,9 +590,9 @@ def test_rest_client_lists_deletes_and_expires_checkpoints(sc, ckpool, look, tra
     # a time to live: once it is over, the checkpoint is gone when listed (or opened)
     rest.set_checkpoint_ttl_from_tinker_path(second.tinker_path, 7200).result()
     assert rest.list_checkpoints(tc.model_id).result().checkpoints[1].expires_at > second.expires_at
-    ckpt.set_expiry(Path(second.path), 0.0)  # the time the TTL set has passed
+    ckpt.set_expiry(checkpoint_dir(sc, ckpool, second.path), 0.0)  # the time the TTL set has passed
     assert [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints] == ["weights/first"]
-    assert not os.path.exists(second.path)
+    assert not checkpoint_dir(sc, ckpool, second.path).exists()
     with pytest.raises(trio.InvalidInputError):
         rest.set_checkpoint_ttl_from_tinker_path(first.tinker_path, 5).result()
     # deleting

@@ -275,9 +275,8 @@ def test_closing_the_service_finishes_its_session_and_stops_its_threads(server, 
         tc.forward_backward([datum(0)])
     # and a RestClient made by URL has a session of its own, ended the same way
     with trio.RestClient(base_url=server.url, api_key=KEY) as rest:
-        assert rest.list_training_runs().result().training_runs == []  # this session made none: asks nothing
         assert threads_of(rest._backend) == []  # the session opens when the server is first asked
-        assert rest.get_server_capabilities().result().supported_models
+        assert tc.model_id in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
         assert len(threads_of(rest._backend)) == 2
     assert threads_of(rest._backend) == [] and session_state(server, rest._backend.session_id) == "finished"
     rest.close()  # a second close does nothing
@@ -311,11 +310,17 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
     assert rest.list_sessions().result().sessions == [svc.backend.session_id]
     session = rest.get_session(svc.backend.session_id).result()
     assert tc.model_id in session.training_run_ids
-    for refused in (lambda: rest.delete_checkpoint_from_tinker_path(path).result(),
-                    lambda: rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result(),
-                    lambda: rest.get_weights_info_by_tinker_path(path).result()):
-        with pytest.raises(trio.BadRequestError, match="not offered over HTTP"):
-            refused()
+    # the REST catalog over HTTP, answered by the pool's own (tinker's routes)
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert (info.base_model, info.lora_rank, info.is_lora) == (trio.DEFAULT_MODEL, 4, True)
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    assert next(c for c in rest.list_checkpoints(tc.model_id).result().checkpoints
+                if c.tinker_path == path).expires_at is not None
+    assert rest.get_training_run(tc.model_id).result().last_checkpoint.tinker_path == path
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert path not in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    with pytest.raises(trio.CheckpointNotFoundError):
+        rest.get_weights_info_by_tinker_path(path).result()
     with pytest.raises(trio.NotFoundError):
         rest.get_session("sess-0000000000000000").result()
     with pytest.raises(trio.NotFoundError):
@@ -330,7 +335,12 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
     assert topk.value.field == "topk_sample_logprobs"
     # and a RestClient of its own, by URL
     own = trio.RestClient(base_url=server.url, api_key=KEY)
-    assert own.list_training_runs().result().training_runs == []  # another session: sees nothing of svc's
+    assert tc.model_id in [r.training_run_id for r in own.list_training_runs().result().training_runs]  # its key's
+    other = trio.RestClient(base_url=server.url, api_key=KEY + "-other")
+    assert tc.model_id not in [r.training_run_id for r in other.list_training_runs().result().training_runs]
+    with pytest.raises(trio.NotFoundError):
+        other.get_training_run(tc.model_id).result()  # another key's run: absent, as an unknown one
+    other.close()
     with pytest.raises(trio.NotFoundError):
         own.list_checkpoints("sess-0000000000000000:train:0").result()
     own.close()

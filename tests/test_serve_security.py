@@ -65,8 +65,10 @@ def test_a_missing_or_wrong_key_is_401(server):
         r = call(server, "GET", "/get_server_capabilities", key)
         assert r.status_code == 401
     assert call(server, "GET", "/healthz", None).status_code == 200  # only the health check is open
+    wrong = trio.ServiceClient(base_url=server.url, api_key="tml-wrong-key-123")  # no I/O until it is used
     with pytest.raises(trio.AuthenticationError, match="invalid API key"):
-        trio.ServiceClient(base_url=server.url, api_key="tml-wrong-key-123")
+        wrong.get_server_capabilities()
+    wrong.close()
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the tinker SDK needs Python >= 3.11")

@@ -33,8 +33,8 @@ DIFFERENCES: dict[str, str] = {
     "sampling-options": "top-k prompt/sample logprobs, target_prompt_logprobs and prompt_alt_tokens_k are not "
                         "sent over HTTP yet (tinker's protobuf has fields for top-k: issue 23); the served pool "
                         "refuses them naming the field",
-    "rest-catalog": "over HTTP a RestClient sees its own session's runs, and deleting a checkpoint, setting its "
-                    "TTL and weights info are not offered (the pool's own RestClient can)",
+    "rest-catalog": "over HTTP a RestClient sees its API key's runs and checkpoints (every session of the key); "
+                    "the pool's own RestClient sees every run of the pool",
 }
 
 TRANSPORTS = ["local", "http"]

@@ -341,6 +341,28 @@ class LocalBackend:
         return [dataclasses.replace(c, path=c.tinker_path)
                 for c in map(self._checkpoint, ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir))]
 
+    def run_in(self, run_id: str, run_dir: str) -> TrainingRun:
+        """A served run by its id and directory: what this pool recorded of it (if that run is the
+        one in `run_dir`) and its checkpoints there, named by tinker:// paths only."""
+        record = self._record(run_id)
+        record = record if record is not None and record.run_dir == run_dir else None
+        entries = ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir)
+        if record is None and not entries:
+            raise NotFound(f"no training run {run_id!r:.80}", field="training_run_id")
+        run = self._run(run_id, record, entries)
+
+        def public(c: Checkpoint | None) -> Checkpoint | None:
+            return dataclasses.replace(c, path=c.tinker_path) if c is not None else None
+
+        return dataclasses.replace(run, last_checkpoint=public(run.last_checkpoint),
+                                   last_sampler_checkpoint=public(run.last_sampler_checkpoint))
+
+    def runs_in(self, prefix: str) -> list[str]:
+        """The ids of the runs this pool served whose directories are under `prefix/`."""
+        with self._ledger.lock:
+            return [key for key, r in self._ledger.served.items()
+                    if r.kind == "training" and r.run_dir is not None and r.run_dir.startswith(prefix + "/")]
+
     def _record(self, run_id: Any) -> _Served | None:
         with self._ledger.lock:
             record = self._ledger.served.get(run_id) if isinstance(run_id, str) else None
@@ -350,12 +372,16 @@ class LocalBackend:
         record = self._record(run_id)
         return record.run_dir if record is not None else None
 
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
-        ckpt.delete_checkpoint(ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=self._run_dir(run_id)))
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, *, run_dir: str | None = None) -> None:
+        """(`run_dir`: a server's directory of the run, where the ledger may not know it.)"""
+        run_dir = run_dir or self._run_dir(run_id)
+        ckpt.delete_checkpoint(ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=run_dir))
 
-    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, *,
+                           run_dir: str | None = None) -> None:
         ttl = check_ttl(ttl_seconds)
-        directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=self._run_dir(run_id))
+        run_dir = run_dir or self._run_dir(run_id)
+        directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=run_dir)
         ckpt.set_expiry(directory, None if ttl is None else time.time() + ttl, self.pool)
 
     def weights_info(self, path: Any) -> WeightsInfoResponse:

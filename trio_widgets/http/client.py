@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -69,7 +70,9 @@ from ..errors import (
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..protocol import error_from_wire, parse_tinker_path
 from ..protocol.losses import forward_metrics, tokens_read
+from ..protocol.paths import parse_checkpoint_id
 from ..types import (
+    AdamOptimizerConfig,
     Checkpoint,
     GetSamplerResponse,
     GetServerCapabilitiesResponse,
@@ -727,56 +730,45 @@ class HttpBackend:
             for m in body.get("supported_models", []) if isinstance(m, dict) and "model_name" in m])
 
     def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
-        """The checkpoints of one of this session's runs (the server keeps each API key's apart),
-        or of all of them."""
+        """The checkpoints of one of this API key's runs (the server keeps each key's apart), or of
+        all of them, answered by the served pool's catalog (metadata, size, expiry)."""
         if run_id is None:
-            return [c for rid in list(self._runs) for c in self._run_checkpoints(rid, missing_ok=True)]
+            body = self._link.call("GET", "/checkpoints?limit=10000")
+            return sorted((_checkpoint(c) for c in body.get("checkpoints", [])), key=lambda c: (c.time, c.tinker_path))
         return self._run_checkpoints(run_id)
 
-    def _run_checkpoints(self, run_id: str, missing_ok: bool = False) -> list[Checkpoint]:
-        if not isinstance(run_id, str) or not run_id or "/" in run_id:
-            raise InvalidInputError(f"must be a training run id, got {run_id!r:.80}", field="training_run_id")
-        try:
-            body = self._link.call("GET", f"/training_runs/{run_id}/checkpoints")
-        except NotFoundError:
-            if missing_ok:
-                return []  # nothing saved yet
-            raise
-        out = []
-        for c in body.get("checkpoints", []):
-            when = datetime.datetime.fromisoformat(str(c["time"]).replace("Z", "+00:00"))
-            expires = c.get("expires_at")
-            out.append(Checkpoint(checkpoint_id=c["checkpoint_id"], checkpoint_type=c["checkpoint_type"], time=when,
-                                  tinker_path=c["tinker_path"], path=c["tinker_path"], size_bytes=c.get("size_bytes"),
-                                  user_metadata=c.get("user_metadata"),
-                                  expires_at=datetime.datetime.fromisoformat(expires) if expires else None))
-        return out
+    def _run_checkpoints(self, run_id: str) -> list[Checkpoint]:
+        _check_run_id(run_id)
+        body = self._link.call("GET", f"/training_runs/{run_id}/checkpoints")
+        return [_checkpoint(c) for c in body.get("checkpoints", [])]
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
-        raise _not_offered("deleting a checkpoint")
+        _check_run_id(run_id)
+        self._link.call("DELETE", f"/training_runs/{run_id}/checkpoints/{_checkpoint_id(checkpoint_id)}",
+                        retry=False)
 
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
-        raise _not_offered("setting a checkpoint's time to live")
+        _check_run_id(run_id)
+        self._link.call("PUT", f"/training_runs/{run_id}/checkpoints/{_checkpoint_id(checkpoint_id)}/ttl",
+                        json={"ttl_seconds": ttl_seconds})
 
     def weights_info(self, path: Any) -> WeightsInfoResponse:
-        raise _not_offered("reading a checkpoint's weights info")
+        body = self._link.call("POST", "/weights_info", json={"tinker_path": _tinker_path(path)})
+        optimizer = body.get("optimizer_config")
+        return WeightsInfoResponse(base_model=str(body["base_model"]), is_lora=bool(body.get("is_lora", True)),
+                                   optimizer_config=AdamOptimizerConfig(**optimizer) if isinstance(optimizer, dict)
+                                   else AdamOptimizerConfig(),
+                                   lora_rank=body.get("lora_rank"), train_unembed=body.get("train_unembed"),
+                                   train_mlp=body.get("train_mlp"), train_attn=body.get("train_attn"))
 
     def training_runs(self) -> list[TrainingRun]:
-        runs = [self.training_run(rid) for rid in list(self._runs)]
-        return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+        """This API key's runs (every session of it), most recent first."""
+        body = self._link.call("GET", "/training_runs?limit=10000")
+        return [_training_run(r) for r in body.get("training_runs", [])]
 
     def training_run(self, run_id: str) -> TrainingRun:
-        known = self._runs.get(run_id) if isinstance(run_id, str) else None
-        if known is None:
-            raise NotFoundError(f"no training run {run_id!r:.80} in this session (over HTTP a session sees only "
-                                f"the runs it created)")
-        handle, last = known
-        saved = self._run_checkpoints(run_id, missing_ok=True)
-        newest = {kind: max((c for c in saved if c.checkpoint_type == kind), key=lambda c: c.time, default=None)
-                  for kind in ("training", "sampler")}
-        return TrainingRun(training_run_id=run_id, base_model=handle.base_model, model_owner=self.session_id or "",
-                           is_lora=True, last_request_time=last, lora_rank=handle.rank,
-                           last_checkpoint=newest["training"], last_sampler_checkpoint=newest["sampler"])
+        _check_run_id(run_id)
+        return _training_run(self._link.call("GET", f"/training_runs/{run_id}"))
 
     def sampler(self, sampler_id: str) -> GetSamplerResponse:
         if not isinstance(sampler_id, str) or not sampler_id or "/" in sampler_id:
@@ -869,6 +861,43 @@ def _with_pytrio_metrics(out: Any, token_count: int) -> Any:
     if loss_sum is not None:
         out.metrics = {**forward_metrics(float(loss_sum), token_count), **out.metrics}
     return out
+
+
+def _check_run_id(run_id: Any) -> None:
+    if not isinstance(run_id, str) or not run_id or "/" in run_id or "?" in run_id:
+        raise InvalidInputError(f"must be a training run id, got {run_id!r:.80}", field="training_run_id")
+
+
+def _checkpoint_id(checkpoint_id: Any) -> str:
+    segment, name = parse_checkpoint_id(checkpoint_id)
+    return f"{segment}/{quote(name, safe='')}"  # a name is one path segment of the URL
+
+
+def _when(text: Any) -> datetime.datetime | None:
+    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+
+
+def _checkpoint(c: dict) -> Checkpoint:
+    """A checkpoint of the served catalog (named by its tinker:// path: the server's directories
+    are not the client's)."""
+    when = _when(c["time"])
+    assert when is not None
+    return Checkpoint(checkpoint_id=c["checkpoint_id"], checkpoint_type=c["checkpoint_type"], time=when,
+                      tinker_path=c["tinker_path"], path=c["tinker_path"], size_bytes=c.get("size_bytes"),
+                      public=bool(c.get("public", False)), user_metadata=c.get("user_metadata"),
+                      expires_at=_when(c.get("expires_at")))
+
+
+def _training_run(r: dict) -> TrainingRun:
+    when = _when(r["last_request_time"])
+    assert when is not None
+    return TrainingRun(training_run_id=r["training_run_id"], base_model=r["base_model"], model_owner=r["model_owner"],
+                       is_lora=bool(r.get("is_lora", True)), last_request_time=when,
+                       corrupted=bool(r.get("corrupted", False)), lora_rank=r.get("lora_rank"),
+                       last_checkpoint=_checkpoint(r["last_checkpoint"]) if r.get("last_checkpoint") else None,
+                       last_sampler_checkpoint=(_checkpoint(r["last_sampler_checkpoint"])
+                                                if r.get("last_sampler_checkpoint") else None),
+                       user_metadata=r.get("user_metadata"))
 
 
 def _decode_forward(payload: Any, protobuf: bool) -> Any:

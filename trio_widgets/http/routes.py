@@ -158,6 +158,32 @@ def build_app(service: Service) -> Starlette:
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
         return s.list_checkpoints(owner, request.path_params["model_id"])
 
+    def page(request: Request) -> tuple[int, int]:
+        values = []
+        for name, default in (("limit", 100), ("offset", 0)):
+            text = request.query_params.get(name, str(default))
+            if not text.isdigit() or int(text) > 10_000:
+                raise InvalidInputError(f"must be an integer from 0 to 10000, got {text!r:.20}", field=name)
+            values.append(int(text))
+        return values[0], values[1]
+
+    async def training_runs(s: Service, owner: str, request: Request) -> dict:
+        return s.training_runs(owner, *page(request))
+
+    async def training_run(s: Service, owner: str, request: Request) -> dict:
+        return s.training_run(owner, request.path_params["model_id"])
+
+    async def user_checkpoints(s: Service, owner: str, request: Request) -> dict:
+        return s.user_checkpoints(owner, *page(request))
+
+    async def delete_checkpoint(s: Service, owner: str, request: Request) -> dict:
+        return s.delete_checkpoint(owner, request.path_params["model_id"], request.path_params["checkpoint_id"])
+
+    async def set_ttl(s: Service, owner: str, request: Request) -> dict:
+        body = json_body(await read_body(request, s.max_body_bytes))
+        return s.set_checkpoint_ttl(owner, request.path_params["model_id"], request.path_params["checkpoint_id"],
+                                    body)
+
     async def info(s: Service, owner: str, request: Request) -> dict:
         return {**s.info(), **s.totals()}
 
@@ -185,6 +211,9 @@ def build_app(service: Service) -> Starlette:
     def get(path: str, handler: Handler, **kw: Any) -> Route:
         return Route(API + path, _endpoint(service, handler, **kw), methods=["GET"])
 
+    def route(method: str, path: str, handler: Handler) -> Route:
+        return Route(API + path, _endpoint(service, handler), methods=[method])
+
     routes = [
         post("/client/config", config), post("/client/dynamic_config", dynamic_config),
         post("/create_session", _json_handler(lambda s, o, b: s.create_session(o, b))),
@@ -205,6 +234,11 @@ def build_app(service: Service) -> Starlette:
         get("/get_server_capabilities", capabilities),
         get("/healthz", healthz, open_=True),
         get("/training_runs/{model_id}/checkpoints", checkpoints),
+        get("/training_runs", training_runs), get("/training_runs/{model_id}", training_run),
+        get("/checkpoints", user_checkpoints),
+        post("/weights_info", _json_handler(lambda s, o, b: s.weights_info(o, b))),
+        route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", delete_checkpoint),
+        route("PUT", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", set_ttl),
         post("/save_weights_external", unsupported("save_weights_external (uploading weights elsewhere)")),
         post("/create_custom_loss", unsupported("a server-side custom loss (create_custom_loss)")),
         post("/auth/token", unsupported("JWT authentication")),

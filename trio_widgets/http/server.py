@@ -806,11 +806,64 @@ class Service:
         if not _MODEL_RE.match(model_id):
             raise _not_found(f"training run {model_id!r:.80}")
         root = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, model_id)
+        model = self.trained.get(model_id)
         if not root.is_dir():
+            if model is not None and model.session.owner == owner:
+                return {"checkpoints": []}  # this key's run, nothing saved yet
             raise _not_found(f"training run {model_id!r:.80}")
         # the engine's catalog, as in-process: metadata, size, expiry (expired ones are deleted)
         found = self.backend.run_checkpoints(model_id, self._run_dir(owner, model_id))[:1000]  # a listing, bounded
         return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found]}
+
+    # -- the REST catalog: this key's runs and checkpoints, answered by the engine's catalog ----------
+    def _owned_run(self, owner: str, model_id: Any) -> str:
+        """The directory of one of this key's runs (404 for anything else, another key's included)."""
+        if not isinstance(model_id, str) or not _MODEL_RE.match(model_id):
+            raise _not_found(f"training run {model_id!r:.80}")
+        return self._run_dir(owner, model_id)
+
+    def _owned_runs(self, owner: str) -> list[str]:
+        """This key's run ids: served here, or with checkpoints on disk (from an earlier start)."""
+        ids = set(self.backend.runs_in(str(Path("served") / owner)))
+        with contextlib.suppress(OSError):
+            for entry in (self._owner_root(owner)).iterdir():
+                run_id = entry.name.replace("_train_", ":train:")
+                if _MODEL_RE.match(run_id):
+                    ids.add(run_id)
+        return sorted(ids)
+
+    def training_run(self, owner: str, model_id: str) -> dict:
+        return _json_safe(dataclasses.asdict(self.backend.run_in(model_id, self._owned_run(owner, model_id))))
+
+    def training_runs(self, owner: str, limit: int, offset: int) -> dict:
+        runs = []
+        for run_id in self._owned_runs(owner)[:10_000]:  # bounded: a listing
+            with contextlib.suppress(InvalidInputError):
+                runs.append(self.backend.run_in(run_id, self._run_dir(owner, run_id)))
+        runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+        page = runs[offset:offset + limit]
+        return {"training_runs": [_json_safe(dataclasses.asdict(r)) for r in page],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+    def user_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
+        found = [c for run_id in self._owned_runs(owner)[:10_000]
+                 for c in self.backend.run_checkpoints(run_id, self._run_dir(owner, run_id))]
+        found.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)  # newest first, as in-process
+        return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
+
+    def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> dict:
+        self.backend.delete_checkpoint(model_id, checkpoint_id, run_dir=self._owned_run(owner, model_id))
+        return {}
+
+    def set_checkpoint_ttl(self, owner: str, model_id: str, checkpoint_id: str, body: dict) -> dict:
+        run_dir = self._owned_run(owner, model_id)
+        self.backend.set_checkpoint_ttl(model_id, checkpoint_id, body.get("ttl_seconds"), run_dir=run_dir)
+        return {}
+
+    def weights_info(self, owner: str, body: dict) -> dict:
+        local = self._checkpoint_dir(owner, body.get("tinker_path"))
+        return _json_safe(dataclasses.asdict(self.backend.weights_info(local)))
 
     # -- upkeep -------------------------------------------------------------------------------
     async def reap(self) -> None:
@@ -874,9 +927,13 @@ class Service:
         return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
 
 
-def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
-    """Datetimes as ISO 8601 (what the SDK's models parse)."""
-    return {k: v.isoformat() if hasattr(v, "isoformat") else v for k, v in row.items()}
+def _json_safe(value: Any) -> Any:
+    """Datetimes as ISO 8601 (what the SDK's models parse), at any depth."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value.isoformat() if hasattr(value, "isoformat") else value
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

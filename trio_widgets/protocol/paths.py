@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from ..errors import InvalidInputError
 
-__all__ = ["SEGMENTS", "TINKER_SCHEME", "TinkerPath", "parse_tinker_path"]
+__all__ = ["SEGMENTS", "TINKER_SCHEME", "TinkerPath", "parse_checkpoint_id", "parse_tinker_path"]
 
 TINKER_SCHEME = "tinker://"
 #: a path's segment -> tinker's checkpoint type
@@ -43,3 +43,14 @@ def parse_tinker_path(path: Any, field: str = "path") -> TinkerPath:
                                 f"path (what save_state / save_weights_for_sampler returned), got {path!r:.200}",
                                 field=field)
     return TinkerPath(m["run"], m["segment"], m["name"])  # type: ignore[arg-type]
+
+
+def parse_checkpoint_id(checkpoint_id: Any, field: str = "checkpoint_id") -> tuple[str, str]:
+    """(segment, name) of tinker's `weights/<name>` or `sampler_weights/<name>`; InvalidInputError
+    for anything else, `..` and separators in the name included (it becomes part of a URL and a
+    directory)."""
+    segment, _, name = checkpoint_id.partition("/") if isinstance(checkpoint_id, str) else ("", "", "")
+    if segment not in SEGMENTS or not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
+        raise InvalidInputError(f"must be 'weights/<name>' or 'sampler_weights/<name>', got {checkpoint_id!r:.80}",
+                                field=field)
+    return segment, name
