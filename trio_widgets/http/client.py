@@ -293,6 +293,11 @@ class _Link:
                 body = response.json()
                 if isinstance(body, dict) and body.get("type") == "try_again":
                     continue
+                if isinstance(body, dict) and body.get("code") == "cancelled":
+                    # withdrawn on cancel() before it ran: cancelled, as in-process (even when this
+                    # answer arrives before the cancel call returns)
+                    concurrent.futures.Future.cancel(item.future)
+                    return
                 if isinstance(body, dict) and "error" in body:
                     raise _future_error(body, request_id, owner, item.scheduled.cycle, self.base_url)
                 _settle(item.future, value=decode(body, False))
