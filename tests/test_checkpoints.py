@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
+from transports import TRANSPORTS, checkpoint_dir, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine import sampling
@@ -64,6 +65,13 @@ def svc(pool):
     return trio.ServiceClient(pool)
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def both(pool, request):
+    """A ServiceClient in-process or over HTTP to the same pool (tests/transports.py)."""
+    with service(request.param, pool) as svc:
+        yield svc
+
+
 @pytest.fixture(scope="module")
 def saved(svc):
     """A rank-4 client after 3 updates, with its state and sampler checkpoints."""
@@ -73,7 +81,12 @@ def saved(svc):
     return tc, tc.save_state("three").result().path, tc.save_weights_for_sampler("three-w").result().path
 
 
-def test_resume_equivalence_is_bitwise(svc):
+def test_resume_equivalence_is_bitwise(both, pool):
+    svc = both
+
+    def _weights(tc):
+        return inspect(svc, pool, tc).weights
+
     straight = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
     losses_straight = [_update(straight, i) for i in range(20)]
     first = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
@@ -84,7 +97,7 @@ def test_resume_equivalence_is_bitwise(svc):
     losses += [_update(resumed, i) for i in range(10, 20)]  # each optim_step ran in its forward's cycle
     assert losses == losses_straight  # exact float equality
     assert _same(_weights(resumed), _weights(straight))
-    assert resumed.inspect_adapter().result().step == straight.inspect_adapter().result().step == 20
+    assert inspect(svc, pool, resumed).step == inspect(svc, pool, straight).step == 20
     assert not _same(_weights(first), _weights(straight))  # the first client stopped at 10
     info = resumed.get_info().model_data
     assert (info.base_model, info.lora_rank) == (trio.DEFAULT_MODEL, 8)
@@ -122,7 +135,12 @@ def test_load_state_resets_adam_and_with_optimizer_continues_it(svc, saved):
                                                                              ADAM.learning_rate), rtol=1e-3)
 
 
-def test_state_ops_run_in_order_after_the_optim_step_before_them(svc, pool):
+def test_state_ops_run_in_order_after_the_optim_step_before_them(both, pool):
+    svc = both
+
+    def _weights(tc):
+        return inspect(svc, pool, tc).weights
+
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=9)
     with pool.hold():
         tc.forward_backward([_datum(0)], "cross_entropy")
@@ -132,8 +150,8 @@ def test_state_ops_run_in_order_after_the_optim_step_before_them(svc, pool):
     assert save.cycle == opt.cycle  # state ops ride along in the client's cycle
     loaded = svc.create_training_client_from_state(path)
     assert _same(_weights(loaded), _weights(tc))
-    assert json.loads(Path(path, "trio_checkpoint.json").read_text())["step"] == 1
-    record = next(r for r in pool.telemetry.requests_of(tc.client_id) if r.op == "save_state")
+    assert json.loads((checkpoint_dir(svc, pool, path) / "trio_checkpoint.json").read_text())["step"] == 1
+    record = next(r for r in pool.telemetry.requests_of(pool_client_id(svc, tc)) if r.op == "save_state")
     assert record.status == "ok" and record.cycle == save.cycle
 
 

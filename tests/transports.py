@@ -54,6 +54,7 @@ def service(transport: str, pool: trio.LocalPool) -> Iterator[trio.ServiceClient
         return
     with served(pool) as server, trio.ServiceClient(base_url=server.url, api_key=KEY) as svc:
         svc._server = server  # type: ignore[attr-defined]  # for adapter_of: the pool behind it
+        assert svc.service_session_cuid.startswith("sess-")  # open it now: its threads belong to the fixture
         yield svc
 
 
