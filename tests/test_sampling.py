@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
+from transports import DIFFERENCES, TRANSPORTS, checkpoint_dir, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine.models import _build_builtin
@@ -33,22 +34,35 @@ def pool(tmp_path_factory):
         yield pool
 
 
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def sampling_service(pool, request):
+    """The clients' ServiceClient: in-process, or over HTTP to the same pool (tests/transports.py)."""
+    with service(request.param, pool) as svc:
+        yield svc
+
+
 @pytest.fixture(scope="module")
-def trained(pool):
+def trained(sampling_service):
     """A training client with a non-trivial adapter and a sampling snapshot of it."""
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=3)
+    tc = sampling_service.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=3)
     _train(tc)
-    return tc, tc.save_weights_and_get_sampling_client()
+    return tc, tc.save_weights_and_get_sampling_client().result()
+
+
+def _local_only(trained) -> None:
+    """Top-k, target and alternative-token logprobs are not sent over HTTP yet (the allow-list)."""
+    if trained[0].pool is None:
+        pytest.skip(DIFFERENCES["sampling-options"])
 
 
 @pytest.fixture(scope="module")
-def reference(trained):
+def reference(trained, sampling_service, pool):
     """An independent model: a fresh Hugging Face Llama (no wrappers, no packing) with the
     sampler's LoRA merged into its weights (W + alpha/r * B @ A)."""
     _, sc = trained
     model, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
     model.eval()
-    adapter = sc.inspect_adapter().result()
+    adapter = inspect(sampling_service, pool, sc)
     with torch.no_grad():
         for name, (a, b) in adapter.weights.items():
             model.get_submodule(name).weight += adapter.scale * (b @ a)
@@ -161,6 +175,7 @@ def _assert_topk(got: list[tuple[int, float]] | None, ref_row: torch.Tensor, k: 
 
 
 def test_topk_prompt_and_sample_logprobs_equal_the_reference_top_k(trained, reference):
+    _local_only(trained)
     _, sc = trained
     k = 5
     res = sc.sample(PROMPT, 2, trio.SamplingParams(max_tokens=6, temperature=1.0, seed=5),
@@ -187,6 +202,7 @@ def test_topk_prompt_and_sample_logprobs_equal_the_reference_top_k(trained, refe
 
 def test_prompt_options_of_requests_batched_in_one_cycle(pool, trained, reference):
     """Each request of a shared prefill (left-padded, other prompts beside it) gets its own rows."""
+    _local_only(trained)
     _, sc = trained
     prompts = [PROMPT, [3 + b for b in b"A longer prompt here"], [3 + b for b in b"Hi"]]
     with pool.hold():
@@ -210,6 +226,7 @@ def test_prompt_options_of_requests_batched_in_one_cycle(pool, trained, referenc
 
 
 def test_topk_with_prompt_logprobs_last_n(trained, reference):
+    _local_only(trained)
     _, sc = trained
     res = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
                     topk_prompt_logprobs=3, prompt_logprobs_last_n=2).result()
@@ -223,6 +240,7 @@ def test_topk_with_prompt_logprobs_last_n(trained, reference):
 
 
 def test_target_prompt_logprobs_and_alternative_tokens(trained, reference):
+    _local_only(trained)
     _, sc = trained
     n = len(PROMPT)
     targets = [[PROMPT[i + 1], -1, 3 + i] for i in range(n - 1)]
@@ -249,7 +267,7 @@ def test_target_prompt_logprobs_and_alternative_tokens(trained, reference):
     assert_fp32_close(best, ref[:n - 1].max(-1).values, terms, "greedy alternatives are the argmax")
 
 
-def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained):
+def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained, sampling_service):
     tc, sc = trained
     base_sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
     params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=99)
@@ -272,10 +290,11 @@ def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained):
     assert solo[0].sequences[0].tokens != solo[1].sequences[0].tokens  # different adapters really differ
     cycle = next(c for c in pool.telemetry.cycles if c.index == futures[0].cycle)
     assert cycle.ops == {"sample": 2}
-    records = [r for r in pool.telemetry.requests_of(sc.client_id) if r.request_id == futures[0].request_id]
+    records = [r for r in pool.telemetry.requests_of(pool_client_id(sampling_service, sc))
+               if r.op == "sample" and r.cycle == futures[0].cycle]
     assert records[0].op == "sample" and records[0].status == "ok" and records[0].cycle == futures[0].cycle
     assert records[0].metrics["sampled_tokens:sum"] == 12
-    assert pool.telemetry.clients[sc.client_id].kind == "sampling"
+    assert pool.telemetry.clients[pool_client_id(sampling_service, sc)].kind == "sampling"
 
 
 def test_sampling_client_is_an_immutable_snapshot(pool):
@@ -320,26 +339,26 @@ def test_dropped_sampling_client_is_forgotten_by_the_pool(pool):
     (PROMPT, 1, trio.SamplingParams(seed="x"), "sampling_params.seed"),
     (PROMPT, 1, {"max_tokens": 3}, "sampling_params"),
 ])
-def test_bad_sampling_input_is_rejected_at_submit(trained, prompt, num_samples, params, field):
+def test_bad_sampling_input_is_rejected_at_submit(trained, pool, prompt, num_samples, params, field):
     _, sc = trained
-    depth = sum(sc.pool.queue_depths().values())
+    depth = sum(pool.queue_depths().values())
     with pytest.raises(trio.InvalidInputError) as info:
         sc.sample(prompt, num_samples, params)
     assert info.value.field == field
-    assert sum(sc.pool.queue_depths().values()) <= depth
+    assert sum(pool.queue_depths().values()) <= depth
 
 
-def test_bad_logprobs_input_and_missing_model(trained):
+def test_bad_logprobs_input_and_missing_model(trained, pool):
     _, sc = trained
     with pytest.raises(trio.InvalidInputError, match="empty") as info:
         sc.compute_logprobs([])
     assert info.value.field == "prompt"
     with pytest.raises(trio.InvalidInputError) as info:
-        trio.ServiceClient(sc.pool).create_sampling_client()
+        trio.ServiceClient(pool).create_sampling_client()
     assert info.value.field == "model_path"
 
 
-def test_async_sampling_api(trained):
+def test_async_sampling_api(trained, sampling_service, pool):
     tc, sc = trained
 
     async def go():
@@ -353,7 +372,7 @@ def test_async_sampling_api(trained):
     assert isinstance(res, trio.SampleResponse) and len(res.sequences) == 2
     assert lps == sc.compute_logprobs(PROMPT).result()
     assert isinstance(sc2, trio.SamplingClient)
-    assert Path(saved.path, "adapter_model.safetensors").is_file()
+    assert (checkpoint_dir(sampling_service, pool, saved) / "adapter_model.safetensors").is_file()
 
 
 def _load_example():

@@ -73,7 +73,16 @@ from .types import (
     check_text_only,
     finish_sample_response,
 )
-from .validation import check_adam_params, check_batch, check_loss, check_ttl, check_user_metadata, is_int, is_number
+from .validation import (
+    check_adam_params,
+    check_batch,
+    check_loss,
+    check_sample,
+    check_ttl,
+    check_user_metadata,
+    is_int,
+    is_number,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -593,7 +602,7 @@ class SamplingClient(_Client):
 
     def _prompt(self, prompt: Any) -> Any:
         """A list of token ids is a ModelInput (as the engine reads it), here for every backend."""
-        if isinstance(prompt, (list, tuple)) and prompt and all(is_int(t) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             prompt = ModelInput.from_ints([int(t) for t in prompt])
         if isinstance(prompt, ModelInput):
             check_text_only(prompt, self._handle.base_model, field="prompt")
@@ -619,6 +628,8 @@ class SamplingClient(_Client):
         if not isinstance(return_text, bool):
             raise InvalidInputError(f"must be True or False, got {return_text!r}", field="return_text")
         prompt = self._prompt(prompt)
+        # the checks that need no model, here for every backend (the engine runs the rest)
+        check_sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
         future = self._submit("sample", SampleRequest(
             prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs, prompt_logprobs_last_n=prompt_logprobs_last_n,

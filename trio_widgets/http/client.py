@@ -688,9 +688,9 @@ class HttpBackend:
             last_n = request.prompt_logprobs_last_n
         else:
             raise InvalidInputError(f"op {op!r} is not a sampling op", field="op")
-        check_text_only(prompt, handle.base_model, "prompt")
         if not hasattr(prompt, "to_ints"):
             raise InvalidInputError(f"expected a ModelInput, got {type(prompt).__name__}", field="prompt")
+        check_text_only(prompt, handle.base_model, "prompt")
         body = {"sampling_session_id": sampler_id, "seq_id": next(seqs), "num_samples": num,
                 "prompt": wire.model_input_to_json(prompt), "sampling_params": wire.sampling_params_to_json(params),
                 "prompt_logprobs": logprobs, "type": "sample"}
