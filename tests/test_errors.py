@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import adapter_weights, make_datum, random_batch
 from served import served
-from transports import KEY, TRANSPORTS, adapter_of, pool_client_id
+from transports import KEY, TRANSPORTS, adapter_of, inspect, pool_client_id
 
 import trio_widgets as trio
 
@@ -226,16 +226,16 @@ def test_unknown_model_is_a_value_error():
             trio.ServiceClient(p).create_lora_training_client("definitely/not-here")
 
 
-def _trained_culprit(pool: trio.LocalPool) -> trio.TrainingClient:
-    culprit = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=6)
+def _trained_culprit(svc: trio.ServiceClient) -> trio.TrainingClient:
+    culprit = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=6)
     culprit.forward_backward(random_batch(1, n=1, length=10)).result(timeout=60)
     culprit.optim_step(ADAM).result(timeout=60)
     culprit.forward_backward(random_batch(2, n=1, length=10)).result(timeout=60)  # a pending gradient
     return culprit
 
 
-def _state(tc: trio.TrainingClient) -> dict[str, torch.Tensor]:
-    snap = tc.inspect_adapter().result(timeout=60)
+def _state(svc: trio.ServiceClient, pool: trio.LocalPool, tc: trio.TrainingClient) -> dict[str, torch.Tensor]:
+    snap = inspect(svc, pool, tc)
     state = dict(snap.state_dict())
     for name, (ga, gb) in (snap.grad or {}).items():
         state[f"grad.{name}.A"], state[f"grad.{name}.B"] = ga, gb
@@ -264,10 +264,10 @@ IN_CYCLE = [
 
 
 @pytest.mark.parametrize("case", IN_CYCLE, ids=[c[0] for c in IN_CYCLE])
-def test_failure_inside_a_cycle_fails_only_that_tenant(shared_pool, victim_reference, case):
+def test_failure_inside_a_cycle_fails_only_that_tenant(shared_pool, victim_reference, case, culprits):
     _, call, message = case
-    culprit = _trained_culprit(shared_pool)
-    before = _state(culprit)
+    culprit = _trained_culprit(culprits)
+    before = _state(culprits, shared_pool, culprit)
     with shared_pool.hold():
         victim = victim_update(shared_pool)
         bad = call(culprit)
@@ -278,18 +278,19 @@ def test_failure_inside_a_cycle_fails_only_that_tenant(shared_pool, victim_refer
     assert_victim_untouched(shared_pool, victim_reference, victim)
     step_after.result(timeout=60)
     # The failed request added nothing: the step used exactly the gradient that was pending before.
-    expected = _trained_culprit(shared_pool)
+    expected = _trained_culprit(trio.ServiceClient(shared_pool))  # the same client, never failed (in-process)
     expected.optim_step(ADAM).result(timeout=60)
     assert before["step"] == 1
-    assert all(torch.equal(v, adapter_weights(expected)[k]) for k, v in adapter_weights(culprit).items())
+    assert all(torch.equal(v, adapter_weights(expected)[k])
+               for k, v in adapter_of(culprits, shared_pool, culprit).items())
 
 
-def test_failed_request_leaves_state_exactly_as_before(shared_pool):
-    culprit = _trained_culprit(shared_pool)
-    before = _state(culprit)
+def test_failed_request_leaves_state_exactly_as_before(shared_pool, culprits):
+    culprit = _trained_culprit(culprits)
+    before = _state(culprits, shared_pool, culprit)
     with pytest.raises(trio.RequestFailedError):
         culprit.forward_backward_custom(random_batch(3, n=2, length=10), _raising_loss).result(timeout=60)
-    after = _state(culprit)
+    after = _state(culprits, shared_pool, culprit)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not math.isnan(culprit.forward(random_batch(4, n=1, length=5)).result(timeout=60).metrics["loss:sum"])

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from conftest import adapter_weights, random_batch
+from transports import TRANSPORTS, service
 
 import trio_widgets as trio
 
@@ -60,9 +61,16 @@ def test_a_telemetry_subscriber_cannot_stop_the_clock(pool, escape):
         unsubscribe()
 
 
+@pytest.fixture(params=TRANSPORTS)
+def svc(pool, request):
+    """The culprit's ServiceClient, in-process or over HTTP to the same pool (tests/transports.py)."""
+    with service(request.param, pool) as s:
+        yield s
+
+
 @pytest.mark.parametrize("escape", ESCAPES, ids=lambda e: type(e).__name__)
-def test_a_custom_loss_that_raises_anything_fails_only_its_request(pool, escape):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_a_custom_loss_that_raises_anything_fails_only_its_request(pool, svc, escape):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
 
     def loss(data, logprobs):
         raise escape
@@ -78,8 +86,8 @@ def test_a_custom_loss_that_raises_anything_fails_only_its_request(pool, escape)
 
 @pytest.mark.parametrize("metrics,what", [({"m": "abc"}, "'m' = 'abc'"), ({"m": [1, 2]}, "'m' = [1, 2]"),
                                           ({"m": torch.ones(3)}, "'m' = tensor"), ("oops", "of type str")])
-def test_custom_metrics_that_are_not_numbers_fail_only_that_tenant(pool, metrics, what):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_custom_metrics_that_are_not_numbers_fail_only_that_tenant(pool, svc, metrics, what):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     neighbour = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=5)
     with pool.hold():
         bad = tc.forward_backward_custom(BATCH, lambda d, lps: (sum(-lp.sum() for lp in lps), metrics))

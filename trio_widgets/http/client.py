@@ -822,6 +822,8 @@ class _HttpSlot:
 
     def fail(self, error: BaseException) -> None:
         with self._lane.lock:
+            if isinstance(error, RequestFailedError) and error.cycle is not None:
+                self._item.scheduled.cycle = error.cycle  # the cycle its forward ran in, as in-process
             if self._item in self._lane.outbox:
                 self._lane.outbox.remove(self._item)
             _settle(self._item.future, exc=error)
