@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +57,9 @@ from ..types import (
 from .lora import AdamState, LoRAAdapter, all_finite
 from .models import BaseModel
 from .tenants import Tenant
+
+if TYPE_CHECKING:
+    from .clock import LocalPool
 
 __all__ = [
     "LoadedCheckpoint",
@@ -86,8 +89,8 @@ def default_checkpoint_dir() -> Path:
     return Path(platformdirs.user_cache_dir("trio-widgets")) / "checkpoints"
 
 
-def checkpoint_root(pool: Any) -> Path:
-    configured = getattr(pool, "checkpoint_dir", None)
+def checkpoint_root(pool: LocalPool | None) -> Path:
+    configured = pool.checkpoint_dir if pool is not None else None
     return Path(configured).expanduser() if configured else default_checkpoint_dir()
 
 
@@ -363,17 +366,17 @@ _O_READ = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK"
 _DIR_FD = os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd
 
 
-def _pool_max_rank(pool: Any) -> int:
-    value = getattr(pool, "max_rank", None)
+def _pool_max_rank(pool: LocalPool | None) -> int:
+    value = pool.max_rank if pool is not None else None
     return int(value) if isinstance(value, int) and value >= 1 else DEFAULT_MAX_RANK
 
 
-def file_limits(pool: Any = None) -> dict[str, int]:
+def file_limits(pool: LocalPool | None = None) -> dict[str, int]:
     """The most bytes read from each file of a checkpoint (see MAX_LORA_FEATURES)."""
     weights = _pool_max_rank(pool) * MAX_LORA_FEATURES * 4 + _HEADER_BYTES
     limits = {MANIFEST: MAX_JSON_BYTES, ADAPTER_CONFIG: MAX_JSON_BYTES, ADAPTER_WEIGHTS: weights,
               OPTIMIZER: 2 * weights}
-    configured = getattr(pool, "max_checkpoint_bytes", None)
+    configured = pool.max_checkpoint_bytes if pool is not None else None
     if configured is not None:
         if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
             raise ValueError(f"max_checkpoint_bytes must be a positive number of bytes, got {configured!r}")

@@ -207,6 +207,8 @@ class LocalPool:
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        #: the most bytes read from a checkpoint's tensor files (None: derived from max_rank)
+        self.max_checkpoint_bytes: int | None = None
         # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
         self.allow_download = allow_download
         self.name = name or f"pool-{next(_POOL_IDS)}"
