@@ -12,6 +12,22 @@ import torch
 
 import trio_widgets as trio
 
+#: Python run first in a subprocess that must behave as if torch were not installed (the core
+#: install): the path finder finds nothing by its names, so imports fail with
+#: ModuleNotFoundError and importlib.util.find_spec answers None.
+HIDE_TORCH = """
+import importlib.machinery, sys
+# torch as if not installed: the path finder finds nothing by its names, so imports fail with
+# ModuleNotFoundError and importlib.util.find_spec answers None (how transformers asks)
+class _NoTorch(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "peft"):
+            return None
+        return super().find_spec(name, path, target)
+sys.meta_path[:] = [_NoTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+"""
+
 
 def make_datum(tokens: list[int], weights: list[float] | None = None) -> trio.Datum:
     inputs: dict = {"target_tokens": tokens[1:]}

@@ -366,3 +366,20 @@ def test_in_a_real_kernel_doctor_checks_the_frontend():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_the_doctor_runs_without_torch_and_says_how_to_get_the_pool():
+    """`python -m trio_widgets doctor` where torch cannot be imported (the core install): a FAIL
+    row for torch with the fix, every other check still reported, exit status 1, no traceback."""
+    from conftest import HIDE_TORCH
+
+    code = HIDE_TORCH + "import runpy; sys.argv = ['trio_widgets', 'doctor']; runpy.run_module('trio_widgets', " \
+                        "run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "ModuleNotFoundError" not in done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.split()[:2] == ["FAIL", "torch"])
+    assert "not installed" in row
+    assert "pip install 'trio-widgets[engine]'" in done.stdout
+    assert "GIL lag" in done.stdout and "numpy" in done.stdout  # the other checks still ran

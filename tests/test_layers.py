@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grimp
 import pytest
+from conftest import HIDE_TORCH
 from served import served
 
 import trio_widgets as trio
@@ -89,22 +90,10 @@ def test_no_module_reads_another_modules_private_names():
     assert not found, "private names read across modules:\n" + "\n".join(found)
 
 
-_HIDE_TORCH = """
-import importlib.machinery, sys
-# torch as if not installed: the path finder finds nothing by its names, so imports fail with
-# ModuleNotFoundError and importlib.util.find_spec answers None (how transformers asks)
-class _NoTorch(importlib.machinery.PathFinder):
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "peft"):
-            return None
-        return super().find_spec(name, path, target)
-sys.meta_path[:] = [_NoTorch if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
-"""
 
 
 def test_the_client_and_the_dashboard_import_without_torch():
-    code = _HIDE_TORCH + """
+    code = HIDE_TORCH + """
 import trio_widgets as trio
 import trio_widgets.widgets.dashboard, trio_widgets.rest, trio_widgets.http.client
 assert not [m for m in sys.modules if m.split(".")[0] == "torch"]
@@ -136,7 +125,7 @@ def test_a_core_install_trains_samples_and_watches_a_served_pool(tmp_path):
     and `Dashboard(url)` shows the updates (the pool runs here, in the test's process)."""
     with trio.LocalPool(min_cycle_s=0.01, name="core", checkpoint_dir=str(tmp_path)) as pool, \
             served(pool) as server:
-        code = _HIDE_TORCH + f"""
+        code = HIDE_TORCH + f"""
 import asyncio
 import trio_widgets as trio
 

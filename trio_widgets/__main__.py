@@ -14,13 +14,15 @@ import sys
 import threading
 import time
 
-from . import DEFAULT_MODEL, AdamParams, APIFuture, LocalPool, ServiceClient
+from . import DEFAULT_MODEL, AdamParams, APIFuture, ServiceClient
 from .data import addition_batches
 from .doctor import doctor
 from .metrics import batch_weight, loss_per_token
 
 
 async def pipelined_demo(seconds: float, min_cycle_s: float, batch_size: int, lr: float) -> dict:
+    from .engine import LocalPool  # the engine extra (torch): `doctor` runs without it
+
     with LocalPool(min_cycle_s=min_cycle_s) as pool:
         tc = ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=16, seed=0)
         batches = addition_batches(tc.get_tokenizer(), batch_size=batch_size, seed=0)
@@ -103,6 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"trio serve: {exc}", file=sys.stderr)
         return 2
     models = args.model or [DEFAULT_MODEL]
+    from .engine import LocalPool
+
     pool = LocalPool(min_cycle_s=args.min_cycle_s, device=args.device, checkpoint_dir=args.checkpoint_dir,
                      name="served", owned_by_cell=False)
     for name in models:

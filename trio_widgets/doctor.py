@@ -173,8 +173,8 @@ def _missing(name: str, package: _Package) -> Check:
     if package.role == "widgets":
         return Check(name, Status.WARN, f"{name} is not installed: trio.Dashboard needs it (headless training works)",
                      f"pip install '{name}>={package.minimum}'")
-    fix = ("install the torch build for your machine (CPU or CUDA) from pytorch.org" if name == "torch"
-           else f"pip install '{name}>={package.minimum}'")
+    fix = ("install the torch build for your machine (CPU or CUDA) from pytorch.org, then "
+           "pip install 'trio-widgets[engine]'" if name == "torch" else f"pip install '{name}>={package.minimum}'")
     return Check(name, Status.FAIL, f"{name} is not installed: the pool cannot run without it", fix)
 
 
@@ -588,17 +588,20 @@ def doctor(pool: LocalPool | None = None) -> DoctorReport:
     Pass a pool to check its device and `checkpoint_dir` instead of the defaults.
     Display the result in a notebook, print it, or read `.records`.
     """
-    import torch
-
-    from .engine.checkpoints import checkpoint_root
-    from .engine.models import usable_cpus
-
     versions = installed_versions()
+    # the pool needs torch; the client, HTTP and the dashboard do not (the core install): without
+    # an importable torch the doctor still reports, with a FAIL row that says how to get the pool
+    engine = importlib.util.find_spec("torch") is not None
+    if not engine:
+        versions = {**versions, "torch": None}  # installed metadata but not importable counts as absent
     kernel = _kernel()
     records = check_versions(versions)
-    records.append(check_torch_device(pool))
-    records.append(check_torch_threads(pool))
-    records.extend(check_checkpoint_dir(checkpoint_root(pool)))
+    if engine:
+        from .engine.checkpoints import checkpoint_root
+
+        records.append(check_torch_device(pool))
+        records.append(check_torch_threads(pool))
+        records.extend(check_checkpoint_dir(checkpoint_root(pool)))
     records.append(check_gil_lag())
     records.extend(check_frontend_extensions(in_kernel=kernel is not None,
                                              lab_here=versions["jupyterlab"] is not None))
@@ -607,6 +610,14 @@ def doctor(pool: LocalPool | None = None) -> DoctorReport:
         records.append(check_subshells(kernel))
     else:
         records.append(Check("kernel", Status.OK, "not in a Jupyter kernel: BokehJS and subshell checks skipped"))
+    if not engine:
+        highlights: tuple[str, ...] = (f"Python {versions['python']}", "no torch: the client and the dashboard work, "
+                                       "a local pool does not", f"transformers {versions['transformers']}")
+        return DoctorReport(records, highlights)
+    import torch
+
+    from .engine.models import usable_cpus
+
     highlights = (f"Python {versions['python']}", f"torch {torch.__version__.split('+')[0]} {_device_name(pool)}",
                   f"{torch.get_num_threads()} torch threads on {usable_cpus()} CPUs",
                   f"transformers {versions['transformers']}")
