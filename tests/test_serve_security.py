@@ -65,6 +65,9 @@ def test_a_missing_or_wrong_key_is_401(server):
         r = call(server, "GET", "/get_server_capabilities", key)
         assert r.status_code == 401
     assert call(server, "GET", "/healthz", None).status_code == 200  # only the health check is open
+    # a key that is not ASCII (sent as raw bytes): still just a wrong key, never a 500
+    r = call(server, "GET", "/get_server_capabilities", None, headers=[(b"X-API-Key", "tml-schlüssel-ä".encode())])
+    assert r.status_code == 401 and "invalid API key" in r.json()["detail"]
     wrong = trio.ServiceClient(base_url=server.url, api_key="tml-wrong-key-123")  # no I/O until it is used
     with pytest.raises(trio.AuthenticationError, match="invalid API key"):
         wrong.get_server_capabilities()

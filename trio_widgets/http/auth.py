@@ -52,15 +52,21 @@ def owner_of(key: str | None) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:20] if key else "anonymous"
 
 
+def _same(a: str, b: str) -> bool:
+    """Constant-time, on bytes: compare_digest refuses non-ASCII str (a hostile header is a 401,
+    not a 500)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))
+
+
 def authenticate(key: str | None, api_keys: list[str], observer_keys: list[str], observer: bool = False) -> str:
     """The owner `key` stands for (401 / 403 as an HttpError where it may not ask)."""
     if api_keys or observer_keys:
         if not key:
             raise HttpError(401, "missing API key: send it in the X-API-Key header")
-        valid = [k for k in (*api_keys, *observer_keys) if hmac.compare_digest(k, key)]
+        valid = [k for k in (*api_keys, *observer_keys) if _same(k, key)]
         if not valid:
             raise HttpError(401, "invalid API key")
-        if observer and not any(hmac.compare_digest(k, key) for k in observer_keys):
+        if observer and not any(_same(k, key) for k in observer_keys):
             raise HttpError(403, "this key may train but not watch the whole pool: watching needs an "
                                  "observer key (serve(..., observer_keys=...))")
     return owner_of(key)
