@@ -184,6 +184,8 @@ BAD_CLIENTS = [
     ("rank-zero", dict(rank=0), "must be between 1 and the pool's max_rank 128, got 0", "rank"),
     ("rank-too-big", dict(rank=129), "got 129", "rank"),
     ("unknown-model", dict(base_model="no-such/model"), "unknown model 'no-such/model'", "base_model"),
+    ("seed-too-big", dict(rank=2, seed=2**100), "an integer from -2**63 to 2**64 - 1", "seed"),
+    ("seed-not-an-int", dict(rank=2, seed=1.5), "an integer", "seed"),
 ]
 
 

@@ -175,8 +175,10 @@ class LocalBackend:
         if not (request.train_mlp or request.train_attn or request.train_unembed):
             raise InvalidInputError("nothing to train: train_mlp, train_attn and train_unembed are all False",
                                     field="train_mlp")
-        if request.seed is not None and not is_int(request.seed):
-            raise InvalidInputError(f"must be an integer or None, got {request.seed!r}", field="seed")
+        if request.seed is not None and (not is_int(request.seed) or not -2**63 <= request.seed < 2**64):
+            # what torch's generator takes (a larger one failed later, as a server error over HTTP)
+            raise InvalidInputError(f"must be None or an integer from -2**63 to 2**64 - 1, got {request.seed!r:.40}",
+                                    field="seed")
         base = pool.get_base_model(request.base_model)
         targets = base.targets_for(train_attn=request.train_attn, train_mlp=request.train_mlp,
                                    train_unembed=request.train_unembed)
