@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--model", action="append", default=None,
                        help=f"a base model clients may train (repeatable; default {DEFAULT_MODEL}); loaded at start")
-    serve.add_argument("--api-key", action="append", default=[], help="accept this API key (repeatable)")
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="accept this API key (repeatable; it shows in `ps`: prefer --api-keys-file or "
+                            "$TRIO_API_KEYS)")
     serve.add_argument("--api-keys-file", help="a file of API keys, one per line (also: $TRIO_API_KEYS, "
                                                "comma-separated)")
     serve.add_argument("--observer-key", action="append", default=[],
