@@ -5,6 +5,7 @@ ends with no clock thread and no pending future, or says exactly what is still r
 from __future__ import annotations
 
 import os
+import statistics
 import threading
 import time
 
@@ -14,6 +15,7 @@ from conftest import adapter_weights, random_batch
 from transports import TRANSPORTS, service
 
 import trio_widgets as trio
+from trio_widgets.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
 
 ADAM = trio.AdamParams(learning_rate=1e-2)
 BATCH = random_batch(31, n=2, length=12)
@@ -268,3 +270,55 @@ def test_numpy_scalars_are_numbers(pool):
     tc.forward_backward(BATCH)
     step = tc.optim_step(trio.AdamParams(learning_rate=np.float32(1e-3), beta2=np.float64(0.99))).result(timeout=60)
     assert step.metrics["learning_rate:mean"] == pytest.approx(1e-3, rel=1e-6)  # float32(1e-3) as a float
+
+
+def _stop_flood(count: int, length: int) -> list[str]:
+    """`count` stop strings of `length` characters that never match: a snowman run (3 bytes each,
+    which the byte model does not emit in a row), each ending in a different common character."""
+    ends = " etaoinshrdlucmfwypvbgkjqxzETAOINSHRDLUCMFWYPVBGKJQXZ0123456789.,;:!?"
+    return ["\u2603" * (length - 1) + ends[i % len(ends)] for i in range(count)]
+
+
+def test_a_flood_of_stop_strings_at_the_limit_does_not_slow_a_neighbour(pool):
+    """Issue 22: the issue's flood (1 MB of stop strings, which took a neighbour's update from
+    0.1 s to 8.4 s) is refused at submit, naming the field; a sample request with the most stop
+    strings the limits allow, sharing cycles with a neighbour's update, stretches that update at
+    most 2× over the same sample request without stop strings (measured side by side,
+    interleaved, in this run)."""
+    neighbour = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=5)
+    sc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=6
+                                                              ).save_weights_and_get_sampling_client().result()
+    prompt = trio.ModelInput.from_ints([3 + b for b in b"The cat "])
+    floods = {"longest": _stop_flood(MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS, MAX_STOP_STRING_CHARS),
+              "most": _stop_flood(MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS // MAX_STOP_STRINGS)}
+
+    depth = pool.queue_depths()
+    with pytest.raises(trio.InvalidInputError, match="limit") as info:
+        sc.sample(prompt, 1, trio.SamplingParams(max_tokens=8, stop=[f"{i:09d}\n" for i in range(100_000)]))
+    assert info.value.field == "sampling_params.stop" and pool.queue_depths() == depth
+
+    def update_beside(stop: list[str] | None, seed: int) -> float:
+        """Wall time of the neighbour's forward_backward + optim_step, submitted in the cycle of
+        the sample request."""
+        with pool.hold():
+            sampled = sc.sample(prompt, 16, trio.SamplingParams(max_tokens=48, temperature=1.0, seed=seed, stop=stop))
+            start = time.perf_counter()
+            fb = neighbour.forward_backward(BATCH)
+            step = neighbour.optim_step(ADAM)
+        fb.result(timeout=120)
+        step.result(timeout=120)
+        took = time.perf_counter() - start
+        assert all(s.stop_reason == "length" for s in sampled.result(timeout=120).sequences)  # the same work
+        return took
+
+    times: dict[str, list[float]] = {"quiet": [], **{name: [] for name in floods}}
+    update_beside(None, 0)  # warm-up
+    for seed in range(5):  # interleaved, so a busy machine slows all of them alike
+        times["quiet"].append(update_beside(None, seed))
+        for name, stop in floods.items():
+            assert sum(map(len, stop)) <= MAX_STOP_TOTAL_CHARS
+            times[name].append(update_beside(stop, seed))
+    quiet = statistics.median(times["quiet"])
+    for name in floods:
+        assert statistics.median(times[name]) < 2 * quiet, (name, times)
+    ticks_on(pool)

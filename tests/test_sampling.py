@@ -16,6 +16,15 @@ from transports import DIFFERENCES, TRANSPORTS, checkpoint_dir, inspect, pool_cl
 
 import trio_widgets as trio
 from trio_widgets.engine.models import _build_builtin
+from trio_widgets.engine.sampling import _Row, _stopped
+from trio_widgets.tokenizers import byte_tokenizer
+from trio_widgets.validation import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOTAL_CHARS,
+    check_sample,
+)
 
 PROMPT = [3 + b for b in b"The cat "]  # byte tokenizer: token = byte + 3
 
@@ -125,6 +134,91 @@ def test_stop_token_and_stop_string_end_with_stop(trained):
     # no stop hit: "length"
     assert sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=5, temperature=1.0, seed=21, stop=[258])
                      ).result().sequences[0].stop_reason == ("stop" if 258 in full[:5] else "length")
+
+
+def _first_stop_by_whole_text(tokens: list[int], stops: list[str], tokenizer) -> int | None:
+    """The reference: the first k at which a stop string occurs in the text of tokens[:k + 1]."""
+    return next((k for k in range(len(tokens)) if any(s in tokenizer.decode(tokens[:k + 1]) for s in stops)), None)
+
+
+def test_stop_strings_match_as_the_whole_text_would():
+    """The clock's incremental matcher (only the characters each token adds, only the stop
+    strings ending in them) stops where searching the whole decoded text would: stops inside a
+    token, across tokens, across a multi-byte character split over byte tokens, repeated."""
+    decoded: list[int] = []  # how many tokens each decode got: the per-token work
+
+    class Recording(type(byte_tokenizer())):  # the real byte tokenizer, counting
+        def decode(self, ids, *args, **kwargs):
+            decoded.append(len(ids))
+            return super().decode(ids, *args, **kwargs)
+
+    tokenizer, reference = Recording(extra_ids=0), byte_tokenizer()
+    text = "the cat sät on the mat, ☃ naïve; the end"
+    tokens = [3 + b for b in text.encode()]
+    rng = torch.Generator().manual_seed(0)
+    words = ["the", "at", "t on t", "ät", "ä", "☃", "☃ n", "; ", "end", "nope", "mat, ☃ naïve; the e", "t", "e"]
+    cases = [[w] for w in words] + [["nope", "mat"], ["end", "sät"], ["☃", "the cat"], ["t on", "t on"]]
+    for _ in range(20):  # random mixtures, including ones that never match
+        picks = torch.randperm(len(words), generator=rng)[:3].tolist()
+        cases.append([words[i] for i in picks])
+    matched = 0
+    for stops in cases:
+        spec = check_sample(PROMPT, 1, trio.SamplingParams(max_tokens=len(tokens), stop=stops), False)
+        row = _Row(0, None, spec, torch.zeros(len(tokens), dtype=torch.float64))
+        got = None
+        for k, tok in enumerate(tokens):
+            row.tokens.append(tok)
+            if _stopped(row, tokenizer):
+                got = k
+                break
+        assert got == _first_stop_by_whole_text(tokens, stops, reference), stops
+        matched += got is not None
+    assert matched >= len(words)  # most cases do stop, and where the reference says
+    # each token decodes a few tokens (its predecessor, and the bytes of one character, at most
+    # 4 in UTF-8), however long the text or the stop strings: not a window as long as the
+    # longest stop string
+    assert max(decoded) <= 1 + 4
+
+
+def test_stop_matching_work_per_token_does_not_grow_with_the_text():
+    decoded: list[int] = []
+
+    class Recording(type(byte_tokenizer())):
+        def decode(self, ids, *args, **kwargs):
+            decoded.append(len(ids))
+            return super().decode(ids, *args, **kwargs)
+
+    tokenizer = Recording(extra_ids=0)
+    stops = ["\u2603" * (MAX_STOP_STRING_CHARS - 1) + c for c in "etaoinshrdlucmfw"]
+    spec = check_sample(PROMPT, 1, trio.SamplingParams(max_tokens=400, stop=stops), False)
+    row = _Row(0, None, spec, torch.zeros(400, dtype=torch.float64))
+    for tok in [3 + b for b in b"the quick brown fox jumps over the lazy dog " * 9][:400]:
+        row.tokens.append(tok)
+        assert not _stopped(row, tokenizer)
+    assert len(decoded) <= 2 * 400 and max(decoded) <= 2  # ASCII: each token completes its character
+
+
+def test_stop_strings_over_the_limits_are_refused_naming_the_field(trained, pool):
+    _, sc = trained
+    per = MAX_STOP_TOTAL_CHARS // MAX_STOP_STRINGS
+    at_limit = [f"{i:0{per}d}" for i in range(MAX_STOP_STRINGS)]
+    over = {
+        "count": at_limit + ["x"],
+        "length": ["y" * (MAX_STOP_STRING_CHARS + 1)],
+        "total": ["z" * MAX_STOP_STRING_CHARS] * (MAX_STOP_TOTAL_CHARS // MAX_STOP_STRING_CHARS + 1),
+        "token ids": list(range(MAX_STOP_TOKEN_IDS + 1)),
+        "a flood": ["w"] * 100_000,
+    }
+    depth = sum(pool.queue_depths().values())
+    for what, stop in over.items():
+        with pytest.raises(trio.InvalidInputError, match="limit") as info:
+            sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=2, stop=stop))
+        assert info.value.field == "sampling_params.stop", what
+    assert sum(pool.queue_depths().values()) <= depth
+    # at the limits: accepted, and it samples
+    assert sum(map(len, at_limit)) == MAX_STOP_TOTAL_CHARS
+    res = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=3, seed=5, stop=at_limit)).result(timeout=60)
+    assert len(res.sequences[0].tokens) <= 3
 
 
 @pytest.mark.parametrize("params", [

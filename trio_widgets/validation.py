@@ -10,8 +10,8 @@ datum, and nothing is queued or changed.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,8 @@ from .errors import InvalidInputError
 from .protocol.losses import FLOAT_INPUTS, REQUIRED_INPUTS, check_loss_inputs, normalise_loss_name, resolved_config
 from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
-__all__ = ["CheckedDatum", "ModelLimits", "RequestLimits", "SampleSpec", "check_adam_params", "check_batch",
+__all__ = ["MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_STOP_TOTAL_CHARS",
+           "CheckedDatum", "ModelLimits", "RequestLimits", "SampleSpec", "check_adam_params", "check_batch",
            "check_logprob_options", "check_loss", "check_sample", "check_prompt", "check_save_extras", "check_ttl",
            "check_user_metadata", "is_int", "is_number"]
 
@@ -211,6 +212,15 @@ def check_adam_params(params: Any) -> AdamParams:
 
 # -- sampling --------------------------------------------------------------------------------
 
+# Stop strings are matched on the clock thread after every sampled token of every row, so their
+# count and length bound that work for every tenant sharing the cycle (issue 22). Token ids cost
+# a set lookup; their count only bounds the request's size.
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_STRING_CHARS = 256  # characters of one stop string
+MAX_STOP_TOTAL_CHARS = 4096  # characters of all of a request's stop strings together
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request
+
+
 @dataclass(frozen=True)
 class SampleSpec:
     """One checked sampling request: a prompt and how to continue it (or only score it)."""
@@ -223,6 +233,9 @@ class SampleSpec:
     top_p: float = 1.0
     stop_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    # the stop strings by their last character, built at submit so that the clock thread only
+    # checks, per new character, whether the text ends with a stop string ending in it
+    stop_by_last: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False, repr=False)
     seed: int = 0
     prompt_logprobs: bool = False
     logprobs_only: bool = False
@@ -261,11 +274,26 @@ def _stops(stop: Any, limits: ModelLimits | None) -> tuple[frozenset[int], tuple
     if not isinstance(stop, (list, tuple)):
         raise InvalidInputError(f"must be a string, a list of strings or a list of token ids, got "
                                 f"{type(stop).__name__}", field=where)
-    ids, strings = set(), []
+    if len(stop) > MAX_STOP_STRINGS + MAX_STOP_TOKEN_IDS:  # refused before looking at each entry
+        raise InvalidInputError(f"has {len(stop)} entries, more than the limit of {MAX_STOP_STRINGS} stop strings "
+                                f"and {MAX_STOP_TOKEN_IDS} stop token ids", field=where)
+    ids: set[int] = set()
+    strings: list[str] = []
+    total = 0
     for item in stop:
         if isinstance(item, str):
             if not item:
                 raise InvalidInputError("an empty stop string would stop at once", field=where)
+            if len(strings) == MAX_STOP_STRINGS:
+                raise InvalidInputError(f"has more than the limit of {MAX_STOP_STRINGS} stop strings per request",
+                                        field=where)
+            if len(item) > MAX_STOP_STRING_CHARS:
+                raise InvalidInputError(f"a stop string has {len(item)} characters, more than the limit of "
+                                        f"{MAX_STOP_STRING_CHARS}", field=where)
+            total += len(item)
+            if total > MAX_STOP_TOTAL_CHARS:
+                raise InvalidInputError(f"the stop strings have more than the limit of {MAX_STOP_TOTAL_CHARS} "
+                                        f"characters together", field=where)
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as exc:  # a lone surrogate: no text can ever contain it
@@ -276,6 +304,9 @@ def _stops(stop: Any, limits: ModelLimits | None) -> tuple[frozenset[int], tuple
                 raise InvalidInputError(f"stop token id {item} is outside the vocabulary [0, {limits.vocab_size})",
                                         field=where)
             ids.add(int(item))
+            if len(ids) > MAX_STOP_TOKEN_IDS:
+                raise InvalidInputError(f"has more than the limit of {MAX_STOP_TOKEN_IDS} stop token ids per "
+                                        f"request", field=where)
         else:
             raise InvalidInputError(f"stop entries must be strings or token ids, got {type(item).__name__}",
                                     field=where)
@@ -283,6 +314,13 @@ def _stops(stop: Any, limits: ModelLimits | None) -> tuple[frozenset[int], tuple
         raise InvalidInputError(f"{limits.name} has no tokenizer, so stop strings cannot be matched; "
                                 f"pass stop token ids instead", field=where)
     return frozenset(ids), tuple(strings)
+
+
+def _by_last_char(strings: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    by_last: dict[str, list[str]] = {}
+    for s in dict.fromkeys(strings):  # a repeated stop string is checked once
+        by_last.setdefault(s[-1], []).append(s)
+    return {last: tuple(group) for last, group in by_last.items()}
 
 
 def check_sample(prompt: Any, num_samples: Any, params: Any, include_prompt_logprobs: bool,
@@ -325,6 +363,7 @@ def check_sample(prompt: Any, num_samples: Any, params: Any, include_prompt_logp
     stop_ids, stop_strings = _stops(params.stop, limits)
     return SampleSpec(prompt=tokens, num_samples=int(num_samples), max_tokens=int(mt), temperature=float(temp),
                       top_k=max(int(top_k), 0), top_p=float(top_p), stop_ids=stop_ids, stop_strings=stop_strings,
+                      stop_by_last=_by_last_char(stop_strings),
                       seed=int(seed) % 2**64 if seed is not None else secrets.randbits(63),
                       prompt_logprobs=bool(include_prompt_logprobs))
 

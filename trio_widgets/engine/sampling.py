@@ -124,6 +124,15 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     topk: list[list[tuple[int, float]] | None] = field(default_factory=list)
     stop_reason: str | None = None
+    # incremental decoding for stop strings: tokens[prefix_at:read_at] were decoded last step
+    # (context for the next), `tail` the last characters a stop string could still end across
+    prefix_at: int = 0
+    read_at: int = 0
+    tail: str = ""
+    keep: int = 0  # characters of `tail`: a stop string that ends later starts at most this far back
+
+    def __post_init__(self) -> None:
+        self.keep = max(map(len, self.spec.stop_strings), default=1) - 1
 
 
 def _topk_lists(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
@@ -167,13 +176,44 @@ def _choose(logits: torch.Tensor, rows: list[_Row], step: int) -> tuple[list[int
     return out.tolist(), chosen.tolist()
 
 
+# Tokens held back while they end inside a character (a byte-level tokenizer's partial UTF-8)
+# before they are decoded anyway: bounds the decode per token when a model emits stray bytes.
+_MAX_PENDING_TOKENS = 16
+
+
+def _new_text(row: _Row, tokenizer: Any) -> str:
+    """The text the newest token adds, decoded incrementally (vLLM's prefix / read offsets): the
+    tokens since the last emitted text are decoded after the previous step's (for context), so
+    the per-token cost does not grow with the text or the stop strings."""
+    prefix = tokenizer.decode(row.tokens[row.prefix_at:row.read_at]) if row.read_at > row.prefix_at else ""
+    full = tokenizer.decode(row.tokens[row.prefix_at:])
+    complete = len(full) > len(prefix) and not full.endswith("\ufffd")
+    if not complete and len(row.tokens) - row.prefix_at <= _MAX_PENDING_TOKENS:
+        return ""
+    row.prefix_at, row.read_at = row.read_at, len(row.tokens)
+    return full[len(prefix):]
+
+
 def _stopped(row: _Row, tokenizer: Any) -> bool:
+    """Whether the newest token is a stop token or completes a stop string. A stop string can
+    only newly appear ending at one of the characters this token added, so only those ends are
+    checked, against the stop strings ending in that character (bounded by the submit limits of
+    validation.py)."""
     if row.tokens[-1] in row.spec.stop_ids:
         return True
-    if row.spec.stop_strings:
-        window = max(len(s.encode("utf-8")) for s in row.spec.stop_strings) + 8
-        text = tokenizer.decode(row.tokens[-window:])
-        return any(s in text for s in row.spec.stop_strings)
+    if not row.spec.stop_strings:
+        return False
+    new = _new_text(row, tokenizer)
+    if not new:
+        return False
+    text = row.tail + new
+    start = len(row.tail)
+    by_last = row.spec.stop_by_last
+    for i, char in enumerate(new):
+        for stop in by_last.get(char, ()):
+            if text.endswith(stop, 0, start + i + 1):
+                return True
+    row.tail = text[-row.keep:] if row.keep else ""
     return False
 
 
