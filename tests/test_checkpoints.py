@@ -317,6 +317,98 @@ def test_a_half_finished_replace_still_loads_the_previous_checkpoint(svc, tmp_pa
     assert _same(_weights(resumed), expected)
 
 
+def _dead_tag() -> str:
+    """A sibling tag (see checkpoints._sibling_tag) of a writer that has exited: a real process's id."""
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True).stdout)
+    return f"{pid:06x}0badc0"
+
+
+def _siblings(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_overwrite_swaps_the_directories_in_one_step_on_linux(tmp_path):
+    from trio_widgets.engine.checkpoints import _exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "y").write_text("from b")
+    if not _exchange(a, b):
+        pytest.skip("this OS or filesystem has no atomic exchange (the two-rename fallback runs)")
+    assert os.listdir(a) == ["y"] and os.listdir(b) == ["x"]
+
+
+@pytest.mark.parametrize("state", ["between the two renames", "after the exchange", "mid-write", "mid-delete",
+                                   "mid-expiry", "a live writer"])
+def test_a_pool_start_finishes_what_a_killed_writer_left(svc, tmp_path, state):
+    """Each on-disk state a save, delete or expiry update killed at that point leaves: at the next
+    pool start the name loads (the previous checkpoint where the new one never got its name, the
+    new one where it did) and the writer's siblings are gone; a live writer's are left alone."""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=8)
+    _step(tc, 0)
+    old_src = tc.save_state("v1").result().path
+    old_weights = _weights(tc)
+    _step(tc, 1)
+    new_src = tc.save_state("v2").result().path
+    new_weights = _weights(tc)
+    folder = tmp_path / "root" / "run-1" / "weights"
+    folder.mkdir(parents=True)
+    final = folder / "ck"
+    tag = f"{os.getpid():06x}a11ve0" if state == "a live writer" else _dead_tag()
+    expected = old_weights
+    if state == "between the two renames":  # old set aside, the new one not yet renamed in
+        shutil.copytree(old_src, folder / f".ck.old-{tag}")
+        shutil.copytree(new_src, folder / f".ck.tmp-{tag}")
+    elif state == "after the exchange":  # the new one has the name; the old one half deleted
+        shutil.copytree(new_src, final)
+        shutil.copytree(old_src, folder / f".ck.tmp-{tag}")
+        os.unlink(folder / f".ck.tmp-{tag}" / "optimizer.safetensors")
+        expected = new_weights
+    elif state == "mid-write":
+        shutil.copytree(old_src, final)
+        (folder / f".ck.tmp-{tag}").mkdir()
+        (folder / f".ck.tmp-{tag}" / "adapter_model.safetensors").write_bytes(b"\0" * 100)
+    elif state == "mid-delete":
+        shutil.copytree(old_src, final)
+        shutil.copytree(new_src, folder / f".gone.del-{tag}")
+    elif state == "mid-expiry":
+        shutil.copytree(old_src, final)
+        (final / f".trio_checkpoint.json.tmp-{tag}").write_text("{")
+    else:
+        shutil.copytree(old_src, final)
+        (folder / f".ck.tmp-{tag}").mkdir()
+    def leftovers() -> list[str]:
+        return _siblings(folder) + (_siblings(final) if final.is_dir() else [])
+
+    before = leftovers()
+    with trio.LocalPool(min_cycle_s=0.002, checkpoint_dir=str(tmp_path / "root")):
+        pass
+    if state == "a live writer":
+        assert leftovers() == before
+    else:
+        assert before and leftovers() == []
+    assert sorted(os.listdir(folder)) == [*_siblings(folder), "ck"]
+    resumed = svc.create_training_client_from_state_with_optimizer(str(final))
+    assert _same(_weights(resumed), expected)
+
+
+def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(svc, tmp_path):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
+    _step(tc, 0)
+    src = tc.save_state("ck").result().path
+    folder = tmp_path / "run" / "weights"
+    folder.mkdir(parents=True)
+    tag = _dead_tag()
+    shutil.copytree(src, folder / f".ck.old-{tag}")
+    (folder / f".ck.tmp-{tag}").mkdir()
+    resumed = svc.create_training_client_from_state(str(folder / "ck"))
+    assert _same(_weights(resumed), _weights(tc))
+    assert os.listdir(folder) == ["ck"]
+
+
 _WRITER = textwrap.dedent("""
     import hashlib, sys
     import trio_widgets as trio
@@ -364,7 +456,8 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
 
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path):
     """The writer saves rank-128 state (~17 MB) under one name; it is SIGKILLed as soon as the
-    second save touches any file, wherever the implementation writes."""
+    second save touches any file, wherever the implementation writes. The next pool's start
+    leaves only the name."""
     for attempt in range(3):
         ckdir = tmp_path / f"attempt-{attempt}"
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(ckdir)], stdin=subprocess.PIPE,
@@ -393,6 +486,9 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path)
             proc.stdout.close()
             proc.stdin.close()
         interrupted = "saved 1" not in rest and any(p.name.startswith(".latest.tmp-") for p in path.parent.iterdir())
+        with trio.LocalPool(min_cycle_s=0.002, checkpoint_dir=str(ckdir)):  # its start cleans up after the kill
+            pass
+        assert os.listdir(path.parent) == ["latest"]
         resumed = svc.create_training_client_from_state_with_optimizer(str(path))  # must load, whatever the moment
         got = _digest(_weights(resumed))
         assert got in (ready0[2], ready1[2])

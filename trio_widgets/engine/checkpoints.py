@@ -15,10 +15,15 @@ No pickle anywhere: safetensors and JSON only.
 
 Writes are atomic: the files go to a hidden temporary directory next to the target,
 are fsynced, and the directory is renamed into place. Replacing an existing checkpoint
-moves the old directory aside (`.<name>.old-*`) just before the rename and deletes it
-just after; a reader that finds the name missing in that instant (or after a crash in
-it) loads the set-aside copy. A crash at any point leaves the previous checkpoint
-loadable; a half-written temporary directory is never read.
+swaps the two directories in one step where the OS can (Linux `renameat2(RENAME_EXCHANGE)`),
+then deletes the previous one under the temporary name; elsewhere it moves the old
+directory aside (`.<name>.old-*`) just before the rename and deletes it just after, and a
+reader that finds the name missing in that instant loads the set-aside copy. A crash at any
+point leaves the previous checkpoint loadable; a half-written temporary directory is never
+read. What a killed writer leaves behind is finished at the next pool start (and when a
+missing name is looked up): a name with only its `.old-*` copy gets it back, stray
+`.tmp-*` / `.old-*` / `.del-*` siblings are deleted. Each sibling's tag starts with its
+writer's process id, so only the leftovers of writers that are gone are touched.
 
 Reading trusts nothing in the directory. Only the layout's files are read: a manifest's
 `files` are names looked up in the checkpoint directory, never paths. Each must be a
@@ -30,6 +35,8 @@ weights and AdamW moments finite float tensors of consistent shapes.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
@@ -67,6 +74,7 @@ __all__ = [
     "checkpoint_root",
     "default_checkpoint_dir",
     "read_checkpoint",
+    "recover_checkpoints",
     "run_dir",
     "targets_of",
     "validate_name",
@@ -167,28 +175,172 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def _sibling_tag() -> str:
+    """12 hex characters for a temporary or set-aside sibling: the writer's process id (6 hex:
+    Linux pids are below 2**22), then 6 random, so that recovery can tell a live writer's."""
+    return f"{os.getpid() & 0xFFFFFF:06x}{secrets.token_hex(3)}"
+
+
+def _writer_gone(tag: str) -> bool:
+    """Whether the writer of a sibling tagged `tag` has exited (an untagged one: yes)."""
+    if len(tag) != 12:
+        return True  # not written by this scheme
+    if os.name != "posix":
+        return False  # no harmless liveness probe: leave it
+    try:
+        os.kill(int(tag[:6], 16), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False  # another user's live process, or not a pid: leave it
+    return False
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2_fn: Any = None
+
+
+def _renameat2() -> Any:
+    global _renameat2_fn
+    if _renameat2_fn is None:
+        _renameat2_fn = False
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28, musl >= 1.2.3
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _renameat2_fn = fn
+        except (AttributeError, OSError, TypeError):
+            pass
+    return _renameat2_fn or None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step; False where the OS or filesystem cannot."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False  # an old kernel, or a filesystem without exchange (EPERM: some FUSE / overlay setups)
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def atomic_write_dir(final: Path, files: dict[str, bytes]) -> None:
     """Make `final` a directory holding exactly `files`, all at once (see the module doc)."""
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{final.name}.tmp-{secrets.token_hex(6)}"
+    tmp = parent / f".{final.name}.tmp-{_sibling_tag()}"
     tmp.mkdir()
     try:
         for fname, data in files.items():
             _write_file(tmp / fname, data)
         _fsync_dir(tmp)
         if final.exists():
-            old = parent / f".{final.name}.old-{secrets.token_hex(6)}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(parent)
-            shutil.rmtree(old, ignore_errors=True)
+            if _exchange(tmp, final):  # the name never goes missing; tmp now holds the previous one
+                _fsync_dir(parent)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                old = parent / f".{final.name}.old-{_sibling_tag()}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                _fsync_dir(parent)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
         _fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+_SIBLING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<tag>[0-9a-f]+)$")
+_RECOVER_DEPTH = 4  # run directories nest (a served run's is <key dir>/<run>): how deep to look for them
+
+
+def _remove(path: Path) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def recover_folder(folder: Path) -> None:
+    """Finish what writers killed mid-save left in one `weights` / `sampler_weights` folder: a
+    name whose directory is missing gets its newest set-aside copy back; every other sibling
+    of a writer that is gone (temporary, set-aside, being deleted) is deleted, and so are
+    temporary manifests inside checkpoints."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    aside: dict[str, list[Path]] = {}
+    for entry in names:
+        match = _SIBLING.match(entry)
+        if match is None:
+            if not entry.startswith("."):
+                _recover_manifest_tmp(folder / entry)
+            continue
+        if not _writer_gone(match["tag"]):
+            continue
+        if match["kind"] == "old":
+            aside.setdefault(match["name"], []).append(folder / entry)
+        else:
+            _remove(folder / entry)
+    for name, copies in aside.items():
+        final = folder / name
+        copies.sort(key=_mtime, reverse=True)
+        for copy in copies:
+            if not os.path.lexists(final) and is_checkpoint_dir(copy):
+                try:
+                    os.rename(copy, final)
+                    continue
+                except OSError:
+                    pass
+            _remove(copy)
+    _fsync_dir(folder)
+
+
+def _recover_manifest_tmp(directory: Path) -> None:
+    if not is_checkpoint_dir(directory):
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for entry in names:
+        if entry.startswith(f".{MANIFEST}.tmp-") and _writer_gone(entry.rsplit("-", 1)[1]):
+            _remove(directory / entry)
+
+
+def recover_checkpoints(root: Path) -> None:
+    """`recover_folder` for every run under a checkpoint root (a pool runs it when it starts)."""
+    stack = [(root, 0)]
+    while stack:
+        directory, depth = stack.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.name in SEGMENTS:
+                recover_folder(Path(entry.path))
+            elif depth < _RECOVER_DEPTH:
+                stack.append((Path(entry.path), depth + 1))
 
 
 def _peft_config(adapter: LoRAAdapter, base: BaseModel) -> dict:
@@ -329,6 +481,10 @@ def resolve_path(path: Any, pool: Any = None) -> Path:
         if p.exists():
             raise CheckpointError(f"{str(p)!r} is a file; a checkpoint is the directory that holds "
                                   f"{ADAPTER_WEIGHTS}", path=str(p))
+        if p.parent.name in SEGMENTS:  # a writer killed mid-replace: its set-aside copy gets the name back
+            recover_folder(p.parent)
+            if p.is_dir():
+                return p
         aside = sorted(p.parent.glob(f".{p.name}.old-*"), key=lambda q: q.stat().st_mtime, reverse=True) \
             if p.parent.is_dir() else []
     except OSError as exc:  # e.g. a name too long for the filesystem, or a directory we may not list
@@ -931,7 +1087,7 @@ def delete_checkpoint(directory: Path) -> None:
     if not is_checkpoint_dir(directory):
         raise CheckpointNotFoundError(f"no checkpoint at {str(directory)!r}", path=str(directory))
     # set aside first (one rename), so that no reader sees a half-deleted checkpoint
-    aside = directory.parent / f".{directory.name}.del-{secrets.token_hex(6)}"
+    aside = directory.parent / f".{directory.name}.del-{_sibling_tag()}"
     os.rename(directory, aside)
     shutil.rmtree(aside, ignore_errors=True)
 
@@ -948,7 +1104,7 @@ def set_expiry(directory: Path, expires_at: float | None, pool: Any = None) -> N
         meta.pop("expires_at", None)
     else:
         meta["expires_at"] = float(expires_at)
-    tmp = directory / f".{MANIFEST}.tmp-{secrets.token_hex(6)}"
+    tmp = directory / f".{MANIFEST}.tmp-{_sibling_tag()}"
     try:
         _write_file(tmp, json.dumps(meta, indent=2).encode())
         os.replace(tmp, directory / MANIFEST)

@@ -39,6 +39,7 @@ from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from ..validation import RequestLimits
+from .checkpoints import checkpoint_root, recover_checkpoints
 from .gil import GilWatchdog, RunMeter
 from .handlers import HANDLERS
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
@@ -207,6 +208,8 @@ class LocalPool:
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        # finish what a writer killed mid-save left (a name only set aside, stray temporaries)
+        recover_checkpoints(checkpoint_root(self))
         #: the most bytes read from a checkpoint's tensor files (None: derived from max_rank)
         self.max_checkpoint_bytes: int | None = None
         # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
