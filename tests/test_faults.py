@@ -86,6 +86,21 @@ def test_a_custom_loss_that_raises_anything_fails_only_its_request(pool, svc, es
     ticks_on(pool)
 
 
+@pytest.mark.parametrize("make_loss,what", [
+    (lambda lps: torch.stack([-lp.sum() for lp in lps]), "a loss of shape [2], not a scalar"),
+    (lambda lps: -lps[0], "a loss of shape [12], not a scalar"),
+    (lambda lps: float(-lps[0].sum().detach()), "its loss is a float"),
+], ids=["per-datum vector", "per-token vector", "float"])
+def test_a_custom_loss_that_is_not_a_scalar_fails_its_request_naming_the_shape(pool, svc, make_loss, what):
+    """tinker's backward() refuses a loss that is not one element; it is never summed for the user."""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    with pytest.raises(trio.RequestFailedError, match="forward_backward_custom: your loss function") as info:
+        tc.forward_backward_custom(BATCH, lambda d, lps: (make_loss(lps), {})).result(timeout=60)
+    assert what in str(info.value) and "raised" not in str(info.value)
+    ok = tc.forward_backward_custom(BATCH, lambda d, lps: (sum(-lp.sum() for lp in lps), {"n": 1}))
+    assert ok.result(timeout=60).metrics["n"] == 1.0  # the client goes on
+
+
 @pytest.mark.parametrize("metrics,what", [({"m": "abc"}, "'m' = 'abc'"), ({"m": [1, 2]}, "'m' = [1, 2]"),
                                           ({"m": torch.ones(3)}, "'m' = tensor"), ("oops", "of type str")])
 def test_custom_metrics_that_are_not_numbers_fail_only_that_tenant(pool, svc, metrics, what):

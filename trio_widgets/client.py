@@ -80,6 +80,7 @@ from .validation import (
     check_sample,
     check_ttl,
     check_user_metadata,
+    custom_loss_problem,
     is_int,
     is_number,
 )
@@ -532,8 +533,9 @@ def _finish_custom_loss(forward: APIFuture, slot: Reservation, data: list[Datum]
     leaves = [o["logprobs"].to_torch().float().requires_grad_(True) for o in out.loss_fn_outputs]
     try:
         loss, metrics = loss_fn(data, leaves)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"the loss function must return (scalar tensor, dict), got {type(loss).__name__}")
+        if (problem := custom_loss_problem(loss)) is not None:
+            failed(problem)
+            return
         loss.backward()
     except BaseException as exc:  # user code may raise anything, SystemExit included: it fails this request only
         failed(f"your loss function raised {type(exc).__name__}: {exc}")

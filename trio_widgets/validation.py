@@ -24,7 +24,7 @@ from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_STOP_TOTAL_CHARS",
            "CheckedDatum", "ModelLimits", "RequestLimits", "SampleSpec", "check_adam_params", "check_batch",
            "check_logprob_options", "check_loss", "check_sample", "check_prompt", "check_save_extras", "check_ttl",
-           "check_user_metadata", "is_int", "is_number"]
+           "check_user_metadata", "custom_loss_problem", "is_int", "is_number"]
 
 
 @dataclass(frozen=True)
@@ -427,6 +427,20 @@ def check_logprob_options(spec: SampleSpec, *, include_prompt_logprobs: bool, to
                    topk_prompt_logprobs=_count(topk_prompt_logprobs, "topk_prompt_logprobs", vocab, in_vocab),
                    topk_sample_logprobs=_count(topk_sample_logprobs, "topk_sample_logprobs", vocab, in_vocab),
                    target_prompt_ids=targets, prompt_alt_tokens_k=alt_k)
+
+
+# -- custom losses ----------------------------------------------------------------------------
+
+def custom_loss_problem(loss: Any) -> str | None:
+    """What is wrong with the loss a custom loss function returned (None: a tensor of one
+    element, which is what torch's `backward()`, and so tinker, takes). A vector is refused, not
+    summed on the user's behalf."""
+    if not (hasattr(loss, "shape") and hasattr(loss, "numel") and hasattr(loss, "backward")):
+        return f"your loss function must return (scalar tensor, dict); its loss is a {type(loss).__name__}"
+    if loss.numel() != 1:
+        return (f"your loss function returned a loss of shape {list(loss.shape)}, not a scalar: reduce it "
+                f"(.sum() or .mean()) before returning it")
+    return None
 
 
 # -- checkpoints ------------------------------------------------------------------------------
