@@ -342,7 +342,7 @@ def test_overwrite_swaps_the_directories_in_one_step_on_linux(tmp_path):
 
 
 @pytest.mark.parametrize("state", ["between the two renames", "after the exchange", "mid-write", "mid-delete",
-                                   "mid-expiry", "a live writer"])
+                                   "mid-expiry", "a live writer", "our pid, before we started"])
 def test_a_pool_start_finishes_what_a_killed_writer_left(svc, tmp_path, state):
     """Each on-disk state a save, delete or expiry update killed at that point leaves: at the next
     pool start the name loads (the previous checkpoint where the new one never got its name, the
@@ -357,7 +357,9 @@ def test_a_pool_start_finishes_what_a_killed_writer_left(svc, tmp_path, state):
     folder = tmp_path / "root" / "run-1" / "weights"
     folder.mkdir(parents=True)
     final = folder / "ck"
-    tag = f"{os.getpid():06x}a11ve0" if state == "a live writer" else _dead_tag()
+    # our own pid: a live writer's, unless the sibling is older than this process (a restarted
+    # container's writer had the same pid)
+    tag = f"{os.getpid():06x}a11fe0" if state in ("a live writer", "our pid, before we started") else _dead_tag()
     expected = old_weights
     if state == "between the two renames":  # old set aside, the new one not yet renamed in
         shutil.copytree(old_src, folder / f".ck.old-{tag}")
@@ -380,6 +382,10 @@ def test_a_pool_start_finishes_what_a_killed_writer_left(svc, tmp_path, state):
     else:
         shutil.copytree(old_src, final)
         (folder / f".ck.tmp-{tag}").mkdir()
+        if state == "our pid, before we started":
+            then = time.time() - 3600
+            os.utime(folder / f".ck.tmp-{tag}", (then, then))
+
     def leftovers() -> list[str]:
         return _siblings(folder) + (_siblings(final) if final.is_dir() else [])
 

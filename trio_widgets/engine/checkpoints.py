@@ -181,14 +181,22 @@ def _sibling_tag() -> str:
     return f"{os.getpid() & 0xFFFFFF:06x}{secrets.token_hex(3)}"
 
 
-def _writer_gone(tag: str) -> bool:
-    """Whether the writer of a sibling tagged `tag` has exited (an untagged one: yes)."""
+# this process wrote no sibling before this module was imported: an older one with our pid was
+# left by an earlier process that had it (a container restarted: the same small pid again)
+_IMPORTED_AT = time.time()
+
+
+def _writer_gone(tag: str, path: Path) -> bool:
+    """Whether the writer of a sibling `path` tagged `tag` has exited (an untagged one: yes)."""
     if len(tag) != 12:
         return True  # not written by this scheme
     if os.name != "posix":
         return False  # no harmless liveness probe: leave it
+    pid = int(tag[:6], 16)
+    if pid == os.getpid():
+        return _mtime(path) < _IMPORTED_AT - 1.0  # 1 s: filesystems' coarse timestamps
     try:
-        os.kill(int(tag[:6], 16), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except (PermissionError, OverflowError, ValueError):
@@ -293,7 +301,7 @@ def recover_folder(folder: Path) -> None:
             if not entry.startswith("."):
                 _recover_manifest_tmp(folder / entry)
             continue
-        if not _writer_gone(match["tag"]):
+        if not _writer_gone(match["tag"], folder / entry):
             continue
         if match["kind"] == "old":
             aside.setdefault(match["name"], []).append(folder / entry)
@@ -321,7 +329,7 @@ def _recover_manifest_tmp(directory: Path) -> None:
     except OSError:
         return
     for entry in names:
-        if entry.startswith(f".{MANIFEST}.tmp-") and _writer_gone(entry.rsplit("-", 1)[1]):
+        if entry.startswith(f".{MANIFEST}.tmp-") and _writer_gone(entry.rsplit("-", 1)[1], directory / entry):
             _remove(directory / entry)
 
 
