@@ -208,8 +208,12 @@ class LocalPool:
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
-        # finish what a writer killed mid-save left (a name only set aside, stray temporaries)
-        recover_checkpoints(checkpoint_root(self))
+        # finish what a writer killed mid-save left (a name only set aside, stray temporaries);
+        # best effort: a directory it may not change never stops a pool from starting
+        try:
+            recover_checkpoints(checkpoint_root(self))
+        except OSError as exc:
+            log.warning("could not recover the checkpoint directory: %s", exc)
         #: the most bytes read from a checkpoint's tensor files (None: derived from max_rank)
         self.max_checkpoint_bytes: int | None = None
         # Hugging Face Hub ids not on this machine: fetched only when allowed (None: $TRIO_ALLOW_DOWNLOAD)
