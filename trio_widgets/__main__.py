@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--session-timeout-s", type=float, default=60.0,
                        help="a session not heard from for this long is expired: its queued requests cancelled")
     serve.add_argument("--device", default="auto")
+    serve.add_argument("--allowed-hosts", default="",
+                       help="comma-separated host names clients reach this server by, besides IP addresses, "
+                            "localhost and this machine's names (a page rebinding any other name is refused)")
+    serve.add_argument("--allowed-origins", default="",
+                       help="comma-separated web origins whose pages may call this server (default: none)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -117,7 +122,9 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server = Server(pool, host=args.host, port=args.port, api_keys=keys, observer_keys=args.observer_key,
-                    models=models, session_timeout_s=args.session_timeout_s, owns_pool=True)
+                    models=models, session_timeout_s=args.session_timeout_s, owns_pool=True,
+                    allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
+                    allowed_origins=[o for o in args.allowed_origins.split(",") if o.strip()])
     try:
         server.start()
     except OSError as exc:

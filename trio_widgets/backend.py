@@ -92,6 +92,7 @@ class ModelHandle:
     run_id: str | None = None  # a training run's id: its checkpoints' directory (tinker's model_id)
     arch: str | None = None  # the base model's architecture (its config's model_type)
     context_length: int | None = None
+    state_bytes: int = 0  # what the pool holds for it: adapter, and gradient and Adam moments when training
 
 
 # -- requests of a client (the op name travels beside them) ------------------------------

@@ -179,14 +179,15 @@ class LocalPool:
                  max_sampled_tokens: int = 32_768, telemetry_capacity: int = 4096,
                  checkpoint_dir: str | os.PathLike | None = None, name: str | None = None,
                  torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True,
-                 allow_download: bool | None = None, gil_watchdog: bool = True):
+                 allow_download: bool | None = None, gil_watchdog: bool = True, max_tenants: int = 1024):
         if not is_number(min_cycle_s) or not (0 <= min_cycle_s <= _MAX_CYCLE_S):
             raise ValueError(f"min_cycle_s must be a number of seconds from 0 to {_MAX_CYCLE_S:.0f}, "
                              f"got {min_cycle_s!r}")
         counts = {"max_tokens_per_pass": max_tokens_per_pass, "max_rank": max_rank,
                   "max_samples_per_cycle": max_samples_per_cycle, "max_request_tokens": max_request_tokens,
                   "max_request_data": max_request_data, "max_num_samples": max_num_samples,
-                  "max_sampled_tokens": max_sampled_tokens, "telemetry_capacity": telemetry_capacity}
+                  "max_sampled_tokens": max_sampled_tokens, "telemetry_capacity": telemetry_capacity,
+                  "max_tenants": max_tenants}
         for key, value in counts.items():
             if not is_int(value) or value < 1:
                 raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
@@ -205,6 +206,7 @@ class LocalPool:
         self.max_tokens_per_pass = int(max_tokens_per_pass)
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)
+        self.max_tenants = int(max_tenants)  # clients whose state the pool holds at once (memory)
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
@@ -348,6 +350,9 @@ class LocalPool:
     def add_tenant(self, tenant: Tenant, label: str | None) -> None:
         self._check_open()
         with self._clock.cond:
+            if len(self._tenants) >= self.max_tenants:
+                raise InvalidInputError(f"the pool {self.name!r} holds {len(self._tenants)} clients, its limit "
+                                        f"(max_tenants): close some clients first")
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,

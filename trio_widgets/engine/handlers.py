@@ -181,7 +181,15 @@ def handle_of(tenant: Tenant, model_path: str | None = None) -> ModelHandle:
                        model_path=model_path,
                        run_id=ckpt.run_id_of(tenant) if tenant.kind == "training" else None,
                        arch=getattr(getattr(base.model, "config", None), "model_type", None),
-                       context_length=base.context_length)
+                       context_length=base.context_length, state_bytes=_state_bytes(tenant))
+
+
+def _state_bytes(tenant: Tenant) -> int:
+    adapter = tenant.adapter
+    if adapter is None:
+        return 0
+    # a training client holds its weights, a gradient and two Adam moments of the same size
+    return adapter.flat.numel() * adapter.flat.element_size() * (4 if tenant.kind == "training" else 1)
 
 
 # -- load_state, load_state_with_optimizer ---------------------------------------------------

@@ -242,6 +242,13 @@ class _Link:
         try:
             self.loop.run_forever()
         finally:
+            # polls still waiting end here, cancelled (close() settles their futures), rather than
+            # being destroyed pending with the loop ("Task was destroyed but it is pending!")
+            tasks = asyncio.all_tasks(self.loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self.loop.run_until_complete(self.aclient.aclose())
             self.loop.close()
 

@@ -29,18 +29,23 @@ __all__ = ["API", "build_app", "error_response", "json_body", "read_body"]
 log = logging.getLogger("trio_widgets.http.server")
 
 API = "/api/v1"
+_CLOSE = (401, 403, 408, 413, 415)  # refusals after which the connection is closed
 
 
-def error_response(error: WireError) -> JSONResponse:
+def error_response(error: WireError, *, close: bool = False) -> JSONResponse:
     body: dict[str, Any] = {"detail": error.message, "code": error.code}
     if error.field is not None:
         body["field"] = error.field
     if error.datum_index is not None:
         body["datum_index"] = error.datum_index
-    return JSONResponse(body, status_code=error.status)
+    # a client without a valid key, or whose body was not read, keeps no connection
+    return JSONResponse(body, status_code=error.status, headers={"Connection": "close"} if close else None)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, service: Service, owner: str) -> bytes:
+    """The body, bounded in size (max_body_bytes), in bytes held while it arrives (per key and in
+    all: a stalled body holds its bytes) and in time: a body that stalls for body_timeout_s is a 408."""
+    limit = service.max_body_bytes
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -53,11 +58,21 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise HttpError(415, f"Content-Encoding {encoding!r} is not supported: this server does not advertise "
                               f"compressed request bodies")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
-        chunks.append(chunk)
+    stream = request.stream()
+    with service.budget.reading(owner) as take:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), service.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise HttpError(408, f"the body stalled: nothing arrived for {service.body_timeout_s:g} s "
+                                     f"(body_timeout_s)", code="timeout") from None
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
+            take(len(chunk))
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
@@ -85,7 +100,7 @@ def _endpoint(service: Service, handler: Handler, *, observer: bool = False, ope
             result = await handler(service, owner, request)
         except (HttpError, InvalidInputError, PoolClosedError, ClientClosedError) as exc:
             # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
-            return error_response(wire_of(exc))
+            return error_response(wire_of(exc), close=isinstance(exc, HttpError) and exc.status in _CLOSE)
         except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
             log.exception("%s %s failed", request.method, request.url.path)
             return error_response(wire_error(exc))
@@ -98,7 +113,7 @@ def _endpoint(service: Service, handler: Handler, *, observer: bool = False, ope
 
 def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
     async def handler(service: Service, owner: str, request: Request) -> Any:
-        body = json_body(await read_body(request, service.max_body_bytes))
+        body = json_body(await read_body(request, service, owner))
         result = method(service, owner, body)
         return await result if asyncio.iscoroutine(result) else result
 
@@ -107,7 +122,7 @@ def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
 
 def build_app(service: Service) -> Starlette:
     async def config(s: Service, owner: str, request: Request) -> dict:
-        await read_body(request, s.max_body_bytes)
+        await read_body(request, s, owner)
         # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
         return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "pjwt_auth_enabled": False,
                 "fwdbwd_max_chunk_len": s.fwdbwd_max_chunk_len,
@@ -116,33 +131,33 @@ def build_app(service: Service) -> Starlette:
                 "sample_join_sampling_session": False}
 
     async def dynamic_config(s: Service, owner: str, request: Request) -> dict:
-        await read_body(request, s.max_body_bytes)
+        await read_body(request, s, owner)
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     async def heartbeat(s: Service, owner: str, request: Request) -> dict:
-        body = json_body(await read_body(request, s.max_body_bytes))
+        body = json_body(await read_body(request, s, owner))
         s.session(body.get("session_id"), owner)  # 410 once expired: the SDK stops heartbeating then
         return {"type": "session_heartbeat"}
 
     async def finish(s: Service, owner: str, request: Request) -> dict:
-        await read_body(request, s.max_body_bytes)
+        await read_body(request, s, owner)
         session = s.session(request.path_params["session_id"], owner, live=False)
         if session.state == "live":
             s.end_session(session, "finished", "the client finished its session")
         return {}
 
     async def telemetry_sink(s: Service, owner: str, request: Request) -> dict:
-        await read_body(request, s.max_body_bytes)  # the SDK's own telemetry: accepted, not kept
+        await read_body(request, s, owner)  # the SDK's own telemetry: accepted, not kept
         return {"status": "accepted"}
 
     async def forward_backward(s: Service, owner: str, request: Request) -> dict:
         ctype = request.headers.get("content-type", "")
         if not ctype.startswith(wire.PROTOBUF):
             raise HttpError(415, f"forward_backward takes a protobuf body ({wire.PROTOBUF}), got {ctype!r}")
-        return s.forward_backward(owner, await read_body(request, s.max_body_bytes))
+        return s.forward_backward(owner, await read_body(request, s, owner))
 
     async def retrieve(s: Service, owner: str, request: Request) -> Response:
-        return await s.retrieve(owner, json_body(await read_body(request, s.max_body_bytes)))
+        return await s.retrieve(owner, json_body(await read_body(request, s, owner)))
 
     async def capabilities(s: Service, owner: str, request: Request) -> dict:
         # the engine's answer, as in-process (the SDK's model ignores pytrio's extra fields)
@@ -180,7 +195,7 @@ def build_app(service: Service) -> Starlette:
         return s.delete_checkpoint(owner, request.path_params["model_id"], request.path_params["checkpoint_id"])
 
     async def set_ttl(s: Service, owner: str, request: Request) -> dict:
-        body = json_body(await read_body(request, s.max_body_bytes))
+        body = json_body(await read_body(request, s, owner))
         return s.set_checkpoint_ttl(owner, request.path_params["model_id"], request.path_params["checkpoint_id"],
                                     body)
 
@@ -192,7 +207,7 @@ def build_app(service: Service) -> Starlette:
 
     def unsupported(what: str) -> Handler:
         async def handler(s: Service, owner: str, request: Request) -> Any:
-            body = json_body(await read_body(request, s.max_body_bytes))
+            body = json_body(await read_body(request, s, owner))
             model_id = body.get("model_id")
             model = s.trained.get(model_id) if isinstance(model_id, str) else None
             if model is not None and model.session.owner == owner:

@@ -10,6 +10,7 @@ The server keeps one per model, on its event loop's thread (tests/test_sequencer
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -29,14 +30,19 @@ class Arrival(Generic[T]):
     nothing to run). `ready`: held requests whose turn came, in order, to launch after it."""
 
     kind: Literal["run", "held", "duplicate"]
-    item: T
+    item: Any  # T; for a duplicate, what the first one's `remember` kept
     ready: list[T] = field(default_factory=list)
 
 
 class Sequencer(Generic[T]):
-    def __init__(self, start: int = 0, *, seen: int = SEEN, held: int = HELD):
+    """`remember(item)` is what a repeat is answered with (the server keeps a request's id, not
+    the request and its result: the table of seen seq_ids costs ids, not bodies)."""
+
+    def __init__(self, start: int = 0, *, seen: int = SEEN, held: int = HELD,
+                 remember: Callable[[T], Any] = lambda item: item):
         self.last = start  # highest seq_id run (0: the create)
-        self.seen: OrderedDict[int, T] = OrderedDict()
+        self.seen: OrderedDict[int, Any] = OrderedDict()
+        self._remember = remember
         self.held: dict[int, T | None] = {}  # None: a refused request's seq_id, only to be stepped over
         self._seen_limit, self._held_limit = seen, held
 
@@ -58,7 +64,7 @@ class Sequencer(Generic[T]):
         if seq > self.last + 1 and len(self.held) >= self._held_limit:
             raise InvalidInputError(f"{len(self.held)} requests of this model already wait for seq_id "
                                     f"{self.last + 1}; send that one first", field="seq_id")
-        self.seen[seq] = item
+        self.seen[seq] = self._remember(item)
         while len(self.seen) > self._seen_limit:
             self.seen.popitem(last=False)
         if seq > self.last + 1:  # its predecessor has not arrived (yet): hold it, for a while

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +85,7 @@ from . import new_event_loop, wire
 from .auth import HttpError as _HttpError
 from .auth import authenticate, check_bind, owner_of, wire_of
 from .auth import not_found as _not_found
+from .guard import Budget, Connections, Policy, guarded_protocol, policy_app
 from .routes import build_app
 from .sequencer import Sequencer
 from .stream import telemetry_stream
@@ -141,14 +142,16 @@ class _Ordered:
 
     def __init__(self, service: Service):
         self.service = service
-        self.seq: Sequencer[_Pending] = Sequencer()
+        self.seq: Sequencer[_Pending] = Sequencer(remember=lambda pending: pending.entry.request_id)
         self.timer: asyncio.TimerHandle | None = None
 
     def arrive(self, seq: Any, entry: _Entry, submit: Callable[[], APIFuture],
-               encode: Callable[[Any], tuple[bytes | dict, bool]]) -> _Entry:
+               encode: Callable[[Any], tuple[bytes | dict, bool]]) -> str:
+        """The request id the client gets: `entry`'s, or the first one's for a repeated seq_id."""
         arrival = self.seq.arrive(seq, _Pending(entry, submit, encode))
         if arrival.kind == "duplicate":
             self.service.stats["duplicates"] += 1
+            return str(arrival.item)
         elif arrival.kind == "held":
             self.service.stats["held"] += 1
         else:
@@ -160,7 +163,7 @@ class _Ordered:
             finally:
                 self._launch(arrival.ready)
         self._time()
-        return arrival.item.entry
+        return entry.request_id
 
     def refuse(self, seq: Any) -> None:
         self._launch(self.seq.refuse(seq))
@@ -208,7 +211,7 @@ class _Session:
     model_requests: dict[int, _Entry] = field(default_factory=dict)  # model_seq_id -> its create / load
     sampler_ids: dict[int, str] = field(default_factory=dict)  # sampling_session_seq_id -> sampler id
     clients: list[str] = field(default_factory=list)  # model and sampler ids, for release
-    polling: int = 0  # long-polls open now: a client waiting for a result is alive
+    released: deque[str] = field(default_factory=lambda: deque(maxlen=256))  # closed ones: "closed", not "unknown"
 
 
 @dataclass
@@ -226,7 +229,7 @@ class _Sampler:
     session: _Session
     handle: ModelHandle
     model_path: str | None
-    seen: OrderedDict[int, tuple[_Entry, list[str]]] = field(default_factory=OrderedDict)
+    seen: OrderedDict[int, tuple[str, list[str]]] = field(default_factory=OrderedDict)  # ids, not results
 
 
 # -- the service: every endpoint's behaviour ---------------------------------------------------
@@ -235,7 +238,10 @@ class Service:
     def __init__(self, pool: LocalPool, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
                  models: Iterable[str] | None, session_timeout_s: float, long_poll_s: float,
                  reorder_wait_s: float, max_body_bytes: int, fwdbwd_max_chunk_len: int | None,
-                 max_sessions_per_key: int, max_clients_per_session: int, max_futures_per_key: int):
+                 max_sessions_per_key: int, max_clients_per_session: int, max_futures_per_key: int,
+                 body_timeout_s: float = 30.0, max_inflight_bytes_per_key: int = 64 << 20,
+                 max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
+                 max_state_bytes_per_key: int = 2 << 30):
         self.pool = pool
         self.backend = LocalBackend(pool)
         self.api_keys = [k for k in (api_keys or ())]
@@ -245,13 +251,21 @@ class Service:
         self.long_poll_s = float(long_poll_s)
         self.reorder_wait_s = float(reorder_wait_s)
         self.max_body_bytes = int(max_body_bytes)
+        self.body_timeout_s = float(body_timeout_s)
+        self.budget = Budget(per_key=max(int(max_inflight_bytes_per_key), self.max_body_bytes),
+                             total=max(int(max_inflight_bytes), self.max_body_bytes))
         self.fwdbwd_max_chunk_len = int(fwdbwd_max_chunk_len or pool.limits.max_request_data)
         self.max_sessions_per_key = max_sessions_per_key
         self.max_clients_per_session = max_clients_per_session
         self.max_futures_per_key = max_futures_per_key
+        self.max_clients_per_key = int(max_clients_per_key)
+        self.max_state_bytes_per_key = int(max_state_bytes_per_key)
         self.sessions: dict[str, _Session] = {}
         self.trained: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
+        # public id -> the pool's client id of the last clients made, closed ones too (telemetry
+        # lanes outlive their clients; ids only, bounded)
+        self.lanes: OrderedDict[str, str] = OrderedDict()
         self.entries: dict[str, _Entry] = {}
         self.unretrieved: dict[str, int] = {}  # per key: results not yet retrieved (bounded)
         self.streams = 0
@@ -325,6 +339,11 @@ class Service:
                 sampler.seen.clear()
             with contextlib.suppress(PoolClosedError, ClientClosedError):
                 self.backend.release(self._client_id(cid))
+        # results nobody will ask for again are freed now: retrieved ones, and all of an expired session
+        for rid, entry in list(self.entries.items()):
+            if entry.session is session and entry.done.is_set() and \
+                    (entry.retrieved is not None or state == "expired"):
+                self.forget(rid)
         log.info("session %s %s: %s", session.session_id, state, why)
 
     def _client_id(self, public_id: str) -> str:
@@ -420,19 +439,13 @@ class Service:
         entry = self.entries.get(request_id) if isinstance(request_id, str) else None
         if entry is None or entry.owner != owner:
             raise _not_found(f"request {request_id!r:.60}")
-        session = entry.session
-        if session is not None:
-            session.last_seen = time.monotonic()
+        if entry.session is not None:
+            # a request arriving is a sign of life; one held open is not (a killed client's polls
+            # stay open until they time out)
+            entry.session.last_seen = time.monotonic()
         if not entry.done.is_set():
-            if session is not None:
-                session.polling += 1
-            try:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(entry.done.wait(), self.long_poll_s)
-            finally:
-                if session is not None:
-                    session.polling -= 1
-                    session.last_seen = time.monotonic()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(entry.done.wait(), self.long_poll_s)
         if not entry.done.is_set():
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         self.mark_retrieved(entry)
@@ -456,9 +469,43 @@ class Service:
     def model(self, model_id: Any, owner: str) -> _Model:
         model = self.trained.get(model_id) if isinstance(model_id, str) else None
         if model is None or model.session.owner != owner:
+            self._closed(model_id, owner)
             raise _not_found(f"model {model_id!r:.80}")
         self.session(model.session.session_id, owner)  # 404 / 410 once the session ended
         return model
+
+    def _lane(self, public_id: str, handle: ModelHandle) -> None:
+        self.lanes[public_id] = handle.client_id
+        while len(self.lanes) > 4096:
+            self.lanes.popitem(last=False)
+
+    def _closed(self, public_id: Any, owner: str) -> None:
+        """A client this key closed (released) is named so, not reported unknown."""
+        if not isinstance(public_id, str):
+            return
+        session = self.sessions.get(public_id.split(":", 1)[0])
+        if session is not None and session.owner == owner and public_id in session.released:
+            raise ClientClosedError(f"client {public_id} was closed: create a new one")
+
+    def _key_clients(self, owner: str) -> list[ModelHandle]:
+        """The handles of this key's clients the pool holds now (live sessions)."""
+        found: list[_Model | _Sampler] = [*self.trained.values(), *self.samplers.values()]
+        return [c.handle for c in found if c.session.owner == owner and c.session.state == "live"]
+
+    def _check_key_budget(self, owner: str, handle: ModelHandle | None = None) -> None:
+        """A key's clients in all its sessions: at most max_clients_per_key, holding at most
+        max_state_bytes_per_key of adapter and optimizer state (refused before and after building)."""
+        mine = self._key_clients(owner)
+        if len(mine) >= self.max_clients_per_key:
+            raise InvalidInputError(f"this API key has {len(mine)} clients open, the server's limit "
+                                    f"(max_clients_per_key); close some first")
+        if handle is not None:
+            held = sum(h.state_bytes for h in mine) + handle.state_bytes
+            if held > self.max_state_bytes_per_key:
+                raise InvalidInputError(f"this API key's clients would hold {held / 2**20:.2f} MiB of adapter and "
+                                        f"optimizer state, more than the server's limit of "
+                                        f"{self.max_state_bytes_per_key / 2**20:.2f} MiB (max_state_bytes_per_key); "
+                                        f"close some clients or use a smaller rank", field="rank")
 
     def _check_model_slot(self, session: _Session, n: Any, field_name: str) -> int:
         if isinstance(n, bool) or not isinstance(n, int) or not (0 <= n < 10**9):
@@ -466,6 +513,7 @@ class Service:
         if len(session.clients) >= self.max_clients_per_session:
             raise _HttpError(400, f"this session has {len(session.clients)} clients, the server's limit "
                                   f"(max_clients_per_session)")
+        self._check_key_budget(session.owner)
         return n
 
     def _base_model(self, name: Any) -> str:
@@ -479,7 +527,13 @@ class Service:
             self.backend.release(handle.client_id)
             raise _HttpError(410, f"session {session.session_id} ended while the model was being created",
                              code="client_closed")
+        try:
+            self._check_key_budget(session.owner, handle)
+        except InvalidInputError:
+            self.backend.release(handle.client_id)
+            raise
         self.trained[model_id] = _Model(model_id, session, handle, label, _Ordered(self))
+        self._lane(model_id, handle)
         session.clients.append(model_id)
         return {"model_id": model_id, "type": "create_model"}
 
@@ -595,9 +649,9 @@ class Service:
         entry = self.new_entry(owner, model.session, op)
         client_id = model.handle.client_id
         found = model.seq.arrive(seq, entry, lambda: self.backend.submit(client_id, op, request), encode)
-        if found is not entry:  # a repeat: the first one's id, nothing run
+        if found != entry.request_id:  # a repeat: the first one's id, nothing run
             self.forget(entry.request_id)
-        return {"request_id": found.request_id, "model_id": model.model_id}
+        return {"request_id": found, "model_id": model.model_id}
 
     def forward_backward(self, owner: str, body: bytes) -> dict:
         model_id, seq, data, loss_fn, config, forward_only = wire.decode_forward_request(
@@ -693,7 +747,13 @@ class Service:
             self.backend.release(handle.client_id)
             raise _HttpError(410, f"session {session.session_id} ended while the sampler was being created",
                              code="client_closed")
+        try:
+            self._check_key_budget(session.owner, handle)
+        except InvalidInputError:
+            self.backend.release(handle.client_id)
+            raise
         self.samplers[sampler_id] = _Sampler(sampler_id, session, handle, model_path)
+        self._lane(sampler_id, handle)
         session.sampler_ids[n] = sampler_id
         session.clients.append(sampler_id)
 
@@ -722,6 +782,7 @@ class Service:
     def sampler(self, sampler_id: Any, owner: str) -> _Sampler:
         sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
         if sampler is None or sampler.session.owner != owner:
+            self._closed(sampler_id, owner)
             raise _not_found(f"sampling session {sampler_id!r:.80}")
         self.session(sampler.session.session_id, owner)
         return sampler
@@ -747,9 +808,11 @@ class Service:
             if body.get(key) not in (off, None):
                 raise InvalidInputError(f"is not supported by the local pool; leave it at {off!r}", field=key)
         seq = body.get("seq_id")
+        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**31):
+            raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
         if seq is not None and seq in sampler.seen:
-            entry, ids = sampler.seen[seq]
-            return {"request_id": entry.request_id, "sample_sequence_ids": ids}
+            request_id, ids = sampler.seen[seq]
+            return {"request_id": request_id, "sample_sequence_ids": ids}
         prompt = wire.model_input_from_json(body.get("prompt"))
         params = wire.sampling_params_from_json(body.get("sampling_params") or {})
         num = body.get("num_samples", 1)
@@ -763,7 +826,7 @@ class Service:
             raise
         ids = [f"seq-{secrets.token_hex(8)}" for _ in range(int(num))]
         if seq is not None:
-            sampler.seen[seq] = (entry, ids)
+            sampler.seen[seq] = (entry.request_id, ids)
             while len(sampler.seen) > _SEEN_PER_SAMPLER:
                 sampler.seen.popitem(last=False)
         return {"request_id": entry.request_id, "sample_sequence_ids": ids}
@@ -778,6 +841,14 @@ class Service:
             found.session.clients.remove(public)
             with contextlib.suppress(PoolClosedError, ClientClosedError):
                 self.backend.release(found.handle.client_id)
+        assert isinstance(public, str)
+        # freed now (its queued requests still run and answer): the model, its seq_id table
+        if isinstance(found, _Model):
+            found.seq.fail_held(wire_of(ClientClosedError(f"client {public} was closed before this request's turn")))
+            self.trained.pop(public, None)
+        else:
+            self.samplers.pop(public, None)
+        found.session.released.append(public)
         return {"released": public}
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -872,13 +943,12 @@ class Service:
             await asyncio.sleep(min(1.0, self.session_timeout_s / 4))
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                if session.state == "live" and not session.polling and \
-                        now - session.last_seen > self.session_timeout_s:
+                if session.state == "live" and now - session.last_seen > self.session_timeout_s:
                     self.end_session(session, "expired", f"session {session.session_id} expired: no heartbeat "
                                                          f"for {self.session_timeout_s:g} s; its queued requests "
                                                          f"were cancelled")
             for rid, entry in list(self.entries.items()):
-                kept = 60.0 if entry.retrieved is not None else 1800.0
+                kept = 30.0 if entry.retrieved is not None else 600.0  # a lost answer is asked again soon
                 if entry.done.is_set() and now - (entry.retrieved or entry.created) > kept:
                     self.forget(rid)
             ended = [s for s in self.sessions.values() if s.state != "live" and now - s.last_seen > 600]
@@ -967,13 +1037,26 @@ class Server:
                  models: Iterable[str] | None = None, session_timeout_s: float = 60.0, long_poll_s: float = 20.0,
                  reorder_wait_s: float = 1.0, max_body_bytes: int = 16 << 20, fwdbwd_max_chunk_len: int | None = None,
                  max_sessions_per_key: int = 64, max_clients_per_session: int = 64,
-                 max_futures_per_key: int = 4096, owns_pool: bool = False):
+                 max_futures_per_key: int = 4096, allowed_hosts: Iterable[str] | None = None,
+                 allowed_origins: Iterable[str] | None = None, header_timeout_s: float = 10.0,
+                 body_timeout_s: float = 30.0, max_waiting_connections: int = 256,
+                 max_connections_per_address: int = 512, max_inflight_bytes_per_key: int = 64 << 20,
+                 max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
+                 max_state_bytes_per_key: int = 2 << 30, owns_pool: bool = False):
         if not isinstance(pool, LocalPool):
             raise TypeError(f"serve() takes a LocalPool, got {type(pool).__name__}")
         check_bind(host, [*(api_keys or ()), *(observer_keys or ())])
         for name, value, low, high in (("session_timeout_s", session_timeout_s, 1.0, 86400.0),
                                        ("long_poll_s", long_poll_s, 0.01, 40.0),
-                                       ("reorder_wait_s", reorder_wait_s, 0.0, 60.0)):
+                                       ("reorder_wait_s", reorder_wait_s, 0.0, 60.0),
+                                       ("header_timeout_s", header_timeout_s, 0.1, 3600.0),
+                                       ("body_timeout_s", body_timeout_s, 0.1, 3600.0),
+                                       ("max_waiting_connections", max_waiting_connections, 1, 1 << 20),
+                                       ("max_connections_per_address", max_connections_per_address, 1, 1 << 20),
+                                       ("max_inflight_bytes_per_key", max_inflight_bytes_per_key, 1, 1 << 40),
+                                       ("max_inflight_bytes", max_inflight_bytes, 1, 1 << 40),
+                                       ("max_clients_per_key", max_clients_per_key, 1, 1 << 20),
+                                       ("max_state_bytes_per_key", max_state_bytes_per_key, 1, 1 << 50)):
             if not isinstance(value, (int, float)) or not (low <= value <= high):
                 raise ValueError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
         if pool.closed:
@@ -988,7 +1071,14 @@ class Server:
                                  fwdbwd_max_chunk_len=fwdbwd_max_chunk_len,
                                  max_sessions_per_key=max_sessions_per_key,
                                  max_clients_per_session=max_clients_per_session,
-                                 max_futures_per_key=max_futures_per_key)
+                                 max_futures_per_key=max_futures_per_key, body_timeout_s=body_timeout_s,
+                                 max_inflight_bytes_per_key=max_inflight_bytes_per_key,
+                                 max_inflight_bytes=max_inflight_bytes, max_clients_per_key=max_clients_per_key,
+                                 max_state_bytes_per_key=max_state_bytes_per_key)
+        self._policy = Policy.of([host, *(allowed_hosts or ())], allowed_origins)
+        self._connections = Connections(header_timeout_s=float(header_timeout_s),
+                                        max_waiting=int(max_waiting_connections),
+                                        max_per_address=int(max_connections_per_address))
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
@@ -1011,9 +1101,14 @@ class Server:
         sock.setblocking(False)
         self._socket = sock
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(build_app(self._service), log_level="warning", access_log=False, log_config=None,
-                                lifespan="off", limit_concurrency=1024, timeout_graceful_shutdown=5,
-                                timeout_keep_alive=30)
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        # the Host / Origin / Content-Type checks in front of the routes, the connection limits
+        # around uvicorn's protocol (trio_widgets/http/guard.py)
+        app = policy_app(build_app(self._service), self._policy, self._connections)
+        config = uvicorn.Config(app, http=guarded_protocol(AutoHTTPProtocol, self._connections), log_level="warning",
+                                access_log=False, log_config=None, lifespan="off", limit_concurrency=4096,
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
         self._uvicorn = uvicorn.Server(config)
         started = threading.Event()
         service = self._service
@@ -1090,11 +1185,9 @@ class Server:
 
     # -- what it serves (any thread; copies) ------------------------------------------------------
     def clients(self) -> dict[str, str]:
-        """Public model and sampler ids -> the pool's client ids (telemetry lanes)."""
-        s = self._service
-        out = {mid: m.handle.client_id for mid, m in list(s.trained.items())}
-        out.update({sid: smp.handle.client_id for sid, smp in list(s.samplers.items())})
-        return out
+        """Public model and sampler ids -> the pool's client ids (telemetry lanes), of the last
+        4,096 clients made, closed ones too."""
+        return dict(self._service.lanes.copy())
 
     def sessions(self) -> list[dict[str, Any]]:
         """The sessions it knows: id, label, state, seconds since last heard of, client ids."""
@@ -1105,8 +1198,10 @@ class Server:
 
     def stats(self) -> dict[str, int]:
         """Counts since start: submitted (to the pool), duplicates (repeated seq_ids answered with
-        the first request), held (arrived before a predecessor), gaps_skipped, sessions_expired."""
-        return dict(self._service.stats)
+        the first request), held (arrived before a predecessor), gaps_skipped, sessions_expired;
+        connections refused (per address), evicted (the oldest waiting, for a new one), timed_out
+        (no request head in header_timeout_s)."""
+        return {**self._service.stats, **self._connections.stats}
 
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
         """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""
@@ -1122,5 +1217,11 @@ def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **setti
     Settings (all optional): api_keys, observer_keys (may also watch the whole pool's telemetry),
     models (base models clients may use; default: the pool's), session_timeout_s (60),
     long_poll_s (20), reorder_wait_s (1), max_body_bytes (16 MiB), fwdbwd_max_chunk_len,
-    max_sessions_per_key (64), max_clients_per_session (64), max_futures_per_key (4096)."""
+    max_sessions_per_key (64), max_clients_per_session (64), max_futures_per_key (4096);
+    in front of the routes (trio_widgets/http/guard.py): allowed_hosts (besides IP addresses,
+    loopback and this machine's names), allowed_origins (none: browsers' requests are refused),
+    header_timeout_s (10), body_timeout_s (30), max_waiting_connections (256),
+    max_connections_per_address (512), max_inflight_bytes_per_key (64 MiB), max_inflight_bytes (256 MiB);
+    per key across its sessions: max_clients_per_key (128), max_state_bytes_per_key (2 GiB of
+    adapter and optimizer state; a rank-r client of a model costs what `ModelHandle.state_bytes` says)."""
     return Server(pool, host=host, port=port, **settings).start()

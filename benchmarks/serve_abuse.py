@@ -1,0 +1,235 @@
+"""A neighbour's update time on a served pool, quiet and under each attack of issue 22, side by
+side in one run (the server is a real `python -m trio_widgets serve` process; the neighbour is
+a keyed trio client pipelining small updates; the attacker uses another key, or none).
+
+Attacks, each held while the neighbour makes `--updates` updates:
+  stop-strings  another key samples continuously with the most stop strings a request may carry
+                (64 of 64 characters), 4 requests in flight
+  slowloris     1,100 sockets without a key that never finish their request head
+  body-stall    24 connections of another key each send 15 MiB of a 16 MiB body, then stall
+  64-sessions   another key opens 64 sessions with a training client each, then idles
+  long-sample   (a limit not yet built: decoding is not split across cycles) another key samples
+                512 tokens per request: the neighbour's cycle holds the whole decode
+
+Prints, per attack: the neighbour's median seconds per update quiet (measured just before) and
+under attack, their ratio (target <= 2), and what the attacker was answered.
+
+    python benchmarks/serve_abuse.py                 # about 3 minutes on 2 CPU cores
+    python benchmarks/serve_abuse.py --updates 10    # shorter
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import httpx
+
+import trio_widgets as trio
+
+ALICE, MALLORY = "tml-alice-neighbour-1", "tml-mallory-attacker-2"
+BATCH = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12]),
+                    {"target_tokens": [6, 7, 8, 9, 10, 11, 12, 13]})]
+
+
+@contextlib.contextmanager
+def server_process(port: int) -> Iterator[str]:
+    env = {**os.environ, "TRIO_API_KEYS": f"{ALICE},{MALLORY}", "TRIO_TORCH_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as ckpt:
+        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
+                                 "--checkpoint-dir", ckpt, "--min-cycle-s", "0.02"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if "serving" not in line:
+                raise RuntimeError(f"the server did not start: {line}{proc.stdout.read()}")
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain its log
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def seconds_per_update(tc: trio.TrainingClient, n: int) -> float:
+    """Median wall time per update of a pipelined loop (submit the next before awaiting the last)."""
+    times, previous = [], None
+    adam = trio.AdamParams(learning_rate=1e-3)
+    for _ in range(n + 1):
+        start = time.perf_counter()
+        current = (tc.forward_backward(BATCH), tc.optim_step(adam))
+        if previous is not None:
+            previous[1].result(timeout=300)
+            times.append(time.perf_counter() - start)
+        previous = current
+    assert previous is not None
+    previous[1].result(timeout=300)
+    return statistics.median(times)
+
+
+class Attack:
+    def __init__(self, name: str, start: Callable[[Attack], None]):
+        self.name, self._start = name, start
+        self.stop = threading.Event()
+        self.answers: Counter[str] = Counter()
+        self.cleanup: list[Callable[[], None]] = []
+        self.threads: list[threading.Thread] = []
+
+    def background(self, work: Callable[[], None], n: int = 1) -> None:
+        for _ in range(n):
+            t = threading.Thread(target=work, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def __enter__(self) -> Attack:
+        self._start(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        for c in reversed(self.cleanup):
+            with contextlib.suppress(Exception):
+                c()
+
+
+def stop_strings(url: str, max_tokens: int, label: str) -> Callable[[Attack], None]:
+    def start(a: Attack) -> None:
+        service = trio.ServiceClient(base_url=url, api_key=MALLORY)
+        a.cleanup.append(service.close)
+        sampler = service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
+        a.cleanup.append(sampler.close)
+        stops = [f"{i:02d}" + "z" * 62 for i in range(64)]
+        params = trio.SamplingParams(max_tokens=max_tokens, stop=stops, temperature=1.0)
+
+        def run() -> None:
+            while not a.stop.is_set():
+                try:
+                    sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, params).result(timeout=300)
+                    a.answers[label] += 1
+                except Exception as exc:
+                    a.answers[type(exc).__name__] += 1
+
+        a.background(run, 4)
+    return start
+
+
+def slowloris(port: int) -> Callable[[Attack], None]:
+    def start(a: Attack) -> None:
+        socks = []
+        for _ in range(1100):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(b"POST /api/v1/create_session HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                socks.append(s)
+            except OSError as exc:
+                a.answers[f"connect {type(exc).__name__}"] += 1
+        a.answers["sockets opened"] = len(socks)
+
+        def close() -> None:
+            closed = sum(1 for s in socks if _closed(s))
+            a.answers["closed by the server"] = closed
+            for s in socks:
+                s.close()
+
+        a.cleanup.append(close)
+    return start
+
+
+def body_stall(port: int) -> Callable[[Attack], None]:
+    def start(a: Attack) -> None:
+        socks = []
+        chunk = b" " * (1 << 20)
+        for _ in range(24):
+            s = socket.create_connection(("127.0.0.1", port), timeout=30)
+            s.sendall(b"POST /api/v1/optim_step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"X-API-Key: " + MALLORY.encode() + b"\r\nContent-Length: 16777216\r\n\r\n")
+            s.settimeout(0.5)
+            with contextlib.suppress(OSError):
+                for _ in range(15):
+                    s.sendall(chunk)
+            socks.append(s)
+
+        def close() -> None:
+            for s in socks:
+                s.settimeout(0.2)
+                with contextlib.suppress(OSError):
+                    head = s.recv(64).split(b"\r\n", 1)[0]
+                    a.answers[head.decode(errors="replace") or "closed"] += 1
+                s.close()
+
+        a.cleanup.append(close)
+    return start
+
+
+def many_sessions(url: str) -> Callable[[Attack], None]:
+    def start(a: Attack) -> None:
+        for _ in range(64):
+            service = trio.ServiceClient(base_url=url, api_key=MALLORY)
+            a.cleanup.append(service.close)
+            try:
+                tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=8)
+                a.cleanup.append(tc.close)
+                a.answers["clients made"] += 1
+            except Exception as exc:
+                a.answers[type(exc).__name__] += 1
+    return start
+
+
+def _closed(s: socket.socket) -> bool:
+    s.settimeout(0.01)
+    try:
+        return s.recv(1) == b""
+    except (TimeoutError, BlockingIOError):
+        return False
+    except OSError:
+        return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--updates", type=int, default=20)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    port = args.port or _free_port()
+    with server_process(port) as url:
+        neighbour = trio.ServiceClient(base_url=url, api_key=ALICE)
+        tc = neighbour.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        seconds_per_update(tc, 3)  # warm up
+        attacks = [Attack("stop-strings", stop_strings(url, 16, "samples")), Attack("slowloris", slowloris(port)),
+                   Attack("body-stall", body_stall(port)), Attack("64-sessions", many_sessions(url)),
+                   Attack("long-sample", stop_strings(url, 512, "samples of 512 tokens"))]
+        print(f"{'attack':<14} {'quiet s/update':>15} {'attacked':>10} {'ratio':>7}  target <= 2   attacker's answers")
+        for attack in attacks:
+            quiet = seconds_per_update(tc, args.updates)
+            with attack:
+                time.sleep(1.0)
+                attacked = seconds_per_update(tc, args.updates)
+                healthy = httpx.get(f"{url}/api/v1/healthz", timeout=30).status_code
+            ratio = attacked / quiet
+            verdict = "ok" if ratio <= 2 else "OVER"
+            answers = ", ".join(f"{k}: {v}" for k, v in attack.answers.items())
+            print(f"{attack.name:<14} {quiet:>15.3f} {attacked:>10.3f} {ratio:>7.2f}  {verdict:<12} {answers}; "
+                  f"healthz {healthy}", flush=True)
+        neighbour.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    main()
