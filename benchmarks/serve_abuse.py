@@ -5,11 +5,12 @@ a keyed trio client pipelining small updates; the attacker uses another key, or 
 Attacks, each held while the neighbour makes `--updates` updates:
   stop-strings  another key samples continuously with the most stop strings a request may carry
                 (64 of 64 characters), 4 requests in flight
+  plain-samples the same samples without stop strings: what the stop strings add is the difference
   slowloris     1,100 sockets without a key that never finish their request head
   body-stall    24 connections of another key each send 15 MiB of a 16 MiB body, then stall
   64-sessions   another key opens 64 sessions with a training client each, then idles
   long-sample   (a limit not yet built: decoding is not split across cycles) another key samples
-                512 tokens per request: the neighbour's cycle holds the whole decode
+                480 tokens per request: the neighbour's cycle holds the whole decode
 
 Prints, per attack: the neighbour's median seconds per update quiet (measured just before) and
 under attack, their ratio (target <= 2), and what the attacker was answered.
@@ -104,14 +105,14 @@ class Attack:
                 c()
 
 
-def stop_strings(url: str, max_tokens: int, label: str) -> Callable[[Attack], None]:
+def stop_strings(url: str, max_tokens: int, label: str, n_stops: int = 64) -> Callable[[Attack], None]:
     def start(a: Attack) -> None:
         service = trio.ServiceClient(base_url=url, api_key=MALLORY)
         a.cleanup.append(service.close)
         sampler = service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
         a.cleanup.append(sampler.close)
-        stops = [f"{i:02d}" + "z" * 62 for i in range(64)]
-        params = trio.SamplingParams(max_tokens=max_tokens, stop=stops, temperature=1.0)
+        stops = [f"{i:02d}" + "z" * 62 for i in range(n_stops)]
+        params = trio.SamplingParams(max_tokens=max_tokens, stop=stops or None, temperature=1.0)
 
         def run() -> None:
             while not a.stop.is_set():
@@ -207,9 +208,11 @@ def main() -> None:
         neighbour = trio.ServiceClient(base_url=url, api_key=ALICE)
         tc = neighbour.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         seconds_per_update(tc, 3)  # warm up
-        attacks = [Attack("stop-strings", stop_strings(url, 16, "samples")), Attack("slowloris", slowloris(port)),
+        attacks = [Attack("stop-strings", stop_strings(url, 16, "samples")),
+                   Attack("plain-samples", stop_strings(url, 16, "samples", n_stops=0)),
+                   Attack("slowloris", slowloris(port)),
                    Attack("body-stall", body_stall(port)), Attack("64-sessions", many_sessions(url)),
-                   Attack("long-sample", stop_strings(url, 512, "samples of 512 tokens"))]
+                   Attack("long-sample", stop_strings(url, 480, "samples of 480 tokens"))]
         print(f"{'attack':<14} {'quiet s/update':>15} {'attacked':>10} {'ratio':>7}  target <= 2   attacker's answers")
         for attack in attacks:
             quiet = seconds_per_update(tc, args.updates)

@@ -484,3 +484,18 @@ def test_rl_example_mean_reward_rises():
     assert len(means) == 9
     assert max(means[:3]) < 0.3  # the untrained policy rarely writes a-z
     assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.3
+
+
+def test_threads_loading_the_tokenizer_together_all_get_it():
+    """The first load in a fresh process, from 8 threads at once (a sampler's threads sampling with
+    stop strings): transformers' lazy import raised ImportError in some of them before the lock."""
+    import subprocess
+    import sys
+
+    code = ("import threading\nfrom trio_widgets.tokenizers import byte_tokenizer\nerrors, ok = [], []\n"
+            "def load():\n    try:\n        ok.append(byte_tokenizer().encode('ab'))\n"
+            "    except Exception as exc:\n        errors.append(repr(exc))\n"
+            "ts = [threading.Thread(target=load) for _ in range(8)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
+            "assert not errors and len(ok) == 8, errors\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

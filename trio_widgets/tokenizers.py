@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 from .errors import UnknownModelError
@@ -13,11 +14,17 @@ from .errors import UnknownModelError
 __all__ = ["byte_tokenizer", "load_tokenizer"]
 
 
+# transformers' lazy module is not safe to import from two threads at once the first time (a
+# sampler's threads meeting there got "cannot import name 'ByT5Tokenizer'"): loads take turns
+_LOADING = threading.RLock()
+
+
 def byte_tokenizer():
     """A real Hugging Face tokenizer that needs no vocabulary file: one token per byte."""
-    from transformers import ByT5Tokenizer
+    with _LOADING:
+        from transformers import ByT5Tokenizer
 
-    return ByT5Tokenizer(extra_ids=0)
+        return ByT5Tokenizer(extra_ids=0)
 
 
 def _named_tokenizer_classes(path: str) -> dict[str, str]:
@@ -85,6 +92,11 @@ def load_tokenizer(path: str) -> Any:
     A name that is not a tokenizer class is an UnknownModelError (see `_tokenizer_class`);
     code shipped with the model (`auto_map`) is never run.
     """
+    with _LOADING:
+        return _load_tokenizer(path)
+
+
+def _load_tokenizer(path: str) -> Any:
     import transformers
 
     named = _named_tokenizer_classes(path)

@@ -96,6 +96,7 @@ __all__ = ["HttpBackend"]
 log = logging.getLogger(__name__)
 
 _RETRYABLE = {408, 429, 500, 502, 503, 504}
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class _Cycle:
@@ -533,6 +534,10 @@ class HttpBackend:
                 pass  # the server or the session is gone: nothing is held for it there
 
     def tokenizer(self, base_model: str) -> Any:
+        with _TOKENIZER_LOCK:  # once per model, even when a sampler's threads ask together
+            return self._tokenizer(base_model)
+
+    def _tokenizer(self, base_model: str) -> Any:
         if base_model not in self._tokenizers:
             from ..protocol import DEFAULT_MODEL
             from ..tokenizers import byte_tokenizer, load_tokenizer
