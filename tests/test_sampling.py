@@ -499,3 +499,60 @@ def test_threads_loading_the_tokenizer_together_all_get_it():
             "assert not errors and len(ok) == 8, errors\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+# -- long samples go on over several cycles (issue 22: one tenant cannot hold the clock) ----------
+
+def _sample_tokens(min_decode_steps, tmp_path, max_tokens=40):
+    with trio.LocalPool(min_cycle_s=0.0, min_decode_steps=min_decode_steps, checkpoint_dir=str(tmp_path),
+                        name=f"decode-{min_decode_steps}") as pool:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        sampler = tc.save_weights_and_get_sampling_client("s")
+        first = pool.cycle_index
+        result = sampler.sample(trio.ModelInput.from_ints([5, 6, 7, 8]), 3,
+                                trio.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7)).result(timeout=120)
+        record = next(r for r in pool.telemetry.requests if r.op == "sample")
+        return result, pool.cycle_index - first, record
+
+
+def test_a_long_sample_goes_on_over_cycles_and_gives_the_same_samples(tmp_path):
+    whole, _, _ = _sample_tokens(None, tmp_path / "a")  # decoded to its end in its cycle
+    split, cycles, record = _sample_tokens(4, tmp_path / "b")  # 4 decode steps a cycle (min_cycle_s=0)
+    assert cycles >= 40 // 4, f"40 tokens at 4 steps a cycle took {cycles} cycles"
+    assert record.status == "ok" and record.tokens == 4 + 3 * 40
+    # a row's choices depend on its own uniforms and step: cutting the decode changes nothing
+    assert [s.tokens for s in split.sequences] == [s.tokens for s in whole.sequences]
+    assert [s.logprobs for s in split.sequences] == [s.logprobs for s in whole.sequences]
+
+
+def test_a_long_sample_does_not_hold_a_neighbours_cycles(tmp_path):
+    with trio.LocalPool(min_cycle_s=0.0, min_decode_steps=2, checkpoint_dir=str(tmp_path), name="neighbours") as pool:
+        service = trio.ServiceClient(pool)
+        neighbour = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        sampler = service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
+        batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8]), {"target_tokens": [6, 7, 8, 9]})]
+        long = sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 2, trio.SamplingParams(max_tokens=200))
+        while not long.done():  # the neighbour trains meanwhile, awaiting every update
+            neighbour.forward_backward(batch)
+            neighbour.optim_step(trio.AdamParams(learning_rate=1e-3)).result(timeout=60)
+        assert [len(s.tokens) for s in long.result().sequences] == [200, 200]
+        sample = next(r for r in pool.telemetry.requests if r.op == "sample")
+        during = [r for r in pool.telemetry.requests if r.op == "optim_step" and r.cycle > sample.cycle
+                  and r.delivered_at < sample.delivered_at]
+        # the sample took >= 100 cycles of 2 steps; the neighbour's updates ran in them (in one
+        # cycle holding all 200 steps, none could)
+        assert len(during) >= 3, f"{len(during)} updates of the neighbour while the sample decoded"
+
+
+def test_closing_the_pool_fails_a_sample_still_decoding(tmp_path):
+    pool = trio.LocalPool(min_cycle_s=0.05, min_decode_steps=1, checkpoint_dir=str(tmp_path), name="closing")
+    sampler = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    future = sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, trio.SamplingParams(max_tokens=400))
+    start = pool.cycle_index
+    while pool.cycle_index < start + 3:
+        time.sleep(0.01)
+    pool.close()
+    with pytest.raises(trio.PoolClosedError, match="closed while it was sampling"):
+        future.result(timeout=30)
+    with pytest.raises(ValueError, match="min_decode_steps"):
+        trio.LocalPool(min_decode_steps=0)

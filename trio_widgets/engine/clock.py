@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -43,7 +43,8 @@ from .checkpoints import checkpoint_root, recover_checkpoints
 from .gil import GilWatchdog, RunMeter
 from .handlers import HANDLERS
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
-from .tenants import AddTenant, Prepared, Request, Tenant
+from .sampling import StepBudget
+from .tenants import AddTenant, Carry, Later, Prepared, Request, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,18 @@ def _close_live_pools() -> None:
             pool.close(timeout=5.0)
 
 
+@dataclass(eq=False)
+class _Carried:
+    """A carry (a decode that goes on) with its handler's group, and which of them wait for it."""
+
+    carry: Carry
+    requests: list[Request]
+    waiting: set[int] = field(default_factory=set)
+
+    def unfinished(self) -> list[Request]:
+        return [self.requests[i] for i in sorted(self.waiting)]
+
+
 class _Clock:
     """The clock's state, shared by the pool and its thread. Kept apart from LocalPool so
     that the thread does not keep an unreachable pool alive: when the pool is dropped, a
@@ -116,9 +129,18 @@ class _Clock:
         self.pending: list[tuple[Request, Any]] = []  # ran in pending_cycle, delivered at the next boundary
         self.pending_cycle = -1
         self.running: list[Request] = []  # taken into the cycle that runs now
+        self.carried: list[_Carried] = []  # samples still decoding (engine/sampling.py)
         self.activity = "starting"  # what the thread does now, for close() to say if it hangs
         self.failure: BaseException | None = None  # set if the thread died
         self.watchdog: GilWatchdog | None = None  # stopped with the clock
+
+    def fail_carried(self, why: str) -> None:
+        """Fail every sample still decoding with PoolClosedError (the clock has stopped)."""
+        leftovers = [r for c in self.carried for r in c.unfinished()]
+        self.carried = []
+        _deliver(self.telemetry, [(r, PoolClosedError(f"{r.op} (request #{r.request_id}) did not finish: the pool "
+                                                       f"{self.name!r} {why}")) for r in leftovers],
+                 self.pending_cycle + 1)
 
     def fail_queued(self, why: str) -> None:
         """Fail every request still queued with PoolClosedError (the clock has stopped)."""
@@ -179,7 +201,8 @@ class LocalPool:
                  max_sampled_tokens: int = 32_768, telemetry_capacity: int = 4096,
                  checkpoint_dir: str | os.PathLike | None = None, name: str | None = None,
                  torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True,
-                 allow_download: bool | None = None, gil_watchdog: bool = True, max_tenants: int = 1024):
+                 allow_download: bool | None = None, gil_watchdog: bool = True, max_tenants: int = 1024,
+                 min_decode_steps: int | None = 8):
         if not is_number(min_cycle_s) or not (0 <= min_cycle_s <= _MAX_CYCLE_S):
             raise ValueError(f"min_cycle_s must be a number of seconds from 0 to {_MAX_CYCLE_S:.0f}, "
                              f"got {min_cycle_s!r}")
@@ -207,6 +230,13 @@ class LocalPool:
         self.max_rank = int(max_rank)
         self.max_samples_per_cycle = int(max_samples_per_cycle)
         self.max_tenants = int(max_tenants)  # clients whose state the pool holds at once (memory)
+        if min_decode_steps is not None and (not is_int(min_decode_steps) or min_decode_steps < 1):
+            raise ValueError(f"min_decode_steps must be None or an integer >= 1, got {min_decode_steps!r}")
+        # decode steps of sampling per cycle, whatever the time; then only while the cycle is
+        # shorter than min_cycle_s: a long sample goes on over several cycles instead of holding
+        # its cycle (and every tenant in it). None: every sample decodes to its end in its cycle.
+        self.min_decode_steps = None if min_decode_steps is None else int(min_decode_steps)
+        self.decode_budget = StepBudget(self.min_decode_steps)  # this cycle's (clock thread)
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
@@ -466,18 +496,21 @@ class LocalPool:
 
     # -- one cycle (clock thread) -------------------------------------------------------
     def _take_boundary(self, now: float) -> tuple[int, dict[str, list[Request]]]:
+        self.decode_budget = StepBudget(self.min_decode_steps, now + self.min_cycle_s)
+        decoding = Counter(c.requests[i].client_id for c in self._clock.carried for i in c.waiting)
         with self._clock.cond:
             index = self.cycle_index
             self.cycle_index += 1
             depths = {cid: len(q) for cid, q in self._queues.items()}
             taken: dict[str, list[Request]] = {}
             for cid, queue in self._queues.items():
-                requests = _take(queue, self._kinds, self.max_samples_per_cycle)
+                # samples still decoding count against the client's samples per cycle
+                requests = _take(queue, self._kinds, self.max_samples_per_cycle - decoding.get(cid, 0))
                 for _ in requests:
                     queue.popleft()
                 if requests:
                     taken[cid] = requests
-            dropped = [c for c in self._retired if not self._queues[c] and c not in taken]
+            dropped = [c for c in self._retired if not self._queues[c] and c not in taken and c not in decoding]
             for cid in dropped:
                 del self._tenants[cid], self._queues[cid]
                 self._retired.discard(cid)
@@ -515,7 +548,26 @@ class LocalPool:
         outcomes.extend(self._run_batched(forwards))
         for request in after:
             outcomes.append((request, self._run_single(request)))
+        outcomes.extend(self._advance_carried())  # the oldest samples first: they finish first
         outcomes.extend(self._run_batched(samples))
+        return outcomes
+
+    def _advance_carried(self) -> list[tuple[Request, Any]]:
+        """This cycle's share of the samples still decoding from earlier cycles."""
+        outcomes = []
+        for entry in list(self._clock.carried):
+            try:
+                finished = entry.carry.advance(self.decode_budget)
+            except Exception as exc:  # a bug: what is left of it fails, the clock goes on
+                finished = {i: _as_failure(entry.requests[i], exc) for i in entry.waiting}
+            now = time.perf_counter()
+            for i, value in finished.items():
+                if i in entry.waiting:
+                    entry.waiting.discard(i)
+                    entry.requests[i].record.finished_at = now
+                    outcomes.append((entry.requests[i], value))
+            if not entry.waiting:
+                self._clock.carried.remove(entry)
         return outcomes
 
     def _run_single(self, request: Request) -> Any:
@@ -548,9 +600,15 @@ class LocalPool:
             except Exception as exc:  # the shared pass itself broke (e.g. out of memory): all of it fails
                 results = [_as_failure(request, exc) for _, request in group]
             finished = time.perf_counter()
-            for (_, request), result in zip(group, results):
+            carried: dict[int, _Carried] = {}
+            for i, ((_, request), result) in enumerate(zip(group, results)):
+                if isinstance(result, Later):  # still decoding: carried on, delivered when done
+                    entry = carried.setdefault(id(result.carry), _Carried(result.carry, [r for _, r in group]))
+                    entry.waiting.add(i)
+                    continue
                 request.record.finished_at = finished
                 outcomes.append((request, result))
+            self._clock.carried.extend(carried.values())
         return outcomes
 
     def _deliver(self, outcomes: list[tuple[Request, Any]], cycle: int) -> None:
@@ -659,6 +717,7 @@ def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
         why = PoolClosedError(f"the clock of pool {clock.name!r} died while running this request "
                               f"({type(exc).__name__}: {exc}); the client's state may be part-updated")
         _deliver(clock.telemetry, [(r, why) for r in clock.running], clock.pending_cycle + 1)
+        clock.fail_carried(f"stopped: its clock thread died ({type(exc).__name__}: {exc})")
         clock.fail_queued(f"stopped: its clock thread died ({type(exc).__name__}: {exc})")
         if clock.watchdog is not None:  # nothing left to watch
             clock.watchdog.stop(timeout=0)
@@ -671,10 +730,12 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
         pool = pool_ref()
         if pool is None:  # dropped: what already ran is reported, not lost
             _deliver(clock.telemetry, clock.pending, clock.pending_cycle)
+            clock.fail_carried("was dropped (garbage-collected) while it was sampling")
             return
         boundary = time.perf_counter()
         if clock.closing:
             pool._deliver(clock.pending, clock.pending_cycle)  # what already ran is reported, not lost
+            clock.fail_carried("was closed while it was sampling")
             if last is not None:
                 last.ended_at = boundary
                 pool.telemetry.add_cycle(last)
@@ -694,9 +755,10 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
         clock.activity = f"delivering the results of cycle {clock.pending_cycle} (running your done-callbacks)"
         pool._deliver(clock.pending, clock.pending_cycle)
         requests = [r for rs in taken.values() for r in rs]
-        ops = dict(Counter(r.op for r in requests))
+        decoding = [r for c in clock.carried for r in c.unfinished()]  # samples going on from earlier cycles
+        ops = dict(Counter(r.op for r in requests + decoding))
         clock.activity = f"running cycle {index} ({', '.join(f'{n} {op}' for op, n in ops.items()) or 'idle'})"
-        clock.running = requests
+        clock.running = requests  # (carried samples fail through fail_carried)
         try:
             clock.pending = pool._execute(index, taken)
         except Exception as exc:  # a bug in the engine: fail this cycle's requests, keep ticking
@@ -713,10 +775,10 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                            n_requests=len(requests), tokens=sum(r.record.tokens for r in requests), ops=ops,
                            cpu_s=cpu, gil_wait_s=waited)
         min_cycle_s = pool.min_cycle_s
-        idle = not requests
+        idle = not requests and not decoding
         # Hold nothing that leads back to the pool while sleeping, so that a dropped pool
         # is collected (its finalizer then stops this thread).
-        del pool, taken, requests
+        del pool, taken, requests, decoding
         with clock.cond:
             deadline = boundary + min_cycle_s
             if idle and min_cycle_s < _IDLE_TICK_S:

@@ -255,9 +255,11 @@ def prepare_logprobs(pool: LocalPool, tenant: Tenant, op: str, request: ComputeL
 
 
 def run_sample(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
-    outcomes = run_sample_batch(base, [(tenant.adapter, request.payload) for tenant, request in group],
-                                pool.max_tokens_per_pass)
-    for (tenant, request), outcome in zip(group, outcomes):
+    """The cycle's sample requests on `base`, decoded together; those still decoding when the
+    cycle's share is used up (pool.decode_budget: min_decode_steps, then until the cycle's minimum
+    length) come back as `Later`, and the pool carries them on (engine/sampling.py)."""
+    def finish(i: int, outcome: Any) -> Any:
+        tenant, request = group[i]
         if isinstance(outcome, RequestFailedError) and outcome.client_id is None:
             outcome.client_id = tenant.client_id
         if hasattr(outcome, "sequences"):
@@ -265,7 +267,10 @@ def run_sample(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Reque
             request.record.tokens = len(request.payload.prompt) + generated
             request.record.metrics["sampled_tokens:sum"] = float(generated)
             request.record.metrics["num_samples"] = float(len(outcome.sequences))
-    return outcomes
+        return outcome
+
+    return run_sample_batch(base, [(tenant.adapter, request.payload) for tenant, request in group],
+                            pool.max_tokens_per_pass, pool.decode_budget, finish)
 
 
 run_logprobs = run_sample

@@ -18,7 +18,8 @@ the quantity importance-sampling losses need and what `compute_logprobs` returns
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,9 @@ from ..validation import SampleSpec
 from .lora import LoRAAdapter
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
+from .tenants import Later
 
-__all__ = ["forward_logits", "run_sample_batch"]
+__all__ = ["SampleCarry", "StepBudget", "forward_logits", "run_sample_batch"]
 
 
 # -- the batched forward ------------------------------------------------------------------
@@ -217,80 +219,103 @@ def _stopped(row: _Row, tokenizer: Any) -> bool:
     return False
 
 
-# -- one batch ---------------------------------------------------------------------------------
+# -- one batch, decoded over as many cycles as it needs --------------------------------------
 
-def _run_chunk(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]]) -> list[Any]:
-    model, device = base.model, base.device
-    prompts = [job.prompt for _, job in items]
-    adapters = [adapter for adapter, _ in items]
-    ids, valid, positions = _left_pad(prompts, device)
-    length = ids.shape[1]
-    rows: list[_Row] = []
-    for j, (adapter, job) in enumerate(items):
-        for k in range(job.num_samples):
-            gen = torch.Generator(device="cpu").manual_seed(_row_seed(job.seed, k))
-            rows.append(_Row(j, adapter, job, torch.rand(job.max_tokens, generator=gen, dtype=torch.float64)))
-    cache = _new_cache(model) if rows else None
-    logits = _forward(model, ids, _prefill_mask(valid), positions, adapters, cache)
+class _Decoding:
+    """One chunk's samples: the prefill when made, then `advance()` a bounded number of decode
+    steps per cycle, so a long sample shares the clock instead of holding it (the KV cache and
+    each row's place are kept between cycles). A row's choices depend only on its own uniforms
+    and step, so how the decode is cut into cycles does not change a sample."""
 
-    prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1], job)
-                   for i, (_, job) in enumerate(items)]
+    def __init__(self, base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]]):
+        self.base, self.items = base, items
+        model, device = base.model, base.device
+        prompts = [job.prompt for _, job in items]
+        ids, valid, positions = _left_pad(prompts, device)
+        length = ids.shape[1]
+        self.rows: list[_Row] = []
+        for j, (adapter, job) in enumerate(items):
+            for k in range(job.num_samples):
+                gen = torch.Generator(device="cpu").manual_seed(_row_seed(job.seed, k))
+                self.rows.append(_Row(j, adapter, job, torch.rand(job.max_tokens, generator=gen, dtype=torch.float64)))
+        self.cache = _new_cache(model) if self.rows else None
+        logits = _forward(model, ids, _prefill_mask(valid), positions, [a for a, _ in items], self.cache)
+        self.prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1], job)
+                            for i, (_, job) in enumerate(items)]
+        self.left = [job.num_samples if not job.logprobs_only else 0 for _, job in items]  # rows still running
+        self.reported: set[int] = set()
+        self.active: list[int] = []
+        self.step_logits: torch.Tensor | None = None
+        if self.rows and self.cache is not None:
+            index = torch.tensor([r.job for r in self.rows], device=device)
+            self.step_logits = logits[index, -1]
+            self.cache.batch_select_indices(index)
+            self.valid = valid[index]
+            self.next_pos = positions[index, -1] + 1
+            self.active = list(range(len(self.rows)))
+        self.step = 0
 
-    if rows and cache is not None:
-        index = torch.tensor([r.job for r in rows], device=device)
-        step_logits = logits[index, -1]
-        del logits
-        cache.batch_select_indices(index)
-        valid = valid[index]
-        next_pos = positions[index, -1] + 1
-        active = list(range(len(rows)))
-        step = 0
-        while True:
-            chosen, lps = _choose(step_logits, [rows[i] for i in active], step)
-            keep = []
-            for a, (i, tok, token_lp) in enumerate(zip(active, chosen, lps)):
-                row = rows[i]
-                row.tokens.append(tok)
-                row.logprobs.append(token_lp)
-                if _stopped(row, base.tokenizer):
-                    row.stop_reason = "stop"
-                elif len(row.tokens) >= row.spec.max_tokens:
-                    row.stop_reason = "length"
-                else:
-                    keep.append(a)
-            if not keep:
-                break
-            last = torch.tensor(chosen, dtype=torch.long, device=device)
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, device=device)
-                cache.batch_select_indices(sel)
-                valid, next_pos, last = valid[sel], next_pos[sel], last[sel]
-                active = [active[a] for a in keep]
-            valid = torch.cat([valid, valid.new_ones(len(active), 1)], dim=1)
-            step_logits = _forward(model, last[:, None], valid[:, None, None, :], next_pos[:, None],
-                                   [rows[i].adapter for i in active], cache)[:, -1]
-            next_pos = next_pos + 1
-            step += 1
-    else:
-        del logits
+    @property
+    def done(self) -> bool:
+        return len(self.reported) == len(self.items)
 
-    results: list[Any] = []
-    by_job: list[list[_Row]] = [[] for _ in items]
-    for row in rows:
-        by_job[row.job].append(row)
-    for j, (_, job) in enumerate(items):
-        side = prompt_side[j]
+    def advance(self, budget: StepBudget) -> dict[int, Any]:
+        """Decode while the cycle's `budget` allows; returns the results of the jobs that
+        finished, by index."""
+        while self.active and budget.take():
+            self._step()
+        finished = {}
+        for j, left in enumerate(self.left):
+            if left == 0 and j not in self.reported:
+                finished[j] = self._result(j)
+                self.reported.add(j)
+        if self.done:
+            self.cache = self.step_logits = None  # the KV cache is the large part: let it go now
+        return finished
+
+    def _step(self) -> None:
+        assert self.step_logits is not None and self.cache is not None
+        rows, device = self.rows, self.base.device
+        chosen, lps = _choose(self.step_logits, [rows[i] for i in self.active], self.step)
+        keep = []
+        for a, (i, tok, token_lp) in enumerate(zip(self.active, chosen, lps)):
+            row = rows[i]
+            row.tokens.append(tok)
+            row.logprobs.append(token_lp)
+            if _stopped(row, self.base.tokenizer):
+                row.stop_reason = "stop"
+            elif len(row.tokens) >= row.spec.max_tokens:
+                row.stop_reason = "length"
+            else:
+                keep.append(a)
+            if row.stop_reason is not None:
+                self.left[row.job] -= 1
+        if not keep:
+            self.active = []
+            return
+        last = torch.tensor(chosen, dtype=torch.long, device=device)
+        if len(keep) < len(self.active):
+            sel = torch.tensor(keep, device=device)
+            self.cache.batch_select_indices(sel)
+            self.valid, self.next_pos, last = self.valid[sel], self.next_pos[sel], last[sel]
+            self.active = [self.active[a] for a in keep]
+        self.valid = torch.cat([self.valid, self.valid.new_ones(len(self.active), 1)], dim=1)
+        self.step_logits = _forward(self.base.model, last[:, None], self.valid[:, None, None, :],
+                                    self.next_pos[:, None], [rows[i].adapter for i in self.active],
+                                    self.cache)[:, -1]
+        self.next_pos = self.next_pos + 1
+        self.step += 1
+
+    def _result(self, j: int) -> Any:
+        job, side = self.items[j][1], self.prompt_side[j]
         if job.logprobs_only:
-            results.append(side.logprobs)
-        else:
-            sequences = [SampledSequence(tokens=r.tokens, logprobs=r.logprobs,
-                                         stop_reason="stop" if r.stop_reason == "stop" else "length",
-                                         topk_logprobs=list(r.topk) if job.topk_sample_logprobs else None)
-                         for r in by_job[j]]
-            results.append(SampleResponse(sequences=sequences, prompt_logprobs=side.logprobs,
-                                          topk_prompt_logprobs=side.topk, target_prompt_logprobs=side.targets,
-                                          prompt_alt_tokens=side.alt))
-    return results
+            return side.logprobs
+        sequences = [SampledSequence(tokens=r.tokens, logprobs=r.logprobs,
+                                     stop_reason="stop" if r.stop_reason == "stop" else "length",
+                                     topk_logprobs=list(r.topk) if job.topk_sample_logprobs else None)
+                     for r in self.rows if r.job == j]
+        return SampleResponse(sequences=sequences, prompt_logprobs=side.logprobs, topk_prompt_logprobs=side.topk,
+                              target_prompt_logprobs=side.targets, prompt_alt_tokens=side.alt)
 
 
 @dataclass
@@ -371,22 +396,81 @@ def _chunks(jobs: list[SampleSpec], budget: int) -> list[list[int]]:
     return chunks
 
 
-def run_sample_batch(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]], token_budget: int
-                     ) -> list[Any]:
+class StepBudget:
+    """The decode steps of one cycle, shared by every decoding in it: `forced` steps whatever
+    the time (so sampling always progresses), then more only while `perf_counter() < until`
+    (the cycle's minimum length: sampling fills a cycle, it does not stretch it). `forced=None`:
+    no bound (each sample decodes to its end in its cycle)."""
+
+    def __init__(self, forced: int | None, until: float = 0.0):
+        self.forced, self.until = forced, until
+
+    def take(self) -> bool:
+        if self.forced is None:
+            return True
+        if self.forced > 0:
+            self.forced -= 1
+            return True
+        return time.perf_counter() < self.until
+
+
+class SampleCarry:
+    """The decodings of one cycle's sample requests that did not finish in it."""
+
+    def __init__(self, decodings: list[tuple[list[int], _Decoding]], finish: Callable[[int, Any], Any]):
+        self._decodings = decodings
+        self._finish = finish
+
+    @property
+    def done(self) -> bool:
+        return all(d.done for _, d in self._decodings)
+
+    def advance(self, budget: StepBudget) -> dict[int, Any]:
+        """One cycle's share: the outcomes of the requests that finished, by their index in the group."""
+        out: dict[int, Any] = {}
+        for chunk, decoding in self._decodings:
+            if decoding.done:
+                continue
+            try:
+                finished = decoding.advance(budget)
+            except Exception as exc:
+                finished = {j: _sampling_failed(exc) for j in range(len(chunk)) if j not in decoding.reported}
+                decoding.reported.update(finished)
+                decoding.cache = decoding.step_logits = None
+            for j, result in finished.items():
+                out[chunk[j]] = self._finish(chunk[j], result)
+        return out
+
+
+def _sampling_failed(exc: Exception) -> RequestFailedError:
+    err = RequestFailedError(f"sampling failed: {type(exc).__name__}: {exc}", category=RequestErrorCategory.Server)
+    err.__cause__ = exc
+    return err
+
+
+def run_sample_batch(base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]], token_budget: int,
+                     budget: StepBudget | None = None,
+                     finish: Callable[[int, Any], Any] = lambda i, outcome: outcome) -> list[Any]:
     """Every sample / compute_logprobs request of a cycle on `base`, each (adapter, spec): one
-    outcome (a SampleResponse, a list of prompt logprobs, or an exception) per request."""
+    outcome (a SampleResponse, a list of prompt logprobs, or an exception) per request, passed
+    through `finish(index, outcome)`, or `Later` for those whose decode goes on in the next
+    cycles, as the cycle's `budget` allows (None: everything decodes now)."""
+    budget = budget or StepBudget(None)
     specs = [spec for _, spec in items]
     outcomes: list[Any] = [None] * len(items)
+    unfinished: list[tuple[list[int], _Decoding]] = []
     for chunk in _chunks(specs, token_budget):
         try:
-            results = _run_chunk(base, [items[i] for i in chunk])
+            decoding = _Decoding(base, [items[i] for i in chunk])
+            results = decoding.advance(budget)
         except Exception as exc:
-            results = []
-            for _ in chunk:
-                err = RequestFailedError(f"sampling failed: {type(exc).__name__}: {exc}",
-                                         category=RequestErrorCategory.Server)
-                err.__cause__ = exc
-                results.append(err)
-        for i, result in zip(chunk, results):
-            outcomes[i] = result
+            results = {j: _sampling_failed(exc) for j in range(len(chunk))}
+        else:
+            if not decoding.done:
+                unfinished.append((chunk, decoding))
+        for j, result in results.items():
+            outcomes[chunk[j]] = finish(chunk[j], result)
+    if unfinished:
+        later = Later(SampleCarry(unfinished, finish))  # one carry for all of them: the pool advances it
+        outcomes = [later if o is None else o for o in outcomes]
     return outcomes

@@ -7,14 +7,14 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..futures import APIFuture
 from ..telemetry import RequestRecord
 from .lora import LoRAAdapter
 from .models import BaseModel
 
-__all__ = ["AddTenant", "OpHandlers", "Prepared", "Request", "Tenant"]
+__all__ = ["AddTenant", "Carry", "Later", "OpHandlers", "Prepared", "Request", "Tenant"]
 
 
 @dataclass
@@ -76,3 +76,21 @@ class AddTenant:
     tenant: Tenant
     label: str
     result: Any
+
+
+class Carry(Protocol):
+    """Work of some of a cycle's requests that goes on in the next cycles (a long sample): the
+    pool calls `advance(budget)` once a cycle, and delivers the outcomes it returns (by index
+    in the group the handler was given) until `done`."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def advance(self, budget: Any) -> dict[int, Any]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Later:
+    """A batched handler's outcome for a request whose work goes on in `carry`."""
+
+    carry: Carry
