@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import DIFFERENCES, TRANSPORTS, checkpoint_dir, inspect, pool_client_id, service
+from transports import TRANSPORTS, checkpoint_dir, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine.models import _build_builtin
@@ -56,12 +56,6 @@ def trained(sampling_service):
     tc = sampling_service.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=3)
     _train(tc)
     return tc, tc.save_weights_and_get_sampling_client().result()
-
-
-def _local_only(trained) -> None:
-    """Top-k, target and alternative-token logprobs are not sent over HTTP yet (the allow-list)."""
-    if trained[0].pool is None:
-        pytest.skip(DIFFERENCES["sampling-options"])
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +263,6 @@ def _assert_topk(got: list[tuple[int, float]] | None, ref_row: torch.Tensor, k: 
 
 
 def test_topk_prompt_and_sample_logprobs_equal_the_reference_top_k(trained, reference):
-    _local_only(trained)
     _, sc = trained
     k = 5
     res = sc.sample(PROMPT, 2, trio.SamplingParams(max_tokens=6, temperature=1.0, seed=5),
@@ -296,7 +289,6 @@ def test_topk_prompt_and_sample_logprobs_equal_the_reference_top_k(trained, refe
 
 def test_prompt_options_of_requests_batched_in_one_cycle(pool, trained, reference):
     """Each request of a shared prefill (left-padded, other prompts beside it) gets its own rows."""
-    _local_only(trained)
     _, sc = trained
     prompts = [PROMPT, [3 + b for b in b"A longer prompt here"], [3 + b for b in b"Hi"]]
     with pool.hold():
@@ -320,7 +312,6 @@ def test_prompt_options_of_requests_batched_in_one_cycle(pool, trained, referenc
 
 
 def test_topk_with_prompt_logprobs_last_n(trained, reference):
-    _local_only(trained)
     _, sc = trained
     res = sc.sample(PROMPT, 1, trio.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
                     topk_prompt_logprobs=3, prompt_logprobs_last_n=2).result()
@@ -334,7 +325,6 @@ def test_topk_with_prompt_logprobs_last_n(trained, reference):
 
 
 def test_target_prompt_logprobs_and_alternative_tokens(trained, reference):
-    _local_only(trained)
     _, sc = trained
     n = len(PROMPT)
     targets = [[PROMPT[i + 1], -1, 3 + i] for i in range(n - 1)]

@@ -477,8 +477,6 @@ def test_logprob_options_are_checked(sc, transport):
     for kwargs, field, text in cases:
         with pytest.raises(trio.InvalidInputError) as info:
             sampler.sample(prompt, 1, **kwargs)
-        if field != "prompt_logprobs_last_n" and differs(transport, "sampling-options"):
-            text = "not supported by a served trio pool"
         assert info.value.field == field and text in str(info.value), (kwargs, str(info.value))
     with pytest.raises(trio.InvalidInputError) as info:
         sampler.compute_logprobs(prompt, prompt_logprobs_last_n=8)

@@ -339,3 +339,19 @@ def test_the_limits_are_checked_when_the_server_is_made(pool):
                       ("max_clients_per_key", "many"), ("body_timeout_s", float("nan"))):
         with pytest.raises(ValueError, match=name), contextlib.ExitStack():
             trio.serve(pool, port=0, **{name: bad})
+
+
+def test_the_server_log_has_a_line_per_refusal_and_never_a_key(pool, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="trio_widgets.http")
+    with served(pool, api_keys=[ALICE]) as server:
+        raw(server.url, "POST", "/create_session", "tml-wrong-key-99", json={})
+        sid = raw(server.url, "POST", "/create_session", ALICE, json={}).json()["session_id"]
+        raw(server.url, "POST", "/create_model", ALICE, json={"session_id": sid, "model_seq_id": "x",
+                                                              "base_model": trio.DEFAULT_MODEL})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
+    assert any("POST /api/v1/create_session: 401" in line for line in lines), lines
+    assert any("POST /api/v1/create_model: 400 invalid_input" in line and sid in line for line in lines), lines
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert ALICE not in text and "tml-wrong-key-99" not in text

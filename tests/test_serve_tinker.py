@@ -160,6 +160,30 @@ def test_sampling_matches_an_in_process_sampler_of_the_same_weights(sdk, server,
     assert [list(s.logprobs) for s in remote.sequences] == [s.logprobs for s in mine.sequences]
     assert remote_lp[0] is None and remote_lp[1:] == mine_lp[1:]
     assert len({s.sequence_id for s in remote.sequences}) == 3
+    # tinker's options in its own protobuf fields: top-k prompt and sampled logprobs, target ids,
+    # alternative tokens; equal to in-process, bit for bit (float32 both ways)
+    n = len(prompt)
+    targets = [[prompt[i + 1], -1, 3 + i] for i in range(n - 1)]
+    options = dict(include_prompt_logprobs=True, topk_prompt_logprobs=3, topk_sample_logprobs=2,
+                   prompt_alt_tokens_k=2)
+    theirs_opt = sampler.sample(tt.ModelInput.from_ints(prompt), 2, params, **options,
+                                target_prompt_logprobs=tt.TensorData(data=sum(targets, []), dtype="int64",
+                                                                     shape=[n - 1, 3])).result(timeout=120)
+    local = trio.ServiceClient(pool).create_sampling_client(model_path=str(server.checkpoint_path(saved, KEY)))
+    ours_opt = local.sample(trio.ModelInput.from_ints(prompt), 2,
+                            trio.SamplingParams(max_tokens=8, temperature=1.0, seed=7), **options,
+                            target_prompt_logprobs=trio.TensorData(targets)).result(timeout=120)
+    local.close()
+    assert theirs_opt.topk_prompt_logprobs == ours_opt.topk_prompt_logprobs
+    assert ours_opt.topk_prompt_logprobs[0] is None and len(ours_opt.topk_prompt_logprobs[1]) == 3
+    for theirs, ours in zip(theirs_opt.sequences, ours_opt.sequences):
+        assert list(theirs.tokens) == ours.tokens and theirs.topk_logprobs == ours.topk_logprobs
+        assert len(ours.topk_logprobs) == len(ours.tokens) and len(ours.topk_logprobs[0]) == 2
+    for field in ("target_prompt_logprobs",):
+        assert getattr(theirs_opt, field).to_numpy().tolist() == getattr(ours_opt, field).to_numpy().tolist()
+    for part in ("tokens", "logprobs"):
+        assert getattr(theirs_opt.prompt_alt_tokens, part).to_numpy().tolist() == \
+            getattr(ours_opt.prompt_alt_tokens, part).to_numpy().tolist()
     # a sampler by path, through the SDK's create_sampling_client
     by_path = sdk.create_sampling_client(model_path=saved).result()
     again = by_path.sample(tt.ModelInput.from_ints(prompt), 3, params).result(timeout=120)
@@ -219,9 +243,9 @@ def test_unsupported_features_answer_with_the_sdks_errors(sdk, server, fast):
     with pytest.raises(tinker.BadRequestError, match="snapshot"):
         tc.save_weights_and_get_sampling_client(kind="inflight").result(timeout=60)
     sampler = tc.save_weights_and_get_sampling_client().result()
-    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
+    with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):  # the engine's check, as in-process
         sampler.sample(tt.ModelInput.from_ints([5, 6]), 1, tt.SamplingParams(max_tokens=2),
-                       topk_prompt_logprobs=3).result(timeout=60)
+                       topk_prompt_logprobs=-1).result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="max_request_tokens"):
         tc.forward_backward([datum(0, 40)] * 500, "cross_entropy").result(timeout=60)
     # the REST catalog answers the SDK's own RestClient (its key's runs)

@@ -191,11 +191,6 @@ def _differs(name: str, service: trio.ServiceClient, pool: trio.LocalPool, trans
     if name == "client-ids":
         tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=9)
         return tc.client_id == tc.model_id
-    if name == "sampling-options":
-        sampler = service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
-        got = outcome(lambda: sampler.sample(trio.ModelInput.from_ints(TEXT[:6]), 1,
-                                             trio.SamplingParams(max_tokens=2), topk_sample_logprobs=2))
-        return isinstance(got, trio.InvalidInputError) and got.field == "topk_sample_logprobs"
     if name == "rest-catalog":
         elsewhere = trio.ServiceClient(pool)  # another session, in-process
         tc = trained(elsewhere, seed=10)

@@ -30,9 +30,6 @@ DIFFERENCES: dict[str, str] = {
                   "both are the model_id the server gave (the pool's ids are the server's business)",
     "inspect-adapter": "inspect_adapter reads the adapter in the pool's memory; over HTTP it is refused "
                        "(save_state and read the checkpoint)",
-    "sampling-options": "top-k prompt/sample logprobs, target_prompt_logprobs and prompt_alt_tokens_k are not "
-                        "sent over HTTP yet (tinker's protobuf has fields for top-k: issue 23); the served pool "
-                        "refuses them naming the field",
     "rest-catalog": "over HTTP a RestClient sees its API key's runs and checkpoints (every session of the key); "
                     "the pool's own RestClient sees every run of the pool",
 }

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -100,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from .http.server import Server, check_bind
+
+    # the server's log on stderr: one line per refused or failed request, sessions expired
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    served = logging.getLogger("trio_widgets.http")
+    served.addHandler(handler)
+    served.setLevel(logging.INFO)
 
     keys = list(args.api_key)
     keys += [k.strip() for k in os.environ.get("TRIO_API_KEYS", "").split(",") if k.strip()]

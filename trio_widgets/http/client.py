@@ -691,10 +691,6 @@ class HttpBackend:
             prompt, num, params, logprobs = request.prompt, 1, SamplingParams(max_tokens=1), True
             last_n = request.prompt_logprobs_last_n
         elif op == "sample" and isinstance(request, SampleRequest):
-            for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
-                             ("target_prompt_logprobs", None)):
-                if getattr(request, key) not in (off, None):
-                    raise _not_served(key, off)
             prompt, num, logprobs = request.prompt, request.num_samples, request.include_prompt_logprobs
             params = request.sampling_params or SamplingParams()
             last_n = request.prompt_logprobs_last_n
@@ -708,6 +704,14 @@ class HttpBackend:
                 "prompt_logprobs": logprobs, "type": "sample"}
         if last_n is not None:  # a trio field (the engine checks it, as in-process)
             body["prompt_logprobs_last_n"] = last_n
+        if isinstance(request, SampleRequest):  # tinker's options, in its fields (the engine checks them)
+            for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+                if getattr(request, key):
+                    body[key] = getattr(request, key)
+            if request.target_prompt_logprobs is not None:
+                target = request.target_prompt_logprobs
+                body["target_prompt_logprobs"] = wire.tensor_to_json(target) if isinstance(target, TensorData) \
+                    else target
         submitted = self._link.call("POST", "/asample", json=body)
         ids = list(submitted.get("sample_sequence_ids") or [])
         item = _Outgoing(op, request, True, PoolFuture())
@@ -852,10 +856,6 @@ def _metadata(user_metadata: dict[str, str] | None, label: str | None) -> dict[s
     if label:
         out["name"] = label
     return out
-
-
-def _not_served(key: str, off: Any = None) -> InvalidInputError:
-    return InvalidInputError(f"is not supported by a served trio pool; leave it at {off!r}", field=key)
 
 
 def _not_offered(what: str) -> InvalidInputError:

@@ -76,6 +76,14 @@ async def read_body(request: Request, service: Service, owner: str) -> bytes:
     return b"".join(chunks)
 
 
+def _log_refusal(request: Request, owner: str, error: WireError) -> None:
+    """One line per refused request, for the server's log: never the key (its owner digest, the
+    client's session or model id where the body named one)."""
+    who = getattr(request.state, "client", None) or "-"
+    log.info("refused %s %s: %d %s (owner %s, client %s): %s", request.method, request.url.path, error.status,
+             error.code, owner[:12], str(who)[:80], error.message[:300])
+
+
 def json_body(body: bytes) -> dict:
     if not body:
         return {}
@@ -95,12 +103,15 @@ def _endpoint(service: Service, handler: Handler, *, observer: bool = False, ope
               ) -> Callable[[Request], Awaitable[Response]]:
     """Auth, bounded body, and every refusal as a JSON 4xx (never a bare 400: the SDK retries those)."""
     async def endpoint(request: Request) -> Response:
+        owner = "-"
         try:
             owner = "anonymous" if open_ else service.authenticate(request, observer)
             result = await handler(service, owner, request)
         except (HttpError, InvalidInputError, PoolClosedError, ClientClosedError) as exc:
             # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
-            return error_response(wire_of(exc), close=isinstance(exc, HttpError) and exc.status in _CLOSE)
+            error = wire_of(exc)
+            _log_refusal(request, owner, error)
+            return error_response(error, close=isinstance(exc, HttpError) and exc.status in _CLOSE)
         except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
             log.exception("%s %s failed", request.method, request.url.path)
             return error_response(wire_error(exc))
@@ -114,6 +125,8 @@ def _endpoint(service: Service, handler: Handler, *, observer: bool = False, ope
 def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
     async def handler(service: Service, owner: str, request: Request) -> Any:
         body = json_body(await read_body(request, service, owner))
+        request.state.client = next((body[k] for k in ("model_id", "sampling_session_id", "session_id", "request_id")
+                                     if isinstance(body.get(k), str)), None)  # for the log
         result = method(service, owner, body)
         return await result if asyncio.iscoroutine(result) else result
 

@@ -403,9 +403,11 @@ class Service:
             return
         exc = future.exception()
         if exc is not None:
-            if row_of(exc).status >= 500:
-                log.error("%s failed in the pool: %s: %s", entry.request_id, type(exc).__name__, exc)
-            entry.settle(error=wire_of(exc))
+            error = wire_of(exc)
+            session = entry.session.session_id if entry.session is not None else "-"
+            log.log(logging.ERROR if row_of(exc).status >= 500 else logging.INFO, "%s (%s, session %s) failed: %s %s",
+                    entry.request_id, entry.kind, session, error.code, error.message[:300])
+            entry.settle(error=error)
             return
         try:
             body, protobuf = encode(future.result())
@@ -803,10 +805,9 @@ class Service:
                                     "model_path or base_model per request is not supported here",
                                     field="sampling_session_id")
         sampler = self.sampler(body.get("sampling_session_id"), owner)
-        for key, off in (("topk_prompt_logprobs", 0), ("topk_sample_logprobs", 0), ("prompt_alt_tokens_k", 0),
-                         ("target_prompt_logprobs", None), ("record_stability_info", False)):
-            if body.get(key) not in (off, None):
-                raise InvalidInputError(f"is not supported by the local pool; leave it at {off!r}", field=key)
+        if body.get("record_stability_info") not in (False, None):
+            raise InvalidInputError("is not supported by the local pool; leave it at False",
+                                    field="record_stability_info")
         seq = body.get("seq_id")
         if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**31):
             raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
@@ -816,8 +817,15 @@ class Service:
         prompt = wire.model_input_from_json(body.get("prompt"))
         params = wire.sampling_params_from_json(body.get("sampling_params") or {})
         num = body.get("num_samples", 1)
+        target = body.get("target_prompt_logprobs")
+        # the options are the engine's to check, as in-process (the same errors, naming the same fields)
         request = SampleRequest(prompt, num, params, bool(body.get("prompt_logprobs")),
-                                prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"))
+                                topk_prompt_logprobs=body.get("topk_prompt_logprobs") or 0,
+                                topk_sample_logprobs=body.get("topk_sample_logprobs") or 0,
+                                prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
+                                target_prompt_logprobs=None if target is None else
+                                wire.tensor_from_json(target, "target_prompt_logprobs", 1 << 22, pad=-1),
+                                prompt_alt_tokens_k=body.get("prompt_alt_tokens_k") or 0)
         entry = self.new_entry(owner, sampler.session, "sample")
         try:
             self.launch(entry, lambda: self.backend.submit(sampler.handle.client_id, "sample", request),

@@ -28,6 +28,7 @@ from ..types import (
     EncodedTextChunk,
     ForwardBackwardOutput,
     ModelInput,
+    PromptAltTokens,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -39,7 +40,7 @@ __all__ = [
     "PROTO", "adam_from_json", "adam_to_json", "decode_forward_request", "decode_forward_output",
     "decode_sample_response", "encode_forward_output", "encode_forward_request", "encode_sample_response",
     "model_input_from_json", "model_input_to_json", "sampling_params_from_json", "sampling_params_to_json",
-    "tinker_metric_keys",
+    "tensor_from_json", "tensor_to_json", "tinker_metric_keys",
 ]
 
 PROTOBUF = "application/x-protobuf"
@@ -79,10 +80,17 @@ _MESSAGES: dict[str, list[tuple[str, int, str, str]]] = {
     "BatchedTensor": [("data", 1, "bytes", ""), ("offsets", 2, "bytes", ""), ("dtype", 3, "DType", ""),
                       ("trailing_shape", 4, "int64", "repeated")],
     "SampleResponse": [("sequences", 1, "SampledSequence", "repeated"), ("prompt_logprobs", 2, "bytes", ""),
-                       ("prompt_cache_hit_tokens", 4, "int32", "")],
+                       ("topk_prompt_logprobs", 3, "TopkLogprobs", ""), ("prompt_cache_hit_tokens", 4, "int32", ""),
+                       ("target_prompt_logprobs", 5, "Tensor", ""), ("prompt_alt_tokens", 6, "PromptAltTokens", "")],
     "SampledSequence": [("stop_reason", 1, "StopReason", ""), ("tokens", 2, "bytes", ""),
-                        ("logprobs", 3, "bytes", "")],
+                        ("logprobs", 3, "bytes", ""), ("topk_sampled_logprobs", 4, "TopkLogprobs", "")],
+    # [length, k] matrices, row-major: int32 token ids and float32 logprobs; a position without
+    # top-k is a row of (0, -99999.0) (tinker's MASK_LOGPROB), as is the tail of a shorter row
+    "TopkLogprobs": [("token_ids", 1, "bytes", ""), ("logprobs", 2, "bytes", ""), ("k", 3, "uint32", ""),
+                     ("length", 4, "uint32", "")],
+    "PromptAltTokens": [("tokens", 1, "Tensor", ""), ("logprobs", 2, "Tensor", "")],
 }
+_MASK_LOGPROB = -99999.0
 
 
 def _type_of(field: descriptor_pb2.FieldDescriptorProto, type_name: str) -> None:
@@ -320,14 +328,49 @@ def decode_forward_output(body: bytes) -> ForwardBackwardOutput:
 
 # -- samples -------------------------------------------------------------------------------------
 
+def _topk_to_proto(rows: Sequence[Sequence[tuple[int, float]] | None], msg: Any) -> None:
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), "<i4")
+    lps = np.full((len(rows), k), _MASK_LOGPROB, "<f4")
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, :len(row)] = [t for t, _ in row]
+            lps[i, :len(row)] = [v for _, v in row]
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
+
+
+def _topk_from_proto(msg: Any) -> list[list[tuple[int, float]] | None]:
+    n, k = int(msg.length), int(msg.k)
+    if n * k * 4 != len(msg.token_ids) or n * k * 4 != len(msg.logprobs):
+        raise InvalidInputError(f"a top-k matrix of {n}x{k} does not fit its bytes", field="body")
+    if k == 0:
+        return [None] * n
+    ids = np.frombuffer(msg.token_ids, "<i4").reshape(n, k).tolist()
+    lps = np.frombuffer(msg.logprobs, "<f4").reshape(n, k).tolist()
+    rows: list[list[tuple[int, float]] | None] = []
+    for tid, lp in zip(ids, lps):
+        row = [(t, v) for t, v in zip(tid, lp) if not (t == 0 and v == _MASK_LOGPROB)]
+        rows.append(row or None)
+    return rows
+
+
 def encode_sample_response(response: SampleResponse) -> bytes:
     msg = PROTO.SampleResponse(prompt_cache_hit_tokens=int(response.prompt_cache_hit_tokens))
     for seq in response.sequences:
-        msg.sequences.add(stop_reason=_STOP_CODE[seq.stop_reason], tokens=np.asarray(seq.tokens, "<i4").tobytes(),
-                          logprobs=np.asarray(seq.logprobs, "<f4").tobytes())
+        out = msg.sequences.add(stop_reason=_STOP_CODE[seq.stop_reason], tokens=np.asarray(seq.tokens, "<i4").tobytes(),
+                                logprobs=np.asarray(seq.logprobs, "<f4").tobytes())
+        if seq.topk_logprobs is not None:
+            _topk_to_proto(seq.topk_logprobs, out.topk_sampled_logprobs)
     if response.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray([math.nan if v is None else v for v in response.prompt_logprobs],
                                          "<f4").tobytes()
+    if response.topk_prompt_logprobs is not None:
+        _topk_to_proto(response.topk_prompt_logprobs, msg.topk_prompt_logprobs)
+    if response.target_prompt_logprobs is not None:
+        _tensor_to_proto(response.target_prompt_logprobs, msg.target_prompt_logprobs)
+    if response.prompt_alt_tokens is not None:
+        _tensor_to_proto(response.prompt_alt_tokens.tokens, msg.prompt_alt_tokens.tokens)
+        _tensor_to_proto(response.prompt_alt_tokens.logprobs, msg.prompt_alt_tokens.logprobs)
     return msg.SerializeToString()
 
 
@@ -337,15 +380,74 @@ def decode_sample_response(body: bytes, sequence_ids: Sequence[str]) -> SampleRe
     for i, seq in enumerate(msg.sequences):
         sequence = SampledSequence(tokens=np.frombuffer(seq.tokens, "<i4").tolist(),
                                    logprobs=np.frombuffer(seq.logprobs, "<f4").tolist(),
-                                   stop_reason="length" if seq.stop_reason == 1 else "stop")
+                                   stop_reason="length" if seq.stop_reason == 1 else "stop",
+                                   topk_logprobs=_topk_from_proto(seq.topk_sampled_logprobs)
+                                   if seq.HasField("topk_sampled_logprobs") else None)
         if i < len(sequence_ids):
             sequence.sequence_id = sequence_ids[i]
         sequences.append(sequence)
     prompt = None
     if msg.prompt_logprobs:
         prompt = [None if math.isnan(v) else float(v) for v in np.frombuffer(msg.prompt_logprobs, "<f4")]
+    unbounded = 1 << 62  # a response the server encoded: its size is the server's bound
+    alt = None
+    if msg.HasField("prompt_alt_tokens"):
+        alt = PromptAltTokens(tokens=_tensor_from_proto(msg.prompt_alt_tokens.tokens, "prompt_alt_tokens", unbounded),
+                              logprobs=_tensor_from_proto(msg.prompt_alt_tokens.logprobs, "prompt_alt_tokens",
+                                                          unbounded))
     return SampleResponse(sequences=sequences, prompt_logprobs=prompt,
-                          prompt_cache_hit_tokens=int(msg.prompt_cache_hit_tokens))
+                          topk_prompt_logprobs=_topk_from_proto(msg.topk_prompt_logprobs)
+                          if msg.HasField("topk_prompt_logprobs") else None,
+                          target_prompt_logprobs=_tensor_from_proto(msg.target_prompt_logprobs,
+                                                                    "target_prompt_logprobs", unbounded)
+                          if msg.HasField("target_prompt_logprobs") else None,
+                          prompt_alt_tokens=alt, prompt_cache_hit_tokens=int(msg.prompt_cache_hit_tokens))
+
+
+def tensor_to_json(td: TensorData) -> dict[str, Any]:
+    """A tensor as the SDK sends it in JSON: flat data, dtype, shape."""
+    array = td.to_numpy()
+    return {"data": array.reshape(-1).tolist(), "dtype": td.dtype, "shape": list(array.shape)}
+
+
+def tensor_from_json(value: Any, field: str, max_values: int, pad: int | float = 0) -> TensorData:
+    """The SDK's JSON tensor (dense, or CSR whose unlisted cells are `pad`), bounded by `max_values`."""
+    if not isinstance(value, dict) or not isinstance(value.get("data"), list):
+        raise InvalidInputError('must be a tensor {"data": [...], "dtype": ..., "shape": [...]}', field=field)
+    dtype = value.get("dtype")
+    if dtype not in ("int64", "float32"):
+        raise InvalidInputError(f"dtype must be int64 or float32, got {dtype!r:.20}", field=field)
+    shape = value.get("shape")
+    if shape is not None and (not isinstance(shape, list) or
+                              not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise InvalidInputError("shape must be a list of sizes", field=field)
+    data = value["data"]
+    if len(data) > max_values or (shape and math.prod(shape) > max_values):
+        raise InvalidInputError(f"has more than the {max_values} values one request may hold", field=field)
+    kind = int if dtype == "int64" else (int, float)
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in data):
+        raise InvalidInputError(f"data must be numbers of dtype {dtype}", field=field)
+    np_dtype = np.int64 if dtype == "int64" else np.float32
+    crow, col = value.get("sparse_crow_indices"), value.get("sparse_col_indices")
+    if crow is not None or col is not None:
+        if not (isinstance(crow, list) and isinstance(col, list) and shape and len(shape) == 2):
+            raise InvalidInputError("a sparse CSR tensor needs sparse_crow_indices, sparse_col_indices and a 2-D "
+                                    "shape", field=field)
+        rows, cols = shape
+        c, k = np.asarray(crow, np.int64), np.asarray(col, np.int64)
+        if (len(c) != rows + 1 or (len(c) and c[0] != 0) or np.any(np.diff(c) < 0) or (len(c) and c[-1] != len(data))
+                or len(k) != len(data) or (len(k) and (k.min() < 0 or k.max() >= cols))):
+            raise InvalidInputError("is not a well-formed CSR matrix (row pointers, column indices and values "
+                                    "disagree)", field=field)
+        dense = np.full((rows, cols), pad, dtype=np_dtype)
+        dense[np.repeat(np.arange(rows), np.diff(c)), k] = np.asarray(data, np_dtype)
+        return TensorData(dense, dtype)
+    array = np.asarray(data, np_dtype)
+    if shape is not None:
+        if math.prod(shape) != len(array):
+            raise InvalidInputError(f"shape {shape} does not fit {len(array)} values", field=field)
+        array = array.reshape(shape)
+    return TensorData(array, dtype)
 
 
 # -- JSON shapes -----------------------------------------------------------------------------------
