@@ -85,9 +85,19 @@ def main(argv: list[str] | None = None) -> int:
                             "localhost and this machine's names (a page rebinding any other name is refused)")
     serve.add_argument("--allowed-origins", default="",
                        help="comma-separated web origins whose pages may call this server (default: none)")
+    pull = sub.add_parser("pull-tokenizer", help="store a served model's tokenizer in this machine's Hugging Face "
+                                                 "cache under the model's name (what a workshop participant runs "
+                                                 "once: then AutoTokenizer.from_pretrained(MODEL) works offline)")
+    pull.add_argument("model", nargs="?", help="the base model (default: the server's first)")
+    pull.add_argument("--base-url", default=os.environ.get("TRIO_BASE_URL"),
+                      help="the served pool (default: $TRIO_BASE_URL)")
+    pull.add_argument("--api-key", default=None, help="a key of the server (default: $TRIO_API_KEY; it shows in "
+                                                      "`ps`, so prefer the variable)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "pull-tokenizer":
+        return _pull_tokenizer(args)
     if args.command == "doctor":
         report = doctor()
         print(json.dumps([dataclasses.asdict(r) for r in report.records], indent=1) if args.json else report)
@@ -96,6 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"updates: {stats['updates']}")
     print(f"cycles per update: {stats['cycles_per_update']:.2f} (pipelined; naive would be 4)")
     print(f"loss per token: {stats['first_loss']:.3f} -> {stats['last_loss']:.3f}")
+    return 0
+
+
+def _pull_tokenizer(args: argparse.Namespace) -> int:
+    from .errors import UnknownModelError
+    from .tokenizers import pull_tokenizer
+
+    if not args.base_url:
+        print("trio pull-tokenizer: give --base-url (or set $TRIO_BASE_URL) of the served pool", file=sys.stderr)
+        return 2
+    try:
+        where = pull_tokenizer(args.base_url, args.api_key or os.environ.get("TRIO_API_KEY"), args.model)
+    except (UnknownModelError, OSError) as exc:
+        print(f"trio pull-tokenizer: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # httpx's transport errors: the server is not there
+        print(f"trio pull-tokenizer: cannot reach {args.base_url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    model = where.parent.parent.name.removeprefix("models--").replace("--", "/")
+    print(f"trio: the tokenizer of {model} is in {where}; AutoTokenizer.from_pretrained({model!r}) now loads it "
+          f"(also with HF_HUB_OFFLINE=1)")
     return 0
 
 

@@ -4,14 +4,17 @@ and the HTTP client both use these."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
 from .errors import UnknownModelError
 
-__all__ = ["byte_tokenizer", "load_tokenizer"]
+__all__ = ["byte_tokenizer", "load_tokenizer", "pull_tokenizer"]
 
 
 # transformers' lazy module is not safe to import from two threads at once the first time (a
@@ -108,3 +111,82 @@ def _load_tokenizer(path: str) -> Any:
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, TypeError, KeyError):
         return None
+
+
+# -- pull-tokenizer: a served model's tokenizer in this machine's Hugging Face cache ---------------
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def pull_tokenizer(base_url: str, api_key: str | None = None, model: str | None = None, *,
+                   cache_dir: str | os.PathLike | None = None, timeout_s: float = 60.0) -> Path:
+    """Fetch the tokenizer of `model` (default: the server's first) from a served pool and store
+    it in the Hugging Face cache (huggingface_hub's layout: blobs, a snapshot, refs/main) under
+    the model's name, so `AutoTokenizer.from_pretrained(model)` works with HF_HUB_OFFLINE=1 (as
+    the tinker SDK's get_tokenizer and tinker-cookbook load it). Returns the snapshot directory."""
+    import base64
+
+    import httpx
+    from huggingface_hub import constants
+
+    headers = {"X-API-Key": api_key} if api_key else {}
+    with httpx.Client(base_url=base_url.rstrip("/") + "/api/v1", headers=headers, timeout=timeout_s) as http:
+        if model is None:
+            caps = _json(http.get("/get_server_capabilities"))
+            names = [m.get("model_name") for m in caps.get("supported_models", []) if isinstance(m, dict)]
+            if not names:
+                raise UnknownModelError(f"{base_url} serves no models", field="base_model")
+            model = str(names[0])
+        if not _REPO_ID.match(model):
+            raise UnknownModelError(f"{model!r} is not a Hugging Face model name (org/name): its tokenizer cannot be "
+                                    f"stored under it", field="base_model")
+        body = _json(http.get("/trio/tokenizer", params={"base_model": model}))
+    files = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise UnknownModelError(f"{base_url} sent no tokenizer files for {model}", field="base_model")
+    contents = {}
+    for name, data in files.items():
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or not isinstance(data, str):
+            raise UnknownModelError(f"the server sent a file named {str(name)[:80]!r}, not a tokenizer file name",
+                                    field="base_model")
+        contents[name] = base64.b64decode(data, validate=True)
+    # a revision from the contents: the same files give the same snapshot, new ones a new one
+    digest = hashlib.sha1()
+    for name in sorted(contents):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(contents[name]).digest())
+    revision = digest.hexdigest()
+    repo = Path(cache_dir or constants.HF_HUB_CACHE) / ("models--" + model.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, data in contents.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        _write(blob, data)
+        link = snapshot / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        try:
+            link.symlink_to(os.path.relpath(blob, snapshot))
+        except OSError:  # no symlinks here (some Windows setups): a copy, as huggingface_hub falls back to
+            _write(link, data)
+    (repo / "refs").mkdir(exist_ok=True)
+    _write(repo / "refs" / "main", revision.encode())
+    return snapshot
+
+
+def _json(response: Any) -> Any:
+    if response.status_code != 200:
+        try:
+            detail = response.json().get("detail")
+        except ValueError:
+            detail = response.text[:200]
+        raise UnknownModelError(f"the server answered {response.status_code}: {detail}", field="base_model")
+    return response.json()
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Written whole or not at all (another process may read the cache meanwhile)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

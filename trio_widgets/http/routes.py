@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError
 from ..protocol import WireError, wire_error
 from . import wire
-from .auth import HttpError, wire_of
+from .auth import HttpError, is_loopback, wire_of
 
 if TYPE_CHECKING:
     from .server import Service
@@ -74,6 +74,11 @@ async def read_body(request: Request, service: Service, owner: str) -> bytes:
             take(len(chunk))
             chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _local(request: Request) -> bool:
+    """Whether the client is on this machine (a directory path the server names means something there)."""
+    return request.client is not None and is_loopback(request.client.host)
 
 
 def _log_refusal(request: Request, owner: str, error: WireError) -> None:
@@ -181,7 +186,15 @@ def build_app(service: Service) -> Starlette:
         return {"status": "ok"}
 
     async def get_sampler(s: Service, owner: str, request: Request) -> dict:
-        return s.get_sampler(owner, request.path_params["sampler_id"])
+        return s.get_sampler(owner, request.path_params["sampler_id"], local=_local(request))
+
+    async def get_info(s: Service, owner: str, request: Request) -> dict:
+        body = json_body(await read_body(request, s, owner))
+        request.state.client = body.get("model_id")
+        return s.get_info(owner, body, local=_local(request))
+
+    async def tokenizer(s: Service, owner: str, request: Request) -> dict:
+        return s.tokenizer_files(owner, request.query_params.get("base_model"))
 
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
         return s.list_checkpoints(owner, request.path_params["model_id"])
@@ -248,7 +261,7 @@ def build_app(service: Service) -> Starlette:
         post("/session_heartbeat", heartbeat), post("/sessions/{session_id}/finish", finish),
         post("/telemetry", telemetry_sink),
         post("/create_model", _json_handler(lambda s, o, b: s.create_model(o, b))),
-        post("/get_info", _json_handler(lambda s, o, b: s.get_info(o, b))),
+        post("/get_info", get_info),
         post("/forward_backward", forward_backward),
         post("/optim_step", _json_handler(lambda s, o, b: s.optim_step(o, b))),
         post("/save_weights", _json_handler(lambda s, o, b: s.save_weights(o, b))),
@@ -272,6 +285,7 @@ def build_app(service: Service) -> Starlette:
         post("/auth/token", unsupported("JWT authentication")),
         post("/trio/release", _json_handler(lambda s, o, b: s.release(o, b))),
         get("/trio/info", info, observer=True),
+        get("/trio/tokenizer", tokenizer),
         get("/trio/telemetry", telemetry, observer=True),
     ]
     app = Starlette(routes=routes)

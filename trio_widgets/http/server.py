@@ -34,6 +34,7 @@ thread is the only one that touches its tables.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -97,6 +98,7 @@ log = logging.getLogger(__name__)
 _SESSION_RE = re.compile(r"^sess-[0-9a-f]{16}$")
 _MODEL_RE = re.compile(r"^(?P<session>sess-[0-9a-f]{16}):train:(?P<n>\d{1,9})$")
 _SEEN_PER_SAMPLER = 4096
+_MAX_TOKENIZER_BYTES = 64 << 20
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -610,19 +612,54 @@ class Service:
         self.in_background(entry, lambda: self.backend.create_model_from_state(request), register)
         return {"request_id": entry.request_id, "model_id": model_id}
 
-    def get_info(self, owner: str, body: dict) -> dict:
+    def get_info(self, owner: str, body: dict, local: bool = True) -> dict:
         model = self.model(body.get("model_id"), owner)
         h = model.handle
         return {"type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": h.rank,
                 "model_name": h.base_model,
-                "model_data": {"arch": "llama", "model_name": h.base_model, "tokenizer_id": self._tokenizer(h)},
+                "model_data": {"arch": "llama", "model_name": h.base_model,
+                               "tokenizer_id": self.tokenizer_id(h.base_model, local)},
                 # trio's client reads these (the tinker SDK ignores extra fields)
                 "trio": {"alpha": h.alpha, "seed": h.seed, "train_attn": h.train_attn, "train_mlp": h.train_mlp,
                          "train_unembed": h.train_unembed, "label": model.label}}
 
-    def _tokenizer(self, handle: ModelHandle) -> str | None:
-        """A local directory AutoTokenizer loads (the SDK's get_tokenizer reads model_data.tokenizer_id)."""
-        name = handle.base_model
+    def tokenizer_id(self, name: str, local: bool) -> str | None:
+        """What the SDK's get_tokenizer loads (model_data.tokenizer_id): a hub model's name; for a
+        client on this machine, the directory the server saved its tokenizer to; for one elsewhere,
+        the model's name, which `python -m trio_widgets pull-tokenizer` stores in that machine's
+        Hugging Face cache (a directory here means nothing there)."""
+        where = self._tokenizer_dir(name)
+        if where is None:
+            return None
+        base = self.pool.get_base_model(name)
+        hub = base.source not in ("builtin", where) and not Path(base.source).is_dir()
+        return name if hub or not local else where
+
+    def tokenizer_files(self, owner: str, name: Any) -> dict:
+        """The served model's tokenizer files (for pull-tokenizer), base64, bounded in size."""
+        if not isinstance(name, str) or name not in self.models:
+            raise InvalidInputError(f"unknown model {name!r:.80}: this server serves {', '.join(self.models)}",
+                                    field="base_model")
+        where = self._tokenizer_dir(name)
+        if where is None:
+            raise InvalidInputError(f"{name} has no tokenizer", field="base_model")
+        files, total = {}, 0
+        for path in sorted(Path(where).iterdir()):
+            if not path.is_file() or path.is_symlink() or path.name.startswith("."):
+                continue  # the tokenizer's own files only (save_pretrained writes regular files)
+            total += path.stat().st_size
+            if total > _MAX_TOKENIZER_BYTES:
+                raise InvalidInputError(f"{name}'s tokenizer files are more than {_MAX_TOKENIZER_BYTES >> 20} MiB",
+                                        field="base_model")
+            files[path.name] = base64.b64encode(path.read_bytes()).decode("ascii")
+        config = getattr(self.pool.get_base_model(name).model, "config", None)
+        if "config.json" not in files and config is not None:
+            # AutoTokenizer reads the model's config too (its model type), as a hub repository has it
+            files["config.json"] = base64.b64encode(config.to_json_string().encode()).decode("ascii")
+        return {"base_model": name, "files": files}
+
+    def _tokenizer_dir(self, name: str) -> str | None:
+        """A local directory AutoTokenizer loads: the model's own, or one the server saved its tokenizer to."""
         if name not in self._tokenizer_dirs:
             base = self.pool.get_base_model(name)
             if base.tokenizer is None:
@@ -789,12 +826,12 @@ class Service:
         self.session(sampler.session.session_id, owner)
         return sampler
 
-    def get_sampler(self, owner: str, sampler_id: str) -> dict:
+    def get_sampler(self, owner: str, sampler_id: str, local: bool = True) -> dict:
         sampler = self.sampler(sampler_id, owner)
         h = sampler.handle
         out: dict[str, Any] = {"sampler_id": sampler_id, "base_model": h.base_model,
                                "trio": {"rank": h.rank, "alpha": h.alpha, "seed": h.seed,
-                                        "tokenizer_id": self._tokenizer(h)}}
+                                        "tokenizer_id": self.tokenizer_id(h.base_model, local)}}
         if sampler.model_path is not None:
             out["model_path"] = sampler.model_path
         return out
