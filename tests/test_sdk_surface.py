@@ -196,3 +196,49 @@ def test_errors_are_caught_under_the_sdks_names(pool, tc, tmp_path: Path):
     with pytest.raises(trio.TinkerError) as gone:
         closed_tc.forward(random_batch(7, n=1, length=8))
     assert isinstance(gone.value, (trio.PoolClosedError, trio.PyTrioError, RuntimeError))
+
+
+# -- every public name of the SDKs' clients (issue 23) ------------------------------------------------
+
+def _hosted_only(member: object) -> bool:
+    func = getattr(member, "__func__", member)
+    if isinstance(func, property):
+        func = func.fget
+    return (getattr(func, "__doc__", None) or "").startswith("Hosted only") or \
+        "tinker's internal connection holder" in (getattr(func, "__doc__", None) or "")
+
+
+@pytest.mark.parametrize("sdk", ["tinker", "pytrio"])
+def test_every_public_name_of_the_sdks_clients_exists_and_works_or_says_why_not(sdk, pool):
+    import importlib
+    import inspect
+
+    from trio_widgets.hosted import REASONS
+
+    module = importlib.import_module(sdk)
+    service = trio.ServiceClient(pool)
+    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+    ours = {"ServiceClient": service, "TrainingClient": tc,
+            "SamplingClient": service.create_sampling_client(base_model=trio.DEFAULT_MODEL),
+            "RestClient": trio.RestClient(pool)}
+    refused, working = [], []
+    for cls_name, instance in ours.items():
+        theirs = getattr(module, cls_name)
+        for name in sorted(n for n in dir(theirs) if not n.startswith("_")):
+            assert hasattr(type(instance), name), f"{sdk}.{cls_name}.{name} has no counterpart in trio"
+            member = inspect.getattr_static(type(instance), name)
+            if not _hosted_only(member):
+                working.append(f"{cls_name}.{name}")
+                continue
+            assert name.removesuffix("_async") in REASONS
+            with pytest.raises(trio.NotSupportedError) as info:
+                value = getattr(instance, name)
+                result = value("tinker://x/weights/y") if callable(value) else value
+                if inspect.iscoroutine(result):
+                    asyncio.run(result)
+            assert name in str(info.value) and len(str(info.value)) > len(name) + 40, str(info.value)
+            assert isinstance(info.value, NotImplementedError) and isinstance(info.value, trio.TinkerError)
+            refused.append(f"{cls_name}.{name}")
+    service.close()
+    # what works is tested where it is used (this file, test_sdk_parity.py, test_sdk_client.py, ...)
+    assert len(working) > 40 and refused, (len(working), refused)

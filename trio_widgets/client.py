@@ -50,6 +50,7 @@ from .connect import DEFAULT_MODEL, Pool, connect
 from .connect import default_pool as default_pool
 from .errors import ClientClosedError, InvalidInputError, RequestErrorCategory, RequestFailedError
 from .futures import APIFuture
+from .hosted import hosted_only
 from .types import (
     AdamOptimizerConfig,
     AdamParams,
@@ -282,6 +283,11 @@ class TrainingClient(_Client):
     def __repr__(self) -> str:
         state = " closed" if self.closed else ""
         return f"<TrainingClient {self.client_id} {self._handle.base_model} rank={self._handle.rank}{state}>"
+
+    # hosted-only names (trio_widgets/hosted.py): they exist, and say why not here
+    get_console_url = hosted_only("get_console_url")
+    save_weights_external = hosted_only("save_weights_external")
+    save_weights_external_async = hosted_only("save_weights_external_async", is_async=True)
 
     # -- who this run is ----------------------------------------------------------------
     @property
@@ -588,6 +594,15 @@ class SamplingClient(_Client):
         what = f"rank={self._handle.rank}" if self._handle.rank else "base only"
         return f"<SamplingClient {self.client_id} {self._handle.base_model} {what}>"
 
+    # hosted-only names (trio_widgets/hosted.py): they exist, and say why not here
+    create = staticmethod(hosted_only("create"))
+    get_sampler_handle = hosted_only("get_sampler_handle")
+    from_sampler_handle = staticmethod(hosted_only("from_sampler_handle"))
+
+    def on_queue_state_change(self, queue_state: Any, queue_state_reason: str | None = None) -> None:
+        """tinker calls this when the hosted queue pauses (rate limit, capacity); a local pool's
+        queue never pauses, so there is nothing to report."""
+
     @property
     def model_path(self) -> str | None:
         return self._handle.model_path
@@ -888,6 +903,15 @@ class ServiceClient:
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
         return f"<ServiceClient {self.service_session_cuid} {self.backend!r}{state}>"
+
+    # hosted-only names (trio_widgets/hosted.py): they exist, and say why not here
+    get_console_url = hosted_only("get_console_url")
+    copy_weights = hosted_only("copy_weights")
+
+    @property
+    def holder(self) -> Any:
+        """tinker's internal connection holder (deprecated there): none here."""
+        hosted_only("holder")(self)
 
     # -- lifecycle -------------------------------------------------------------------
     def close(self, status: Literal["success", "errored", "interrupted"] = "success",

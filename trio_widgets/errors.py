@@ -36,6 +36,7 @@ __all__ = [
     "DownloadNotAllowedError",
     "InvalidInputError",
     "ModelDownloadError",
+    "NotSupportedError",
     "PoolClosedError",
     "RequestFailedError",
     "ResourceNotFoundError",
@@ -358,3 +359,11 @@ class ClientClosedError(RuntimeError, TinkerError, PyTrioError):
     """The client was closed (or garbage-collected): it accepts no more requests."""
 
     code = "client.closed"
+
+
+class NotSupportedError(NotImplementedError, TinkerError, PyTrioError):
+    """A name of the hosted SDKs for what only a hosted service does (billing, a web console,
+    uploading weights elsewhere, ...): it exists here so that code written for them reads,
+    and raises this saying what it does there and why it does not here. Nothing was sent."""
+
+    code = "not_supported"

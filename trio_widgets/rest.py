@@ -25,6 +25,7 @@ from .backend import Backend
 from .connect import Pool, connect
 from .errors import InvalidInputError
 from .futures import APIFuture
+from .hosted import hosted_only
 from .types import (
     CheckpointsListResponse,
     Cursor,
@@ -194,6 +195,39 @@ class RestClient:
             lim, off = _page(limit, offset)
             return ListSessionsResponse(sessions=self._backend.sessions()[off:off + lim])
         return _now(page)
+
+    # -- hosted-only names (trio_widgets/hosted.py): they exist, and say why not here ---------------
+    copy_weights = hosted_only("copy_weights")
+    copy_weights_async = hosted_only("copy_weights_async", is_async=True)
+    assign_session_project = hosted_only("assign_session_project")
+    assign_session_project_async = hosted_only("assign_session_project_async", is_async=True)
+    export_session_trace = hosted_only("export_session_trace")
+    export_session_trace_async = hosted_only("export_session_trace_async", is_async=True)
+    get_audit_log = hosted_only("get_audit_log")
+    get_audit_log_async = hosted_only("get_audit_log_async", is_async=True)
+    get_billing_usage = hosted_only("get_billing_usage")
+    get_billing_usage_async = hosted_only("get_billing_usage_async", is_async=True)
+    get_current_checkpoint_storage_usage = hosted_only("get_current_checkpoint_storage_usage")
+    get_current_checkpoint_storage_usage_async = hosted_only(
+        "get_current_checkpoint_storage_usage_async", is_async=True)
+    publish_checkpoint_from_tinker_path = hosted_only("publish_checkpoint_from_tinker_path")
+    publish_checkpoint_from_tinker_path_async = hosted_only(
+        "publish_checkpoint_from_tinker_path_async", is_async=True)
+    unpublish_checkpoint_from_tinker_path = hosted_only("unpublish_checkpoint_from_tinker_path")
+    unpublish_checkpoint_from_tinker_path_async = hosted_only(
+        "unpublish_checkpoint_from_tinker_path_async", is_async=True)
+    search_sessions = hosted_only("search_sessions")
+    search_sessions_async = hosted_only("search_sessions_async", is_async=True)
+    whoami = hosted_only("whoami")
+    whoami_async = hosted_only("whoami_async", is_async=True)
+    get_external_weights_urls = hosted_only("get_external_weights_urls")
+    get_external_weights_urls_async = hosted_only("get_external_weights_urls_async", is_async=True)
+    download_checkpoint = hosted_only("download_checkpoint")
+    download_checkpoint_async = hosted_only("download_checkpoint_async", is_async=True)
+    get_checkpoint_archive_url = hosted_only("get_checkpoint_archive_url")
+    get_checkpoint_archive_url_async = hosted_only("get_checkpoint_archive_url_async", is_async=True)
+    get_checkpoint_download_url = hosted_only("get_checkpoint_download_url")
+    get_checkpoint_download_url_async = hosted_only("get_checkpoint_download_url_async", is_async=True)
 
     # -- the awaitable twins (tinker deprecates them, pytrio does not) ---------------------------
     async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import ClientClosedError, InvalidInputError, PoolClosedError
+from ..errors import ClientClosedError, InvalidInputError, NotSupportedError, PoolClosedError
 from ..protocol import WireError, wire_error
 from . import wire
 from .auth import HttpError, is_loopback, wire_of
@@ -112,7 +112,7 @@ def _endpoint(service: Service, handler: Handler, *, observer: bool = False, ope
         try:
             owner = "anonymous" if open_ else service.authenticate(request, observer)
             result = await handler(service, owner, request)
-        except (HttpError, InvalidInputError, PoolClosedError, ClientClosedError) as exc:
+        except (HttpError, InvalidInputError, NotSupportedError, PoolClosedError, ClientClosedError) as exc:
             # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
             error = wire_of(exc)
             _log_refusal(request, owner, error)
@@ -238,7 +238,7 @@ def build_app(service: Service) -> Starlette:
             model = s.trained.get(model_id) if isinstance(model_id, str) else None
             if model is not None and model.session.owner == owner:
                 model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
-            raise HttpError(400, f"{what} is not supported by a local trio pool")
+            raise NotSupportedError(f"{what} is not supported by a local trio pool")
 
         return handler
 

@@ -20,6 +20,7 @@ from ..errors import (
     CheckpointNotFoundError,
     ClientClosedError,
     InvalidInputError,
+    NotSupportedError,
     PermissionDeniedError,
     PoolClosedError,
     RequestErrorCategory,
@@ -49,6 +50,7 @@ ERRORS: tuple[ErrorRow, ...] = (
     ErrorRow(ResourceNotFoundError, 404, "not_found", "user"),
     ErrorRow(InvalidInputError, 400, "invalid_input", "user"),
     ErrorRow(RequestFailedError, 400, "request_failed", "user"),
+    ErrorRow(NotSupportedError, 400, "not_supported", "user"),
     ErrorRow(AuthenticationError, 401, "unauthenticated", "user"),
     ErrorRow(PermissionDeniedError, 403, "forbidden", "user"),
     # the caller closed its own client (or its session expired): its doing
