@@ -7,8 +7,10 @@ import asyncio
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from served import served, wait_for
 
@@ -105,3 +107,37 @@ def test_a_remote_dashboard_shows_every_served_client(tmp_path):
     assert any(n.startswith("sess-") and "alice" in n for n in names)
     assert not [t for t in set(threading.enumerate()) - before
                 if t.name.startswith(("trio-remote", "trio-http", "trio-serve"))]
+
+
+def test_a_connecting_viewer_gets_a_bounded_snapshot_and_the_servers_gil_stalls(tmp_path):
+    """Full ring buffers (thousands of cycles and requests) give a snapshot of at most ~100 KB, and
+    the GIL stalls the server's watchdog records reach a remote view (issue 23)."""
+    from trio_widgets.http.stream import SNAPSHOT_BYTES
+
+    with trio.LocalPool(min_cycle_s=0.0, checkpoint_dir=str(tmp_path), name="snapshot") as pool, \
+            served(pool) as server:
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4)
+        batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8]})]
+        futures = [tc.forward(batch) for _ in range(600)]
+        futures[-1].result(timeout=120)
+        wait_for(lambda: len(pool.telemetry.cycles) >= 4096, "full cycle buffer", 120)
+        with httpx.stream("GET", f"{server.url}/api/v1/trio/telemetry", timeout=30) as r:
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        snapshot = json.loads(first[6:])["backfill"]
+        assert len(first) <= SNAPSHOT_BYTES + 4096 <= 100_000 + 4096, len(first)
+        assert snapshot["cycles"] and snapshot["requests"] and snapshot["boundaries"]
+        assert snapshot["cycles"][-1]["index"] >= pool.cycle_index - 50  # the newest, not the oldest
+
+        remote = RemotePool(server.url)
+        try:
+            wait_for(lambda: remote.telemetry.total_cycles > 0, "the stream", 30)
+            before = len(remote.telemetry.gil)
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:  # pure Python in the server's process
+                sum(i * i for i in range(20_000))
+            wait_for(lambda: len(pool.telemetry.gil) > 0, "the server's watchdog saw the stall", 30)
+            wait_for(lambda: len(remote.telemetry.gil) > before, "the stall streamed to the remote view", 30)
+            stall = remote.telemetry.gil[-1]
+            assert stall.duration_s > 0 and stall.heartbeats >= 1
+        finally:
+            remote.close()

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from ..errors import APIConnectionError, AuthenticationError, PermissionDeniedError
-from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
+from ..telemetry import ClientInfo, CycleRecord, GilStall, QueueDepthRecord, RequestRecord, Telemetry, UserFrame
 
 __all__ = ["RemotePool", "RemoteTelemetry"]
 
@@ -59,6 +59,13 @@ class RemoteTelemetry(Telemetry):
         record.started_at = self._time(record.started_at) or 0.0
         record.ended_at = self._time(record.ended_at) or 0.0
         return record
+
+    def _stall(self, raw: dict) -> GilStall:
+        frames = tuple(UserFrame(**f) for f in raw.pop("frames", ()))
+        stall = GilStall(**raw, frames=frames)
+        stall.started_at = self._time(stall.started_at) or 0.0
+        stall.ended_at = self._time(stall.ended_at) or 0.0
+        return stall
 
     def _boundary(self, raw: dict) -> QueueDepthRecord:
         record = QueueDepthRecord(**raw)
@@ -94,6 +101,10 @@ class RemoteTelemetry(Telemetry):
             for raw in backfill.get("requests", []):
                 if self._remember(raw["request_id"]):
                     self.requests.append(self._request(raw))
+            for raw in backfill.get("gil", []):
+                stall = self._stall(raw)
+                if not self.gil or stall.started_at > self.gil[-1].started_at:
+                    self.gil.append(stall)
         for kind, raw in batch.get("events", []):
             if kind == "client":
                 self.add_client(ClientInfo(**raw))
@@ -109,6 +120,8 @@ class RemoteTelemetry(Telemetry):
                 cycle = self._cycle(raw)
                 self.cycles.append(cycle)  # (totals come from the server, below)
                 self.emit("cycle", cycle)
+            elif kind == "gil":  # the server's own GIL watchdog: its Python that held the clock
+                self.add_gil_stall(self._stall(raw))
             elif kind == "delivered" and self._remember(raw["request_id"]):
                 request = self._request(raw)
                 self.requests.append(request)

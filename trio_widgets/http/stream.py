@@ -21,8 +21,24 @@ if TYPE_CHECKING:
 
 __all__ = ["STREAM_HZ", "TELEMETRY_KINDS", "sse", "telemetry_stream"]
 
-TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered")
+TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered", "gil")
 STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
+SNAPSHOT_BYTES = 96_000  # a connecting viewer's backfill, at most (JSON): it is encoded while the clock runs
+# the snapshot's share of each record kind, newest first (a view shows recent windows)
+_SHARES = {"cycles": 0.25, "boundaries": 0.2, "requests": 0.4, "gil": 0.1}
+
+
+def _newest(records: list[Any], budget: int) -> list[dict]:
+    """The newest records (as dicts, oldest first) whose JSON fits in `budget` bytes."""
+    out: list[dict] = []
+    for record in reversed(records):
+        raw = dataclasses.asdict(record)
+        budget -= len(json.dumps(raw, separators=(",", ":"), allow_nan=True)) + 1
+        if budget < 0:
+            break
+        out.append(raw)
+    out.reverse()
+    return out
 
 
 def sse(payload: dict) -> str:
@@ -43,11 +59,14 @@ async def telemetry_stream(service: Service, request: Request) -> StreamingRespo
     service.streams += 1
     asked = request.query_params.get("backfill", "2048")
     n = min(int(asked), 4096) if asked.isdigit() else 2048
-    backfill = {"clients": [dataclasses.asdict(c) for c in telemetry.live_clients().values()],
-                "cycles": [dataclasses.asdict(c) for c in list(telemetry.cycles)[-n:]],
-                "boundaries": [dataclasses.asdict(b) for b in list(telemetry.queue_depths)[-n:]],
-                "requests": [dataclasses.asdict(r) for r in list(telemetry.requests)
-                             if r.delivered_at is not None][-n:]}
+    clients = [dataclasses.asdict(c) for c in list(telemetry.live_clients().values())[-256:]]
+    budget = SNAPSHOT_BYTES - len(json.dumps(clients))
+    backfill = {"clients": clients,
+                "cycles": _newest(list(telemetry.cycles)[-n:], int(budget * _SHARES["cycles"])),
+                "boundaries": _newest(list(telemetry.queue_depths)[-n:], int(budget * _SHARES["boundaries"])),
+                "requests": _newest([r for r in list(telemetry.requests) if r.delivered_at is not None][-n:],
+                                    int(budget * _SHARES["requests"])),
+                "gil": _newest(list(telemetry.gil)[-n:], int(budget * _SHARES["gil"]))}
 
     async def batches() -> Any:
         try:
