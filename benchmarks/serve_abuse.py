@@ -9,11 +9,13 @@ Attacks, each held while the neighbour makes `--updates` updates:
   slowloris     1,100 sockets without a key that never finish their request head
   body-stall    24 connections of another key each send 15 MiB of a 16 MiB body, then stall
   64-sessions   another key opens 64 sessions with a training client each, then idles
-  long-sample   (a limit not yet built: decoding is not split across cycles) another key samples
-                480 tokens per request: the neighbour's cycle holds the whole decode
+  long-sample   another key samples 480 tokens per request (decoded over many cycles, a few steps
+                a cycle: engine/sampling.py)
 
 Prints, per attack: the neighbour's median seconds per update quiet (measured just before) and
-under attack, their ratio (target <= 2), and what the attacker was answered.
+under attack, their ratio (target <= 2), and what the attacker was answered; then the server's
+memory (RSS) before and after 3 clients x 60 forwards of 8 x 500 tokens and close() (target:
+within 50 MB).
 
     python benchmarks/serve_abuse.py                 # about 3 minutes on 2 CPU cores
     python benchmarks/serve_abuse.py --updates 10    # shorter
@@ -44,7 +46,7 @@ BATCH = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12]),
 
 
 @contextlib.contextmanager
-def server_process(port: int) -> Iterator[str]:
+def server_process(port: int) -> Iterator[tuple[str, int]]:
     env = {**os.environ, "TRIO_API_KEYS": f"{ALICE},{MALLORY}", "TRIO_TORCH_THREADS": "1"}
     with tempfile.TemporaryDirectory() as ckpt:
         proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
@@ -56,7 +58,7 @@ def server_process(port: int) -> Iterator[str]:
             if "serving" not in line:
                 raise RuntimeError(f"the server did not start: {line}{proc.stdout.read()}")
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain its log
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://127.0.0.1:{port}", proc.pid
         finally:
             proc.terminate()
             proc.wait(60)
@@ -204,7 +206,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
     port = args.port or _free_port()
-    with server_process(port) as url:
+    with server_process(port) as (url, pid):
         neighbour = trio.ServiceClient(base_url=url, api_key=ALICE)
         tc = neighbour.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         seconds_per_update(tc, 3)  # warm up
@@ -226,6 +228,35 @@ def main() -> None:
             print(f"{attack.name:<14} {quiet:>15.3f} {attacked:>10.3f} {ratio:>7.2f}  {verdict:<12} {answers}; "
                   f"healthz {healthy}", flush=True)
         neighbour.close()
+        memory(url, pid)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kib / 1024
+
+
+def memory(url: str, pid: int) -> None:
+    """The server's RSS before and after 3 clients x 60 forwards of 8 x 500 tokens, then close()."""
+    big = [trio.Datum(trio.ModelInput.from_ints([(i * 7 + j) % 200 + 3 for j in range(500)]),
+                      {"target_tokens": [(i * 7 + j) % 200 + 4 for j in range(500)]}) for i in range(8)]
+    time.sleep(2.0)
+    before = _rss_mb(pid)
+    services = [trio.ServiceClient(base_url=url, api_key=MALLORY) for _ in range(3)]
+    clients = [s.create_lora_training_client(trio.DEFAULT_MODEL, rank=8) for s in services]
+    for tc in clients:
+        futures = [tc.forward(big, "cross_entropy") for _ in range(60)]
+        for f in futures:
+            f.result(timeout=600)
+    during = _rss_mb(pid)
+    for s in services:
+        s.close()
+    time.sleep(5.0)
+    after = _rss_mb(pid)
+    verdict = "ok" if after - before <= 50 else "OVER"
+    print(f"memory: server RSS {before:.0f} MB before, {during:.0f} MB with 3 clients x 60 forwards of 8 x 500 "
+          f"tokens, {after:.0f} MB 5 s after close(): {after - before:+.0f} MB (target <= +50 MB) {verdict}")
 
 
 def _free_port() -> int:

@@ -202,7 +202,7 @@ class LocalPool:
                  checkpoint_dir: str | os.PathLike | None = None, name: str | None = None,
                  torch_threads: int | Literal["auto"] | None = "auto", owned_by_cell: bool = True,
                  allow_download: bool | None = None, gil_watchdog: bool = True, max_tenants: int = 1024,
-                 min_decode_steps: int | None = 8):
+                 min_decode_steps: int | None = 2):
         if not is_number(min_cycle_s) or not (0 <= min_cycle_s <= _MAX_CYCLE_S):
             raise ValueError(f"min_cycle_s must be a number of seconds from 0 to {_MAX_CYCLE_S:.0f}, "
                              f"got {min_cycle_s!r}")
@@ -233,8 +233,9 @@ class LocalPool:
         if min_decode_steps is not None and (not is_int(min_decode_steps) or min_decode_steps < 1):
             raise ValueError(f"min_decode_steps must be None or an integer >= 1, got {min_decode_steps!r}")
         # decode steps of sampling per cycle, whatever the time; then only while the cycle is
-        # shorter than min_cycle_s: a long sample goes on over several cycles instead of holding
-        # its cycle (and every tenant in it). None: every sample decodes to its end in its cycle.
+        # shorter than min_cycle_s or twice its other work (engine/sampling.py StepBudget): a long
+        # sample goes on over several cycles instead of holding its cycle (and every tenant in
+        # it). None: every sample decodes to its end in its cycle.
         self.min_decode_steps = None if min_decode_steps is None else int(min_decode_steps)
         self.decode_budget = StepBudget(self.min_decode_steps)  # this cycle's (clock thread)
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
@@ -496,7 +497,7 @@ class LocalPool:
 
     # -- one cycle (clock thread) -------------------------------------------------------
     def _take_boundary(self, now: float) -> tuple[int, dict[str, list[Request]]]:
-        self.decode_budget = StepBudget(self.min_decode_steps, now + self.min_cycle_s)
+        self.decode_budget = StepBudget(self.min_decode_steps, now, self.min_cycle_s)
         decoding = Counter(c.requests[i].client_id for c in self._clock.carried for i in c.waiting)
         with self._clock.cond:
             index = self.cycle_index

@@ -398,20 +398,26 @@ def _chunks(jobs: list[SampleSpec], budget: int) -> list[list[int]]:
 
 class StepBudget:
     """The decode steps of one cycle, shared by every decoding in it: `forced` steps whatever
-    the time (so sampling always progresses), then more only while `perf_counter() < until`
-    (the cycle's minimum length: sampling fills a cycle, it does not stretch it). `forced=None`:
-    no bound (each sample decodes to its end in its cycle)."""
+    the time (so sampling always progresses), then more while the cycle is younger than
+    `min_cycle_s` or than twice the time its other work took (sampling's fair share: as much
+    as the rest of the cycle). So sampling fills a cycle without stretching it beyond
+    max(min_cycle_s, 2 x its other work) + `forced` steps. `forced=None`: no bound (each
+    sample decodes to its end in its cycle)."""
 
-    def __init__(self, forced: int | None, until: float = 0.0):
-        self.forced, self.until = forced, until
+    def __init__(self, forced: int | None, boundary: float = 0.0, min_cycle_s: float = 0.0):
+        self.forced, self.boundary, self.min_cycle_s = forced, boundary, min_cycle_s
+        self.until: float | None = None
 
     def take(self) -> bool:
         if self.forced is None:
             return True
+        now = time.perf_counter()
+        if self.until is None:  # the first step of the cycle: the rest of its work is done
+            self.until = self.boundary + max(self.min_cycle_s, 2 * (now - self.boundary))
         if self.forced > 0:
             self.forced -= 1
             return True
-        return time.perf_counter() < self.until
+        return now < self.until
 
 
 class SampleCarry:
