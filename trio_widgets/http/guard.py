@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
@@ -37,6 +38,7 @@ __all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app"]
 log = logging.getLogger("trio_widgets.http.server")
 
 _JSON, _PROTOBUF = "application/json", "application/x-protobuf"
+_LOOKED_AT = frozenset((b"host", b"origin", b"content-type", b"content-length", b"transfer-encoding"))
 
 
 def _machine_names() -> set[str]:
@@ -76,12 +78,16 @@ class Policy:
         return cls(frozenset(hosts | _machine_names()), frozenset(origins))
 
     def host_ok(self, host: str) -> bool:
-        name = _host_name(host)
-        return ("*" in self.allowed_hosts or _is_ip(name) or name in self.allowed_hosts
-                or name.endswith(".localhost"))
+        return _host_ok(self, host)
 
     def origin_ok(self, origin: str) -> bool:
         return "*" in self.allowed_origins or origin.strip().lower().rstrip("/") in self.allowed_origins
+
+
+@functools.lru_cache(maxsize=256)  # asked on every request; a client sends the same Host each time
+def _host_ok(policy: Policy, host: str) -> bool:
+    name = _host_name(host)
+    return "*" in policy.allowed_hosts or _is_ip(name) or name in policy.allowed_hosts or name.endswith(".localhost")
 
 
 def _refuse(status: int, message: str, code: str) -> JSONResponse:
@@ -96,7 +102,8 @@ def policy_app(app: Any, policy: Policy, connections: Connections | None = None)
             return await app(scope, receive, send)
         if connections is not None and scope.get("client"):
             connections.started(tuple(scope["client"]))
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        # only the headers looked at here (ASGI servers give names in lower case)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ()) if k in _LOOKED_AT}
         host, origin = headers.get("host", ""), headers.get("origin")
         if not policy.host_ok(host):
             refused = _refuse(403, f"this server does not answer to the host name {host[:80]!r} (a web page may "
@@ -133,7 +140,8 @@ class Connections:
         self.header_timeout_s = header_timeout_s
         self.max_waiting = max_waiting
         self.max_per_address = max_per_address
-        self.waiting: OrderedDict[Any, asyncio.TimerHandle] = OrderedDict()
+        self.waiting: OrderedDict[Any, tuple[float, asyncio.Transport]] = OrderedDict()  # since when
+        self._sweeper: asyncio.TimerHandle | None = None
         self.per_address: Counter[str] = Counter()
         self.by_peer: dict[tuple, Any] = {}
         self.stats = {"refused": 0, "evicted": 0, "timed_out": 0}
@@ -159,14 +167,15 @@ class Connections:
         """`protocol` waits for a request head now (new, or idle after a response)."""
         if transport.is_closing():
             return
-        self._unwait(protocol)
+        self.waiting.pop(protocol, None)
         loop = asyncio.get_running_loop()
-        self.waiting[protocol] = loop.call_later(self.header_timeout_s, self._too_slow, protocol, transport)
+        self.waiting[protocol] = (loop.time(), transport)
+        if self._sweeper is None:  # one timer for all (not one per request)
+            self._sweeper = loop.call_later(self.header_timeout_s / 4, self._sweep)
         while len(self.waiting) > self.max_waiting:  # the oldest silent one makes room for a new one
-            oldest, handle = self.waiting.popitem(last=False)
-            handle.cancel()
+            _, (_, oldest) = self.waiting.popitem(last=False)
             self.stats["evicted"] += 1
-            oldest.transport.close()
+            oldest.close()
 
     def started(self, peer: tuple) -> None:
         protocol = self.by_peer.get(peer)
@@ -185,14 +194,22 @@ class Connections:
             del self.by_peer[peer]
 
     def _unwait(self, protocol: Any) -> None:
-        handle = self.waiting.pop(protocol, None)
-        if handle is not None:
-            handle.cancel()
+        self.waiting.pop(protocol, None)
 
-    def _too_slow(self, protocol: Any, transport: asyncio.Transport) -> None:
-        if self.waiting.pop(protocol, None) is not None:
+    def _sweep(self) -> None:
+        """Close the connections that waited longer than header_timeout_s (oldest first)."""
+        loop = asyncio.get_running_loop()
+        self._sweeper = None
+        now = loop.time()
+        while self.waiting:
+            protocol, (since, transport) = next(iter(self.waiting.items()))
+            if now - since < self.header_timeout_s:
+                break
+            del self.waiting[protocol]
             self.stats["timed_out"] += 1
             transport.close()
+        if self.waiting:
+            self._sweeper = loop.call_later(self.header_timeout_s / 4, self._sweep)
 
 
 def guarded_protocol(base: type, connections: Connections) -> type:
