@@ -129,8 +129,6 @@ _OPTIM_PARAMS = ("tinker's (optim_params=None, *, adam_params=None): pytrio's po
                  "adam_params= both work")
 _NO_PROJECTS = "hosted projects group an account's runs; a local pool has no account and no projects"
 _HOLDER = "tinker's internal connection holder; a local client holds its backend instead"
-_NO_HANDLES = ("a sampler handle moves a hosted sampler to another process; a local sampler lives in its "
-               "pool's process")
 _NO_EXTERNAL = ("an export to tinker's external store; save_weights_for_sampler already writes a PEFT "
                 "directory Hugging Face tools load")
 _NO_PUBLISH = "nothing local is public: Checkpoint.public is always False"
@@ -190,7 +188,6 @@ ALLOWED_DIFFERENCES: dict[str, str] = {
     "tinker:SamplingClient.feature_gates": "tinker's server feature flags; a local pool has every feature it has",
     "tinker:SamplingClient.retry_handler": "there is no network, so nothing to retry (retry_config is accepted "
                                            "and ignored)",
-    "tinker:SamplingClient.from_sampler_handle": _NO_HANDLES,
     "pytrio:types.CheckpointArchiveUrlResponse": _NO_DOWNLOADS,
     "pytrio:types.CheckpointDownloadResult": _NO_DOWNLOADS,
     "pytrio:types.CheckpointDownloadSource": _NO_DOWNLOADS,

@@ -376,3 +376,49 @@ def test_the_backend_does_no_io_until_used_and_takes_an_httpx_transport():
     unused = HttpBackend("http://trio.invalid:1", KEY, transport=httpx.MockTransport(answer))
     unused.close()  # never opened: nothing to finish, no thread to stop
     assert sent[-1] == "/sessions/sess-0123456789abcdef/finish" and unused._link.thread.ident is None
+
+
+def test_a_sampler_handle_passes_the_sampler_to_another_process(svc, server, pool, fast):
+    """tinker's get_sampler_handle / from_sampler_handle: a real second process samples from the
+    same sampler; both number their requests from 0, and each gets its own answers (the server
+    deduplicates seq_ids per session); closing the other process's client leaves the sampler."""
+    import json as jsonlib
+    import os
+    import subprocess
+    import sys
+
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=1)
+    tc.forward_backward([datum(0)])
+    tc.optim_step(ADAM).result(timeout=60)
+    sampler = tc.save_weights_and_get_sampling_client("shared")
+    handle = sampler.get_sampler_handle()
+    assert KEY not in handle and isinstance(handle, str)
+    params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    mine = sampler.sample(trio.ModelInput.from_ints(TEXT[:9]), 1, params, include_prompt_logprobs=True).result(60)
+    code = ("import json, sys, trio_widgets as trio\n"
+            "s = trio.SamplingClient.from_sampler_handle(sys.argv[1])\n"
+            "p = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=3)\n"
+            "other = s.sample(trio.ModelInput.from_ints(list(range(5, 9))), 1, p, include_prompt_logprobs=True)\n"
+            "same = s.sample(trio.ModelInput.from_ints(json.loads(sys.argv[2])), 1, p).result(60)\n"
+            "print(json.dumps({'other': len(other.result(60).prompt_logprobs), "
+            "'same': same.sequences[0].tokens}))\n"
+            "s.close()\n")
+    env = {**os.environ, "TRIO_API_KEY": KEY}
+    run = subprocess.run([sys.executable, "-c", code, handle, jsonlib.dumps(TEXT[:9])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    seen = jsonlib.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["other"] == 4  # its own first request (seq_id 0 there too), not this process's
+    assert seen["same"] == mine.sequences[0].tokens  # the same sampler, the same seed: the same tokens
+    again = sampler.sample(trio.ModelInput.from_ints(TEXT[:9]), 1, params).result(60)  # still this process's
+    assert again.sequences[0].tokens == mine.sequences[0].tokens
+    # another key may not use it; a malformed handle says so; an in-process pool's sampler cannot leave
+    with pytest.raises(trio.NotFoundError):
+        trio.SamplingClient.from_sampler_handle(handle, api_key="tml-someone-else")
+    with pytest.raises(trio.InvalidInputError) as info:
+        trio.SamplingClient.from_sampler_handle("not-a-handle", api_key=KEY)
+    assert info.value.field == "handle"
+    local = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    with pytest.raises(trio.NotSupportedError, match="in-process pool"):
+        local.get_sampler_handle()
+    local.close()

@@ -245,6 +245,17 @@ class Backend(Catalog, Protocol):
 
     def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle: ...
 
+    def sampler_handle(self, client_id: str) -> str:
+        """A string another process passes to `attach_sampler` to sample from the same sampler
+        (tinker's get_sampler_handle); no credentials in it. NotSupportedError where samplers
+        cannot leave the process (an in-process pool)."""
+        ...
+
+    def attach_sampler(self, sampler_id: str) -> ModelHandle:
+        """This backend's client of a sampler another backend made (same key): it samples, and
+        releasing it leaves the sampler to its maker."""
+        ...
+
     def submit(self, client_id: str, op: str, request: Request) -> APIFuture: ...
 
     def reserve(self, client_id: str, op: str) -> Reservation: ...

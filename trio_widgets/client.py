@@ -18,10 +18,13 @@ Both SDKs' call styles run unchanged. Where they disagree:
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import getpass
 import inspect
+import json
 import math
+import os
 import sys
 import threading
 import warnings
@@ -580,6 +583,19 @@ def _numeric_metrics(metrics: Any) -> dict[str, float] | str:
     return out
 
 
+def _handle_fields(handle: Any) -> dict[str, str]:
+    """The fields of a sampler handle (get_sampler_handle), checked."""
+    try:
+        fields = json.loads(base64.urlsafe_b64decode(handle.encode("ascii")))
+    except (AttributeError, ValueError, UnicodeError):
+        fields = None
+    if not isinstance(fields, dict) or fields.get("trio_sampler") != 1 or \
+            not all(isinstance(fields.get(k), str) for k in ("base_url", "sampler_id")):
+        raise InvalidInputError(f"is not a sampler handle from trio's get_sampler_handle: {str(handle)[:60]!r}",
+                                field="handle")
+    return fields
+
+
 class SamplingClient(_Client):
     """Samples from a frozen snapshot of a LoRA adapter (or from the bare base model).
 
@@ -596,8 +612,36 @@ class SamplingClient(_Client):
 
     # hosted-only names (trio_widgets/hosted.py): they exist, and say why not here
     create = staticmethod(hosted_only("create"))
-    get_sampler_handle = hosted_only("get_sampler_handle")
-    from_sampler_handle = staticmethod(hosted_only("from_sampler_handle"))
+
+    _owner: ServiceClient | None = None  # the connection a client from a handle made for itself
+
+    def get_sampler_handle(self) -> str:
+        """tinker: a string that `SamplingClient.from_sampler_handle` turns into a client of this
+        same sampler, in any process (a served pool's sampler; no credentials in it). An
+        in-process pool's samplers cannot leave the process: NotSupportedError says so."""
+        return self._backend.sampler_handle(self.client_id)
+
+    @staticmethod
+    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> SamplingClient:
+        """tinker: a client of the sampler behind `handle` (from `get_sampler_handle`, in any
+        process), on its own connection, authenticated with `api_key` (default: $TRIO_API_KEY;
+        it must be the key the sampler was made with). Closing it ends that connection; the
+        sampler stays its maker's."""
+        fields = _handle_fields(handle)
+        key = api_key if api_key is not None else os.environ.get("TRIO_API_KEY")
+        service = ServiceClient(base_url=fields["base_url"], api_key=key)
+        try:
+            client = SamplingClient(service.backend, service.backend.attach_sampler(fields["sampler_id"]))
+        except BaseException:
+            service.close()
+            raise
+        client._owner = service
+        return client
+
+    def close(self) -> None:
+        super().close()
+        if self._owner is not None:
+            self._owner.close()
 
     def on_queue_state_change(self, queue_state: Any, queue_state_reason: str | None = None) -> None:
         """tinker calls this when the hosted queue pauses (rate limit, capacity); a local pool's

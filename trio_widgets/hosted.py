@@ -37,11 +37,6 @@ REASONS: dict[str, str] = {
     "holder": "is the tinker SDK's internal connection holder (deprecated there); trio's clients have none",
     "create": "builds a SamplingClient from the tinker SDK's internal holder; use ServiceClient."
               "create_sampling_client",
-    "get_sampler_handle": "passes a sampler to another process as a string; not offered by trio yet: in the other "
-                          "process, create a sampling client from the saved tinker:// path "
-                          "(ServiceClient.create_sampling_client(model_path=...))",
-    "from_sampler_handle": "makes a sampling client from another process's handle; not offered by trio yet: "
-                           "create one from the saved tinker:// path (ServiceClient.create_sampling_client)",
     "get_external_weights_urls": "gives signed URLs of an external_weights checkpoint's files; not offered by trio "
                                  "yet: a saved checkpoint is a PEFT directory on the pool's machine "
                                  "(RestClient.list_checkpoints gives its path)",

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from .._worker import BackgroundWorker
 from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle, SaveRequest
-from ..errors import CheckpointNotFoundError, ClientClosedError, InvalidInputError, ResourceNotFoundError
+from ..errors import (
+    CheckpointNotFoundError,
+    ClientClosedError,
+    InvalidInputError,
+    NotSupportedError,
+    ResourceNotFoundError,
+)
 from ..futures import APIFuture
 from ..types import (
     AdamOptimizerConfig,
@@ -223,6 +229,15 @@ class LocalBackend:
                         resumed_from=loaded.path)
         pool.add_tenant(tenant, request.label)
         return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata, request.session_id)
+
+    def sampler_handle(self, client_id: str) -> str:
+        raise NotSupportedError("get_sampler_handle() passes a sampler to another process; an in-process pool's "
+                                "samplers live in this process: serve the pool (trio.serve) and sample through its "
+                                "URL, or create a sampling client from the saved path in the other process")
+
+    def attach_sampler(self, sampler_id: str) -> ModelHandle:
+        raise NotSupportedError("from_sampler_handle() reaches a served pool's sampler; an in-process pool has none "
+                                "to reach")
 
     def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
         pool = self.pool

@@ -24,9 +24,11 @@ the seam). What happens on the wire:
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import datetime
 import itertools
+import json
 import logging
 import threading
 import time
@@ -420,6 +422,7 @@ class HttpBackend:
         self._sampler_seq = itertools.count()
         self._lanes: dict[str, _Lane] = {}
         self._samplers: dict[str, tuple[ModelHandle, itertools.count]] = {}
+        self._attached: set[str] = set()  # samplers another backend made (from_sampler_handle)
         self._tokenizer_ids: dict[str, str | None] = {}
         self._tokenizers: dict[str, Any] = {}
         # what this session made, for the RestClient's questions: run id -> (handle, last submit)
@@ -524,9 +527,23 @@ class HttpBackend:
             del self._sampler_ids[:-4096]  # bounded, like everything a long session keeps
         return known
 
+    def sampler_handle(self, client_id: str) -> str:
+        if client_id not in self._samplers:
+            raise ClientClosedError(f"sampler {client_id} is closed")
+        fields = {"trio_sampler": 1, "base_url": self.base_url, "sampler_id": client_id}  # no key: the caller's own
+        return base64.urlsafe_b64encode(json.dumps(fields, separators=(",", ":")).encode()).decode("ascii")
+
+    def attach_sampler(self, sampler_id: str) -> ModelHandle:
+        handle = self._sampler_handle(sampler_id)  # 404 unless this key may use it
+        self._attached.add(sampler_id)
+        return handle
+
     def release(self, client_id: str) -> None:
         self._lanes.pop(client_id, None)
         self._samplers.pop(client_id, None)
+        if client_id in self._attached:  # another's sampler: its maker releases it
+            self._attached.discard(client_id)
+            return
         if not self._link.closed:
             try:
                 self._link.call("POST", "/trio/release", json={"id": client_id}, retry=False)
@@ -699,9 +716,10 @@ class HttpBackend:
         if not hasattr(prompt, "to_ints"):
             raise InvalidInputError(f"expected a ModelInput, got {type(prompt).__name__}", field="prompt")
         check_text_only(prompt, handle.base_model, "prompt")
-        body = {"sampling_session_id": sampler_id, "seq_id": next(seqs), "num_samples": num,
-                "prompt": wire.model_input_to_json(prompt), "sampling_params": wire.sampling_params_to_json(params),
-                "prompt_logprobs": logprobs, "type": "sample"}
+        # session_id: the server deduplicates seq_ids per session (two processes may share a sampler)
+        body = {"sampling_session_id": sampler_id, "session_id": self.session_id, "seq_id": next(seqs),
+                "num_samples": num, "prompt": wire.model_input_to_json(prompt),
+                "sampling_params": wire.sampling_params_to_json(params), "prompt_logprobs": logprobs, "type": "sample"}
         if last_n is not None:  # a trio field (the engine checks it, as in-process)
             body["prompt_logprobs_last_n"] = last_n
         if isinstance(request, SampleRequest):  # tinker's options, in its fields (the engine checks them)

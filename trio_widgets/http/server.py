@@ -231,7 +231,9 @@ class _Sampler:
     session: _Session
     handle: ModelHandle
     model_path: str | None
-    seen: OrderedDict[int, tuple[str, list[str]]] = field(default_factory=OrderedDict)  # ids, not results
+    # (session, seq_id) -> request and sequence ids, not results (processes sharing a sampler through
+    # a handle number their requests independently)
+    seen: OrderedDict[tuple[str | None, int], tuple[str, list[str]]] = field(default_factory=OrderedDict)
 
 
 # -- the service: every endpoint's behaviour ---------------------------------------------------
@@ -848,8 +850,9 @@ class Service:
         seq = body.get("seq_id")
         if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**31):
             raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
-        if seq is not None and seq in sampler.seen:
-            request_id, ids = sampler.seen[seq]
+        caller = body.get("session_id") if isinstance(body.get("session_id"), str) else None
+        if seq is not None and (caller, seq) in sampler.seen:
+            request_id, ids = sampler.seen[(caller, seq)]
             return {"request_id": request_id, "sample_sequence_ids": ids}
         prompt = wire.model_input_from_json(body.get("prompt"))
         params = wire.sampling_params_from_json(body.get("sampling_params") or {})
@@ -871,7 +874,7 @@ class Service:
             raise
         ids = [f"seq-{secrets.token_hex(8)}" for _ in range(int(num))]
         if seq is not None:
-            sampler.seen[seq] = (entry.request_id, ids)
+            sampler.seen[(caller, seq)] = (entry.request_id, ids)
             while len(sampler.seen) > _SEEN_PER_SAMPLER:
                 sampler.seen.popitem(last=False)
         return {"request_id": entry.request_id, "sample_sequence_ids": ids}
