@@ -355,3 +355,19 @@ def test_the_server_log_has_a_line_per_refusal_and_never_a_key(pool, caplog):
     assert any("POST /api/v1/create_model: 400 invalid_input" in line and sid in line for line in lines), lines
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert ALICE not in text and "tml-wrong-key-99" not in text
+
+
+def test_lanes_are_labelled_by_the_names_a_session_gives(pool):
+    """A tinker-cookbook run names its session by recipe_name (user_metadata): its lanes say so,
+    not sess-…:train:0 (issue 23)."""
+    with served(pool) as server:
+        for meta, expected in (({"recipe_name": "recipe_sl_basic", "git_rev": "0.6.1"}, "recipe_sl_basic:train:0"),
+                               ({"name": "ada"}, "ada:train:0"), ({}, None)):
+            sid = raw(server.url, "POST", "/create_session", json={"user_metadata": meta}).json()["session_id"]
+            rid = raw(server.url, "POST", "/create_model", json={
+                "session_id": sid, "model_seq_id": 0, "base_model": trio.DEFAULT_MODEL, "lora_config": {"rank": 4},
+                "user_metadata": {"renderer_name": "role_colon"}}).json()["request_id"]
+            model_id = raw(server.url, "POST", "/retrieve_future", json={"request_id": rid}).json()["model_id"]
+            label = pool.telemetry.clients[server.clients()[model_id]].label
+            assert label == (expected or f"{sid[:13]}:train:0"), label
+            raw(server.url, "POST", f"/sessions/{sid}/finish", json={})

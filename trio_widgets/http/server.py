@@ -312,7 +312,9 @@ class Service:
                                   f"(max_sessions_per_key); close some ServiceClients")
         session_id = f"sess-{secrets.token_hex(8)}"
         meta = body.get("user_metadata")
-        name = (meta.get("name") if isinstance(meta, dict) else None) or body.get("display_name")
+        # a person's name for the lanes: the SDKs' "name", a tinker-cookbook recipe's "recipe_name"
+        named = [meta.get(k) for k in ("name", "run_name", "recipe_name")] if isinstance(meta, dict) else []
+        name = next((n for n in named if isinstance(n, str) and n.strip()), None) or body.get("display_name")
         label = str(name)[:40] if name else session_id[:13]
         self.sessions[session_id] = _Session(session_id, owner, label)
         # the pool's one session table lists it, with the runs and samplers it makes
