@@ -28,8 +28,13 @@ browser-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else echo "chromium missing: run 'sudo apt-get install -y chromium' (browser tests need it)"; exit 1; fi; }
 
+# The same JupyterLab settings as Binder (binder/postBuild: no news pop-up, comms on the main
+# shell), written to a folder of this checkout, so the user's own settings stay as they are.
+LAB_SETTINGS := $(CURDIR)/.jupyter-lab/user-settings
+
 lab: setup
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_quickstart.ipynb
+	JUPYTERLAB_SETTINGS_DIR=$(LAB_SETTINGS) PATH=$(abspath $(VENV))/bin:$$PATH bash binder/postBuild
+	JUPYTERLAB_SETTINGS_DIR=$(LAB_SETTINGS) $(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_quickstart.ipynb
 
 demo: setup
 	$(PY) -m trio_widgets demo

@@ -150,12 +150,11 @@ def test_make_lab_serves_the_quickstart_notebook(tmp_path: Path) -> None:
     home.mkdir()
     env = _env(home)
 
-    # What Binder does after installing binder/requirements.txt.
-    subprocess.run(["bash", str(REPO / "binder" / "postBuild")], cwd=REPO, env=env, check=True, timeout=120,
-                   capture_output=True)
+    # `make lab` writes Binder's settings (binder/postBuild) itself, into the checkout, not $HOME
     # The user's own config (no Makefile change needed): no browser, and a token we know.
     token = os.urandom(16).hex()
     config_dir = home / ".jupyter"
+    config_dir.mkdir()
     (config_dir / "jupyter_server_config.json").write_text(json.dumps(
         {"ServerApp": {"open_browser": False}, "IdentityProvider": {"token": token}}))
 
@@ -207,6 +206,9 @@ def test_make_lab_serves_the_quickstart_notebook(tmp_path: Path) -> None:
         status, body = get(f"{url}lab/api/settings/@jupyterlab/apputils-extension:kernels-settings?token={token}")
         assert status == 200, f"settings API: HTTP {status}"
         assert json.loads(body)["settings"]["commsOverSubshells"] == "disabled", "postBuild's settings not applied"
+        status, body = get(f"{url}lab/api/settings/@jupyterlab/apputils-extension:notification?token={token}")
+        assert status == 200 and json.loads(body)["settings"]["fetchNews"] == "false", "the news pop-up is on"
+        assert not (home / ".jupyter" / "lab").exists(), "make lab wrote into the user's own settings"
 
         status, _ = get(f"{url}lab/tree/{served}")
         assert status in (302, 403) or "login" in _.lower(), "the server must ask for its token"
