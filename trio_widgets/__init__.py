@@ -52,7 +52,7 @@ from .errors import (
     UnknownModelError,
     UnprocessableEntityError,
 )
-from .futures import APIFuture
+from .futures import APIFuture, WaitInterrupted
 from .loop import RunInterrupted, TrainingRun, run_sync, train
 from .rest import RestClient
 from .types import (
@@ -165,6 +165,7 @@ __all__ = [
     "UnprocessableEntityError",
     "Dashboard",
     "RunInterrupted",
+    "WaitInterrupted",
     "serve",
     "TrainingRun",
     "run_sync",

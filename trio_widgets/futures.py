@@ -23,7 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 T = TypeVar("T")
 U = TypeVar("U")
 
-__all__ = ["APIFuture", "PoolFuture", "mark_delivery_thread"]
+__all__ = ["APIFuture", "PoolFuture", "WaitInterrupted", "mark_delivery_thread"]
 
 log = logging.getLogger(__name__)
 _thread = threading.local()
@@ -74,6 +74,27 @@ class PoolFuture(concurrent.futures.Future):
         return super().result(timeout)
 
 
+class WaitInterrupted(KeyboardInterrupt, asyncio.CancelledError):
+    """Waiting for a request's result stopped: Kernel → Interrupt or Ctrl+C during `.result()`, or
+    the task awaiting it was cancelled (both classes, so `except KeyboardInterrupt` and asyncio's
+    cancellation both work). The wait stopped, not the pool: a request not yet taken into a
+    cycle was withdrawn with the wait; one already taken runs, and its future keeps its result."""
+
+    def __init__(self, future: APIFuture) -> None:
+        what = f"{future.op} (request #{future.request_id})" if future.request_id is not None else future.op
+        if future.cancelled():
+            state = "it had not run and was withdrawn"
+        elif future.done():
+            state = "its result had arrived and stays in its future"
+        else:
+            state = "it was already in a cycle and runs to its end; its future gets the result"
+        super().__init__(f"interrupted while waiting for {what}: {state}")
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback through asyncio or threading: one line
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self}"]
+
+
 class _Scheduled(Protocol):
     """Where the cycle a request ran in is written (the pool's record of the request)."""
 
@@ -110,15 +131,23 @@ class APIFuture(Generic[T]):
 
     # -- waiting ---------------------------------------------------------------
     def result(self, timeout: float | None = None) -> T:
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except KeyboardInterrupt:  # Kernel → Interrupt, Ctrl+C: one line, not a trip through threading
+            raise WaitInterrupted(self) from None
 
     async def result_async(self, timeout: float | None = None) -> T:
         """tinker: await the result; on timeout (TimeoutError) the request is cancelled if
         it is still queued, as tinker cancels it."""
         waiter = asyncio.wrap_future(self._future)
-        if timeout is None:
-            return await waiter
-        return await asyncio.wait_for(waiter, timeout)
+        try:
+            if timeout is None:
+                return await waiter
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.CancelledError as exc:  # the awaiting task was cancelled (a notebook's Interrupt)
+            if isinstance(exc, WaitInterrupted):
+                raise
+            raise WaitInterrupted(self) from None
 
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
