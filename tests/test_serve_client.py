@@ -330,9 +330,12 @@ def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
     kept = {c.tinker_path: c for c in trio.RestClient(server.pool).list_checkpoints(tc.model_id).result().checkpoints}
     assert kept[later].expires_at is not None and kept[later].user_metadata == {"k": "v"}
     prompt = trio.ModelInput.from_ints(TEXT[:8])
-    with pytest.raises(trio.InvalidInputError) as topk:
-        sampler.sample(prompt, 1, trio.SamplingParams(max_tokens=2), topk_sample_logprobs=3)
-    assert topk.value.field == "topk_sample_logprobs"
+    # top-k travels in tinker's protobuf fields (tests/test_sampling.py compares it with a reference)
+    topk = sampler.sample(prompt, 1, trio.SamplingParams(max_tokens=2), topk_sample_logprobs=3).result(timeout=60)
+    assert [len(top) for top in topk.sequences[0].topk_logprobs] == [3, 3]
+    with pytest.raises(trio.InvalidInputError) as bad:  # and is checked by the engine, as in-process
+        sampler.sample(prompt, 1, trio.SamplingParams(max_tokens=2), topk_sample_logprobs=-1)
+    assert bad.value.field == "topk_sample_logprobs"
     # and a RestClient of its own, by URL
     own = trio.RestClient(base_url=server.url, api_key=KEY)
     assert tc.model_id in [r.training_run_id for r in own.list_training_runs().result().training_runs]  # its key's
