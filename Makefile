@@ -9,15 +9,17 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LAB_PORT ?= 8888
 
-.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean
+.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean binder-lock
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+# Run-time packages at the versions binder/constraints.txt pins (what Binder installs too);
+# `make binder-lock` rewrites it from .venv after a change of dependencies.
+$(STAMP): $(PY) pyproject.toml binder/constraints.txt
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[engine,dev,lab]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c binder/constraints.txt "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c binder/constraints.txt -e ".[engine,dev,lab]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -35,6 +37,9 @@ LAB_SETTINGS := $(CURDIR)/.jupyter-lab/user-settings
 lab: setup
 	JUPYTERLAB_SETTINGS_DIR=$(LAB_SETTINGS) PATH=$(abspath $(VENV))/bin:$$PATH bash binder/postBuild
 	JUPYTERLAB_SETTINGS_DIR=$(LAB_SETTINGS) $(VENV)/bin/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=$(CURDIR) $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/01_quickstart.ipynb
+
+binder-lock: setup
+	$(PY) binder/lock.py
 
 demo: setup
 	$(PY) -m trio_widgets demo

@@ -79,6 +79,20 @@ def test_binder_requirements_install_the_project_with_cpu_torch() -> None:
         "binder/requirements.txt must install the project from the repository root ('-e .[lab]')")
 
 
+def test_binder_pins_what_make_setup_installed() -> None:
+    """binder/constraints.txt (Binder's and make setup's pins) is what .venv holds: a dependency
+    changed without `make binder-lock` fails here, not in a Binder build months later."""
+    import sys
+
+    run = subprocess.run([sys.executable, str(REPO / "binder" / "lock.py"), "--check"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    requirements = (REPO / "binder" / "requirements.txt").read_text(encoding="utf-8")
+    assert "-c constraints.txt" in requirements.splitlines()
+    pins = (REPO / "binder" / "constraints.txt").read_text(encoding="utf-8")
+    assert "\njupyterlab==" in pins and "\ntransformers==" in pins and "\nbokeh==" in pins
+
+
 def test_binder_postbuild_is_strict_and_executable() -> None:
     post = REPO / "binder" / "postBuild"
     text = post.read_text()
