@@ -333,3 +333,22 @@ def test_segments_from_records_alone():
     d = diagnose_client(records, cycle_s)
     assert d.cause == "pipelined" and d.updates == 3 and d.cycles_per_update == 1, d
     assert diagnose_client(records[:24], cycle_s).cause == "together"  # 2 updates in: not yet
+
+
+def test_a_view_without_a_lane_for_a_client_does_not_diagnose_it():
+    """A remote view that connected after a client left has its records but no lane: the advisor
+    lists only clients the view knows (issue 24: "lora-1" appeared in no lane)."""
+    from trio_widgets.advisor import diagnose
+
+    batch = random_batch(0, n=1, length=12)
+    with trio.LocalPool(min_cycle_s=0.01, name="lanes") as pool:
+        service = trio.ServiceClient(pool)
+        gone, kept = (service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4) for _ in range(2))
+        together(gone, batch, 4)
+        together(kept, batch, 4)
+        records = list(pool.telemetry.requests)
+        everyone = pool.telemetry.all_clients()
+        assert set(diagnose(records, 0.01, everyone)) == {gone.client_id, kept.client_id}
+        lanes = {cid: info for cid, info in everyone.items() if cid == kept.client_id}
+        assert set(diagnose(records, 0.01, lanes)) == {kept.client_id}
+        assert set(diagnose(records, 0.01)) == {gone.client_id, kept.client_id}  # no view: every client

@@ -306,8 +306,10 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
 def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
              clients: dict[str, ClientInfo] | None = None, *, window: int = PERIOD_WINDOW,
              cycles: Iterable[CycleRecord] = (), stalls: Sequence[GilStall] = ()) -> dict[str, Diagnosis]:
-    """One diagnosis per client that sent forward_backward requests (label from `clients`);
-    `cycles` and `stalls` (the pool's) let it tell GIL starvation."""
+    """One diagnosis per client that sent forward_backward requests (label from `clients`; when
+    `clients` is given, only those it names: a client a view has no lane for is not diagnosed,
+    e.g. one that left a served pool before a remote view connected); `cycles` and `stalls` (the
+    pool's) let it tell GIL starvation."""
     by_client: dict[str, list[RequestRecord]] = {}
     pool_work = []
     for record in records:
@@ -317,7 +319,7 @@ def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
     by_index = {c.index: c for c in cycles}
     out = {}
     for cid, mine in by_client.items():
-        if not any(r.op in UPDATE_OPS for r in mine):
+        if not any(r.op in UPDATE_OPS for r in mine) or (clients is not None and cid not in clients):
             continue
         info = (clients or {}).get(cid)
         out[cid] = diagnose_client(mine, cycle_s, client_id=cid, label=info.label if info else cid, window=window,
