@@ -444,8 +444,9 @@ def test_dashboard_says_what_it_did_with_odd_inputs():
             assert dash.runs[0].learning_rate == 1e-3
             dash.controls.confirm.click()
             # the lr is applied, then the labels follow it (on the dashboard's thread: wait for both)
-            await until(lambda: dash.runs[0].learning_rate == 0.5 and "0.5" in dash.figures.clients[
-                dash.runs[0].client_id].label, "the confirmed lr and its label")
+            # (the lane may be drawn a tick after the lr changed: looked up, not assumed)
+            await until(lambda: dash.runs[0].learning_rate == 0.5 and "0.5" in getattr(
+                dash.figures.clients.get(dash.runs[0].client_id), "label", ""), "the confirmed lr and its label")
             label = dash.figures.clients[dash.runs[0].client_id].label
             dash.set(batch_size=1000)
             await until(lambda: "using 64" in dash.controls.setting_note.value, "a clamp")
