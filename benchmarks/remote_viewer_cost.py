@@ -12,41 +12,18 @@ snapshot's size.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
+from serve_abuse import server_process  # a real `serve` process (benchmarks/ is on the path)
 
 import trio_widgets as trio
 from trio_widgets.http.remote import RemotePool
 
 BATCH = [trio.Datum(trio.ModelInput.from_ints(list(range(5, 37))), {"target_tokens": list(range(6, 38))})]
-
-
-@contextlib.contextmanager
-def server_process(port: int) -> Iterator[str]:
-    env = {**os.environ, "TRIO_TORCH_THREADS": "1"}
-    with tempfile.TemporaryDirectory() as ckpt:
-        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
-                                 "--checkpoint-dir", ckpt, "--min-cycle-s", "0.05"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if "serving" not in line:
-                raise RuntimeError(f"the server did not start: {line}")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait(60)
 
 
 def train(url: str, stop: threading.Event) -> None:
@@ -78,7 +55,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with server_process(port) as url:
+    with server_process(port, min_cycle_s=0.05, keys=()) as (url, _):
         done = threading.Event()
         trainer = threading.Thread(target=train, args=(url, done), daemon=True)
         trainer.start()

@@ -46,11 +46,14 @@ BATCH = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12]),
 
 
 @contextlib.contextmanager
-def server_process(port: int) -> Iterator[tuple[str, int]]:
-    env = {**os.environ, "TRIO_API_KEYS": f"{ALICE},{MALLORY}", "TRIO_TORCH_THREADS": "1"}
+def server_process(port: int, *, min_cycle_s: float = 0.02, keys: tuple[str, ...] = (ALICE, MALLORY)
+                   ) -> Iterator[tuple[str, int]]:
+    """A real `python -m trio_widgets serve` on 127.0.0.1:`port` (keys from $TRIO_API_KEYS; none:
+    keyless loopback); yields its URL and pid, and stops it."""
+    env = {**os.environ, "TRIO_API_KEYS": ",".join(keys), "TRIO_TORCH_THREADS": "1"}
     with tempfile.TemporaryDirectory() as ckpt:
         proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
-                                 "--checkpoint-dir", ckpt, "--min-cycle-s", "0.02"],
+                                 "--checkpoint-dir", ckpt, "--min-cycle-s", str(min_cycle_s)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             assert proc.stdout is not None

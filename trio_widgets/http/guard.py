@@ -31,7 +31,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from ..protocol import WireError
 from .auth import HttpError
+from .routes import error_response
 
 __all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app"]
 
@@ -91,8 +93,8 @@ def _host_ok(policy: Policy, host: str) -> bool:
 
 
 def _refuse(status: int, message: str, code: str) -> JSONResponse:
-    # the connection is closed too: a refused client has no reason to keep it
-    return JSONResponse({"detail": message, "code": code}, status_code=status, headers={"Connection": "close"})
+    # the routes' own error body; the connection is closed too: a refused client has no reason to keep it
+    return error_response(WireError(status, code, "user", message), close=True)
 
 
 def policy_app(app: Any, policy: Policy, connections: Connections | None = None) -> Any:
