@@ -324,11 +324,13 @@ class Service:
 
     def end_session(self, session: _Session, state: str, why: str) -> None:
         """Finish or expire a session: its queued requests are cancelled (expire) or left to run
-        (finish), and its clients are retired once nothing of theirs is queued."""
-        session.state = state
+        (finish), and its clients are retired once nothing of theirs is queued.
+
+        The new state is set last: `Server.sessions()` reads it from other threads, and "expired"
+        promises that its queued requests are already cancelled. (On the loop's thread nothing
+        else runs in between.)"""
         expired = wire_of(ClientClosedError(why), "session_expired")
         if state == "expired":
-            self.stats["sessions_expired"] += 1
             for entry in self.entries.values():
                 if entry.session is session and not entry.done.is_set():
                     if entry.future is not None:
@@ -350,6 +352,9 @@ class Service:
             if entry.session is session and entry.done.is_set() and \
                     (entry.retrieved is not None or state == "expired"):
                 self.forget(rid)
+        if state == "expired":
+            self.stats["sessions_expired"] += 1
+        session.state = state
         log.info("session %s %s: %s", session.session_id, state, why)
 
     def _client_id(self, public_id: str) -> str:
