@@ -241,4 +241,5 @@ def test_every_public_name_of_the_sdks_clients_exists_and_works_or_says_why_not(
             refused.append(f"{cls_name}.{name}")
     service.close()
     # what works is tested where it is used (this file, test_sdk_parity.py, test_sdk_client.py, ...)
-    assert len(working) > 40 and refused, (len(working), refused)
+    assert len(working) > 40, len(working)
+    assert refused or sdk == "pytrio", refused  # every pytrio name works since the downloads (test_export.py)

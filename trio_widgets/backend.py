@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol, Union
 
 from .futures import APIFuture
@@ -29,7 +31,8 @@ from .types import (
 )
 
 __all__ = [
-    "Backend", "Catalog", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ForwardRequest",
+    "Backend", "Catalog", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ExportUrls",
+    "ForwardRequest",
     "FromStateRequest", "InspectRequest", "LoadRequest", "ModelHandle", "OptimStepRequest", "Request", "Reservation",
     "SampleRequest", "SamplerCreated", "SaveRequest",
 ]
@@ -116,7 +119,8 @@ class SaveRequest:
     """save_state / save_weights_for_sampler; `make_sampler` also creates a sampling client over
     a copy of the weights (save_weights_and_get_sampling_client); `name` None: memory only.
     `overwrite` False refuses a name already saved; `ttl_seconds` sets when the checkpoint
-    expires; `user_metadata` is stored with it."""
+    expires; `user_metadata` is stored with it. `external`: save_weights_external, the weights
+    as a PEFT directory under `external_weights/` (for download; tinker's hosted export)."""
 
     name: str | None
     make_sampler: bool = False
@@ -125,6 +129,8 @@ class SaveRequest:
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
     sampler_id: str | None = None  # with make_sampler, set by a server: the sampler's public id
+    external: bool = False
+    age_recipients: tuple[str, ...] | None = None  # external only: the files leave the server encrypted to them
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,17 @@ Request = Union[ForwardRequest, OptimStepRequest, SaveRequest, LoadRequest, Insp
                 ComputeLogprobsRequest]
 
 
+@dataclass(frozen=True)
+class ExportUrls:
+    """Where a checkpoint's PEFT files can be fetched until `expires`: the whole directory as one
+    tar (`archive_url`) and each file (`file_urls`, name -> URL). A served pool signs them
+    (no key in them); an in-process pool gives file:// URLs of the checkpoint itself."""
+
+    archive_url: str
+    file_urls: dict[str, str]
+    expires: datetime
+
+
 class Catalog(Protocol):
     """What the RestClient asks (trio_widgets/rest.py); answers are the plain types of
     trio_widgets.types. Ids: a training run's `run_id`, a sampler's client id."""
@@ -198,6 +215,14 @@ class Catalog(Protocol):
     def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None: ...
 
     def weights_info(self, path: Any) -> WeightsInfoResponse: ...
+
+    def export_urls(self, path: Any) -> ExportUrls:
+        """Download URLs of a checkpoint's PEFT files (trio_widgets/export.py)."""
+        ...
+
+    def download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
+        """Write a checkpoint's PEFT files into the directory `destination`; name -> size."""
+        ...
 
     def training_run(self, run_id: str) -> TrainingRun: ...
 

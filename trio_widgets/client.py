@@ -51,7 +51,7 @@ from .backend import (
 )
 from .connect import DEFAULT_MODEL, Pool, connect
 from .connect import default_pool as default_pool
-from .errors import ClientClosedError, InvalidInputError, RequestErrorCategory, RequestFailedError
+from .errors import ClientClosedError, InvalidInputError, NotSupportedError, RequestErrorCategory, RequestFailedError
 from .futures import APIFuture
 from .hosted import hosted_only
 from .types import (
@@ -71,6 +71,7 @@ from .types import (
     OptimStepResponse,
     SampleResponse,
     SamplingParams,
+    SaveWeightsExternalResponse,
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
     TensorData,
@@ -79,6 +80,7 @@ from .types import (
 )
 from .validation import (
     check_adam_params,
+    check_age_recipients,
     check_batch,
     check_loss,
     check_sample,
@@ -289,8 +291,6 @@ class TrainingClient(_Client):
 
     # hosted-only names (trio_widgets/hosted.py): they exist, and say why not here
     get_console_url = hosted_only("get_console_url")
-    save_weights_external = hosted_only("save_weights_external")
-    save_weights_external_async = hosted_only("save_weights_external_async", is_async=True)
 
     # -- who this run is ----------------------------------------------------------------
     @property
@@ -446,6 +446,25 @@ class TrainingClient(_Client):
         `create_sampling_client(model_path=...)` or `peft.PeftModel.from_pretrained(base, path)`."""
         return self._submit("save_weights_for_sampler", SaveRequest(
             name, ttl_seconds=check_ttl(ttl_seconds), user_metadata=check_user_metadata(user_metadata)))
+
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None,
+                              age_encryption_recipients: list[str] | None = None
+                              ) -> APIFuture[SaveWeightsExternalResponse]:
+        """tinker: the current weights as an export for download, a PEFT adapter directory under
+        `external_weights/` (the result's `path`); `RestClient.get_external_weights_urls(path)`
+        gives its files' URLs, and tinker_cookbook's `weights.download` fetches them. Over HTTP,
+        `age_encryption_recipients` has each file leave the server age-encrypted to them."""
+        recipients = check_age_recipients(age_encryption_recipients)
+        if recipients is not None and self._backend.pool is not None:
+            raise NotSupportedError("save_weights_external(age_encryption_recipients=...) encrypts files that leave "
+                                    "a served pool; an in-process pool's checkpoints are on this machine already")
+        request = SaveRequest(name, ttl_seconds=check_ttl(ttl_seconds), external=True, age_recipients=recipients)
+        return self._submit("save_weights_for_sampler", request).map(lambda r: SaveWeightsExternalResponse(r.path))
+
+    async def save_weights_external_async(self, name: str, ttl_seconds: int | None = None,
+                                          age_encryption_recipients: list[str] | None = None
+                                          ) -> APIFuture[SaveWeightsExternalResponse]:
+        return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
     def _submit_snapshot(self, name: str | None) -> APIFuture[SamplerCreated]:
         return self._submit("save_weights_for_sampler", SaveRequest(name, make_sampler=True))

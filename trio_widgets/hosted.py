@@ -22,8 +22,6 @@ REASONS: dict[str, str] = {
     "get_console_url": _CONSOLE,
     "copy_weights": "copies a checkpoint to another hosted account or project; here a checkpoint is a directory on "
                     "the pool's disk: copy it (RestClient.list_checkpoints gives its path)",
-    "save_weights_external": "uploads the adapter to external storage (e.g. the Hugging Face Hub); here save_state / "
-                             "save_weights_for_sampler write a PEFT directory you can upload yourself",
     "assign_session_project": _ACCOUNT.format("files a session under a project"),
     "export_session_trace": "exports the hosted service's server-side trace of a session; here trio.Dashboard's "
                             "export (Perfetto trace, metrics.jsonl) has the pool's own record",
@@ -37,15 +35,6 @@ REASONS: dict[str, str] = {
     "holder": "is the tinker SDK's internal connection holder (deprecated there); trio's clients have none",
     "create": "builds a SamplingClient from the tinker SDK's internal holder; use ServiceClient."
               "create_sampling_client",
-    "get_external_weights_urls": "gives signed URLs of an external_weights checkpoint's files; not offered by trio "
-                                 "yet: a saved checkpoint is a PEFT directory on the pool's machine "
-                                 "(RestClient.list_checkpoints gives its path)",
-    "download_checkpoint": "downloads a checkpoint's archive; not offered by trio yet: a saved checkpoint is a PEFT "
-                           "directory on the pool's machine (RestClient.list_checkpoints gives its path)",
-    "get_checkpoint_archive_url": "gives a signed URL of a checkpoint's archive; not offered by trio yet (a saved "
-                                  "checkpoint is a PEFT directory on the pool's machine)",
-    "get_checkpoint_download_url": "gives a checkpoint's download source; not offered by trio yet (a saved "
-                                   "checkpoint is a PEFT directory on the pool's machine)",
 }
 
 

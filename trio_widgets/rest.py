@@ -4,8 +4,9 @@ from a local pool.
 Only what a pool on this machine can honestly answer: the server's capabilities, the
 checkpoints under the pool's `checkpoint_dir` (list, info, delete, time to live), the
 training runs and samplers this process served or whose checkpoints are on disk, and the
-sessions (one per ServiceClient) of this process. Publishing, copying between projects,
-downloads from a hosted store, billing and audit logs have no local meaning and are not here.
+sessions (one per ServiceClient) of this process, and a checkpoint's PEFT files for download
+(trio_widgets/export.py: signed URLs of a served pool, file:// URLs in-process). Publishing,
+copying between projects, billing and audit logs have no local meaning and are not here.
 
 Every method returns an `APIFuture` that is already done (tinker's return an APIFuture,
 pytrio's a `concurrent.futures.Future`; both are read with `.result()`); a failure is in the
@@ -18,17 +19,24 @@ checkpoint_dir.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from .backend import Backend
 from .connect import Pool, connect
 from .errors import InvalidInputError
+from .export import DEFAULT_MAX_EXPORT_BYTES
 from .futures import APIFuture
 from .hosted import hosted_only
 from .types import (
+    CheckpointArchiveUrlResponse,
+    CheckpointDownloadResult,
+    CheckpointDownloadSource,
     CheckpointsListResponse,
     Cursor,
+    ExternalWeightsUrlsResponse,
     GetSamplerResponse,
     GetServerCapabilitiesResponse,
     GetSessionResponse,
@@ -163,6 +171,57 @@ class RestClient:
     def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
         return _now(lambda: self._backend.weights_info(tinker_path))
 
+    # -- downloads (trio_widgets/export.py) -------------------------------------------------------
+    def get_external_weights_urls(self, tinker_path: str) -> APIFuture[ExternalWeightsUrlsResponse]:
+        """tinker: a URL per file of a checkpoint's PEFT directory (adapter_config.json,
+        adapter_model.safetensors; `.age` files for an export encrypted by save_weights_external),
+        valid until `expires`. A served pool signs them for this key's checkpoints (no key in
+        the URL); in-process they are file:// URLs of the checkpoint itself."""
+        return _now(lambda: self._external_urls(tinker_path))
+
+    def _external_urls(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
+        urls = self._backend.export_urls(tinker_path)
+        return ExternalWeightsUrlsResponse(urls=dict(urls.file_urls), expires=urls.expires)
+
+    def get_checkpoint_archive_url(self, checkpoint_id: str) -> APIFuture[CheckpointArchiveUrlResponse]:
+        """pytrio: the URL of the checkpoint's PEFT directory as one tar, valid until `expires`
+        (`checkpoint_id`: its tinker:// path, or its directory in-process, where the URL is the
+        directory's file:// URL)."""
+        def archive() -> CheckpointArchiveUrlResponse:
+            urls = self._backend.export_urls(checkpoint_id)
+            return CheckpointArchiveUrlResponse(url=urls.archive_url, expires=urls.expires)
+        return _now(archive)
+
+    def get_checkpoint_download_url(self, checkpoint_id: str) -> APIFuture[CheckpointDownloadSource]:
+        """pytrio: the archive's URL as a download source (the pool itself, always ready)."""
+        def source() -> CheckpointDownloadSource:
+            urls = self._backend.export_urls(checkpoint_id)
+            return CheckpointDownloadSource(checkpoint_id=str(checkpoint_id), url=urls.archive_url,
+                                            expires=urls.expires)
+        return _now(source)
+
+    def download_checkpoint(self, checkpoint_id: str, destination_path: str | os.PathLike[str], *,
+                            resume: bool = True, max_bytes: int = DEFAULT_MAX_EXPORT_BYTES
+                            ) -> APIFuture[CheckpointDownloadResult]:
+        """pytrio: download a checkpoint. `destination_path` becomes a PEFT directory
+        (adapter_config.json + adapter_model.safetensors, for `peft.PeftModel.from_pretrained`),
+        made if absent; its files are replaced only once the whole archive has arrived. At most
+        `max_bytes`; `resume` is accepted and nothing is resumed (the archive is small and whole)."""
+        def download() -> CheckpointDownloadResult:
+            if not isinstance(resume, bool):
+                raise InvalidInputError(f"must be True or False, got {resume!r:.40}", field="resume")
+            if isinstance(max_bytes, bool) or not is_int(max_bytes) or max_bytes < 1:
+                raise InvalidInputError(f"must be a positive number of bytes, got {max_bytes!r:.40}", field="max_bytes")
+            if not isinstance(destination_path, (str, os.PathLike)) or not os.fspath(destination_path):
+                raise InvalidInputError(f"must be a directory path, got {destination_path!r:.80}",
+                                        field="destination_path")
+            destination = Path(os.fspath(destination_path)).expanduser()
+            sizes = self._backend.download_checkpoint(checkpoint_id, destination, int(max_bytes))
+            total = sum(sizes.values())
+            return CheckpointDownloadResult(checkpoint_id=str(checkpoint_id), path=str(destination),
+                                            bytes_written=total, file_size_bytes=total)
+        return _now(download)
+
     # -- training runs, samplers, sessions -----------------------------------------------------
     def get_training_run(self, training_run_id: str, access_scope: AccessScope = "owned") -> APIFuture[TrainingRun]:
         return _now(lambda: self._backend.training_run(training_run_id))
@@ -220,14 +279,6 @@ class RestClient:
     search_sessions_async = hosted_only("search_sessions_async", is_async=True)
     whoami = hosted_only("whoami")
     whoami_async = hosted_only("whoami_async", is_async=True)
-    get_external_weights_urls = hosted_only("get_external_weights_urls")
-    get_external_weights_urls_async = hosted_only("get_external_weights_urls_async", is_async=True)
-    download_checkpoint = hosted_only("download_checkpoint")
-    download_checkpoint_async = hosted_only("download_checkpoint_async", is_async=True)
-    get_checkpoint_archive_url = hosted_only("get_checkpoint_archive_url")
-    get_checkpoint_archive_url_async = hosted_only("get_checkpoint_archive_url_async", is_async=True)
-    get_checkpoint_download_url = hosted_only("get_checkpoint_download_url")
-    get_checkpoint_download_url_async = hosted_only("get_checkpoint_download_url_async", is_async=True)
 
     # -- the awaitable twins (tinker deprecates them, pytrio does not) ---------------------------
     async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
@@ -244,6 +295,20 @@ class RestClient:
 
     async def set_checkpoint_ttl_from_tinker_path_async(self, tinker_path: str, ttl_seconds: int | None) -> None:
         return await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
+
+    async def get_external_weights_urls_async(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
+        return await self.get_external_weights_urls(tinker_path)
+
+    async def get_checkpoint_archive_url_async(self, checkpoint_id: str) -> CheckpointArchiveUrlResponse:
+        return await self.get_checkpoint_archive_url(checkpoint_id)
+
+    async def get_checkpoint_download_url_async(self, checkpoint_id: str) -> CheckpointDownloadSource:
+        return await self.get_checkpoint_download_url(checkpoint_id)
+
+    async def download_checkpoint_async(self, checkpoint_id: str, destination_path: str | os.PathLike[str], *,
+                                        resume: bool = True, max_bytes: int = DEFAULT_MAX_EXPORT_BYTES
+                                        ) -> CheckpointDownloadResult:
+        return await self.download_checkpoint(checkpoint_id, destination_path, resume=resume, max_bytes=max_bytes)
 
     async def get_training_run_async(self, training_run_id: str, access_scope: AccessScope = "owned"
                                      ) -> TrainingRun:

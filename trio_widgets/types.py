@@ -35,6 +35,9 @@ __all__ = [
     "AdamParams",
     "AdapterSnapshot",
     "Checkpoint",
+    "CheckpointArchiveUrlResponse",
+    "CheckpointDownloadResult",
+    "CheckpointDownloadSource",
     "CheckpointType",
     "CheckpointsListResponse",
     "Cursor",
@@ -42,6 +45,7 @@ __all__ = [
     "Datum",
     "DmelChunk",
     "EncodedTextChunk",
+    "ExternalWeightsUrlsResponse",
     "ForwardBackwardOutput",
     "GetInfoResponse",
     "GetSamplerResponse",
@@ -71,6 +75,7 @@ __all__ = [
     "SampleSequence",
     "SamplingParams",
     "SaveWeightsForSamplerResponse",
+    "SaveWeightsExternalResponse",
     "SaveWeightsResponse",
     "StopReason",
     "SupportedModel",
@@ -632,6 +637,57 @@ class SaveWeightsForSamplerResponse:
 
 
 @dataclass
+class SaveWeightsExternalResponse:
+    """`save_weights_external`: `path` names the export, a PEFT adapter directory under
+    `external_weights/` (a tinker:// path over HTTP), for `RestClient.get_external_weights_urls`."""
+
+    path: str
+
+
+@dataclass
+class ExternalWeightsUrlsResponse:
+    """tinker: one download URL per file of the checkpoint (name relative to its root), valid
+    until `expires`. A served pool's are signed (no API key in them); in-process, file:// URLs."""
+
+    urls: dict[str, str]
+    expires: datetime
+
+
+@dataclass
+class CheckpointArchiveUrlResponse:
+    """pytrio: the URL of the checkpoint's PEFT directory as one tar archive, valid until `expires`."""
+
+    url: str
+    expires: datetime
+
+
+@dataclass
+class CheckpointDownloadSource:
+    """pytrio: where a checkpoint downloads from. Here always the pool itself, ready."""
+
+    checkpoint_id: str
+    url: str
+    expires: datetime
+    source: Literal["object_storage", "actor"] = "actor"
+    checkpoint_status: Literal["LOCAL", "SYNCING", "READY"] = "READY"
+    tls_cert_pem: str | None = None
+    tls_not_after: datetime | None = None
+
+
+@dataclass
+class CheckpointDownloadResult:
+    """pytrio: a finished download. `path` is the PEFT directory written (adapter_config.json +
+    adapter_model.safetensors), `file_size_bytes` its files' bytes; nothing is resumed."""
+
+    checkpoint_id: str
+    path: str
+    bytes_written: int
+    file_size_bytes: int
+    status_code: int = 200
+    resumed: bool = False
+
+
+@dataclass
 class LoadWeightsResponse:
     """`path`: the checkpoint directory read; `model_id`: the training run it was loaded into."""
 
@@ -708,8 +764,9 @@ class LoraRunSpec:
 
 # -- checkpoints, runs and sessions (RestClient) ------------------------------------------
 
-CheckpointType = Literal["training", "sampler"]  # tinker also has "external" (hosted exports)
-_PATH_SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+CheckpointType = Literal["training", "sampler", "external"]  # external: save_weights_external's exports
+_PATH_SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler",
+                                             "external_weights": "external"}
 
 
 @dataclass

@@ -469,6 +469,25 @@ def check_user_metadata(user_metadata: Any, field_name: str = "user_metadata") -
     return dict(user_metadata)
 
 
+MAX_AGE_RECIPIENTS = 10  # tinker's limit
+
+
+def check_age_recipients(recipients: Any, field_name: str = "age_encryption_recipients") -> tuple[str, ...] | None:
+    """tinker's save_weights_external: at most 10 age recipients, native `age1...` keys or SSH
+    public keys (the server parses them; this checks their form)."""
+    if recipients is None:
+        return None
+    if isinstance(recipients, str) or not isinstance(recipients, (list, tuple)) or not recipients \
+            or len(recipients) > MAX_AGE_RECIPIENTS:
+        raise InvalidInputError(f"must be a list of 1 to {MAX_AGE_RECIPIENTS} age recipients (age1... keys or SSH "
+                                f"public keys), got {recipients!r:.80}", field=field_name)
+    for i, r in enumerate(recipients):
+        if not isinstance(r, str) or len(r) > 16384 or not r.startswith(("age1", "ssh-ed25519 ", "ssh-rsa ")):
+            raise InvalidInputError(f"must be an age1... key or an SSH public key, got {r!r:.80}",
+                                    field=f"{field_name}[{i}]")
+    return tuple(recipients)
+
+
 def check_save_extras(ttl_seconds: Any, user_metadata: Any) -> None:
     check_ttl(ttl_seconds)
     check_user_metadata(user_metadata)

@@ -18,11 +18,12 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._worker import BackgroundWorker
-from ..backend import CreateModelRequest, CreateSamplerRequest, FromStateRequest, ModelHandle, SaveRequest
+from ..backend import CreateModelRequest, CreateSamplerRequest, ExportUrls, FromStateRequest, ModelHandle, SaveRequest
 from ..errors import (
     CheckpointNotFoundError,
     ClientClosedError,
@@ -30,6 +31,7 @@ from ..errors import (
     NotSupportedError,
     ResourceNotFoundError,
 )
+from ..export import PEFT_FILES, CheckpointExport, extract_tar
 from ..futures import APIFuture
 from ..types import (
     AdamOptimizerConfig,
@@ -56,6 +58,12 @@ __all__ = ["LocalBackend"]
 
 
 NotFound = ResourceNotFoundError  # nothing of that id is known to the pool (404)
+
+
+def _plain(export: CheckpointExport) -> None:
+    if export.age_recipients:
+        raise NotSupportedError(f"{export.shown!r} is an age-encrypted export: its files are encrypted when they leave "
+                                f"a served pool; an in-process pool has them unencrypted on this machine")
 
 
 # -- what a pool served in this process (for the RestClient) ---------------------------------
@@ -400,6 +408,28 @@ class LocalBackend:
         run_dir = run_dir or self._run_dir(run_id)
         directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=run_dir)
         ckpt.set_expiry(directory, None if ttl is None else time.time() + ttl, self.pool)
+
+    def _live_checkpoint(self, path: Any) -> Path:
+        """The directory of an unexpired checkpoint (an expired one reads as absent, as listings do)."""
+        directory = ckpt.resolve_path(path, self.pool)
+        meta = ckpt.read_manifest(directory, self.pool)
+        if meta and ckpt.expired(meta, str(directory)):
+            raise CheckpointNotFoundError(f"checkpoint {str(directory)!r} has expired", path=str(directory))
+        return directory
+
+    def export_urls(self, path: Any) -> ExportUrls:
+        """file:// URLs of the checkpoint's own directory and files: in-process, they are on this
+        machine already (checked as an export is: PEFT files, regular, no symlinks)."""
+        directory = self._live_checkpoint(path)
+        with CheckpointExport(directory, shown=str(path), verify=False) as export:
+            _plain(export)
+        return ExportUrls(directory.as_uri(), {name: (directory / name).as_uri() for name in PEFT_FILES},
+                          datetime.now(timezone.utc) + timedelta(hours=1))
+
+    def download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
+        with CheckpointExport(self._live_checkpoint(path), max_bytes=max_bytes, shown=str(path)) as export:
+            _plain(export)
+            return extract_tar(export.iter_tar(), destination, max_bytes=max_bytes)
 
     def weights_info(self, path: Any) -> WeightsInfoResponse:
         directory = ckpt.resolve_path(path, self.pool)

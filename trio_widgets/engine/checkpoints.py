@@ -386,9 +386,11 @@ def _sha256(data: bytes) -> str:
 
 
 def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: LoRAAdapter | None = None, *,
-                     user_metadata: dict[str, str] | None = None, expires_at: float | None = None) -> int:
+                     user_metadata: dict[str, str] | None = None, expires_at: float | None = None,
+                     age_recipients: tuple[str, ...] | None = None) -> int:
     """Write the tenant's adapter (and, for kind "state", its AdamW state) to `path`; returns
-    the bytes written. `user_metadata` and `expires_at` (Unix time) go into the manifest."""
+    the bytes written. `user_metadata`, `expires_at` (Unix time) and `age_recipients` (an
+    export's: a server encrypts its files to them when they leave) go into the manifest."""
     from safetensors.torch import save
 
     adapter = adapter if adapter is not None else tenant.adapter
@@ -417,6 +419,8 @@ def write_checkpoint(path: Path, tenant: Tenant, kind: str, name: str, adapter: 
         manifest["user_metadata"] = dict(user_metadata)
     if expires_at is not None:
         manifest["expires_at"] = float(expires_at)
+    if age_recipients is not None:
+        manifest["age_recipients"] = list(age_recipients)
     files[MANIFEST] = json.dumps(manifest, indent=2).encode()
     atomic_write_dir(path, files)
     return sum(len(data) for data in files.values())
@@ -444,7 +448,8 @@ class LoadedCheckpoint:
 
 
 # directory -> tinker's checkpoint type
-SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler"}
+SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler",
+                                       "external_weights": "external"}
 
 
 def tinker_path_dir(text: str, pool: Any = None) -> Path:
@@ -1084,7 +1089,8 @@ def checkpoint_dir_of(pool: Any, run_id: str, checkpoint_id: str, *, run_dir: st
         validate_name(run_id, "training_run_id")
     segment, _, name = checkpoint_id.partition("/") if isinstance(checkpoint_id, str) else ("", "", "")
     if segment not in SEGMENTS:
-        raise InvalidInputError(f"must be 'weights/<name>' or 'sampler_weights/<name>', got {checkpoint_id!r}",
+        raise InvalidInputError(f"must be 'weights/<name>', 'sampler_weights/<name>' or 'external_weights/<name>', "
+                                f"got {checkpoint_id!r}",
                                 field="checkpoint_id")
     validate_name(name, "checkpoint_id")
     return checkpoint_root(pool) / run_id / segment / name

@@ -123,19 +123,22 @@ def prepare_save(pool: LocalPool, tenant: Tenant, op: str, request: SaveRequest)
     if request.name is not None or not request.make_sampler:  # only an in-memory sampler may go unnamed
         ckpt.validate_name(request.name)
     check_save_extras(request.ttl_seconds, request.user_metadata)
+    if request.external and (op != "save_weights_for_sampler" or request.make_sampler or request.name is None):
+        raise InvalidInputError("an external save is a named weights-only save (save_weights_external)", field="op")
     if request.name is not None:
-        _refuse_existing(pool, tenant, request)  # early; run_save checks again (saves queued together)
+        _refuse_existing(pool, tenant, request, op)  # early; run_save checks again (saves queued together)
     return Prepared(request)
 
 
-def _save_target(pool: LocalPool, tenant: Tenant, op: str, name: str) -> Any:
-    return ckpt.run_dir(pool, tenant) / ("weights" if op == "save_state" else "sampler_weights") / name
+def _save_target(pool: LocalPool, tenant: Tenant, op: str, save: SaveRequest) -> Any:
+    segment = "external_weights" if save.external else "weights" if op == "save_state" else "sampler_weights"
+    return ckpt.run_dir(pool, tenant) / segment / ckpt.validate_name(save.name)
 
 
 def _refuse_existing(pool: LocalPool, tenant: Tenant, save: SaveRequest, op: str = "save_state") -> None:
     if save.overwrite or save.name is None:
         return
-    target = _save_target(pool, tenant, op, save.name)
+    target = _save_target(pool, tenant, op, save)
     if os.path.lexists(target):
         # named by its tinker:// path: a served pool's directories are the server's business
         shown = f"tinker://{ckpt.run_id_of(tenant)}/{target.parent.name}/{save.name}"
@@ -150,7 +153,7 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
     if request.op == "save_state":
         name = ckpt.validate_name(save.name)
         _refuse_existing(pool, tenant, save)
-        path = _save_target(pool, tenant, request.op, name)
+        path = _save_target(pool, tenant, request.op, save)
         size = ckpt.write_checkpoint(path, tenant, "state", name, user_metadata=save.user_metadata,
                                      expires_at=expires_at)
         request.record.metrics["step"] = float(adapter.adam.step)
@@ -160,9 +163,10 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
     size = 0
     if save.name is not None:
         _refuse_existing(pool, tenant, save, request.op)
-        target = _save_target(pool, tenant, request.op, save.name)
+        target = _save_target(pool, tenant, request.op, save)
         size = ckpt.write_checkpoint(target, tenant, "sampler", save.name, adapter=snapshot,
-                                     user_metadata=save.user_metadata, expires_at=expires_at)
+                                     user_metadata=save.user_metadata, expires_at=expires_at,
+                                     age_recipients=save.age_recipients)
         written = str(target)
     if not save.make_sampler:
         return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)

@@ -1,6 +1,7 @@
 """Who is asking, and the answers other than 200 that no exception of the pool stands for:
-API keys (compared in constant time), owners as key digests, the loopback-only default, and
-`HttpError` / `wire_of` (an exception as the protocol's WireError)."""
+API keys (compared in constant time), owners as key digests, the loopback-only default,
+signed download URLs (`Signer`), and `HttpError` / `wire_of` (an exception as the protocol's
+WireError)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import functools
 import hashlib
 import hmac
 import ipaddress
+import secrets
+import time
 
 from ..protocol import WireError, wire_error
 
-__all__ = ["HttpError", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of", "wire_of"]
+__all__ = ["HttpError", "Signer", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of", "wire_of"]
 
 
 class HttpError(Exception):
@@ -80,3 +83,42 @@ def check_bind(host: str, keys: list[str]) -> None:
         raise ValueError(f"refusing to serve on {host!r} without API keys: anyone who can reach it could train on "
                          f"this pool and read its checkpoints. Give keys (serve(..., api_keys=[...]); CLI: "
                          f"--api-key / --api-keys-file / $TRIO_API_KEYS), or serve on 127.0.0.1")
+
+
+class Signer:
+    """Signed, expiring download URLs, as the hosted service gives: whoever holds one may fetch
+    that one resource until it expires, with no API key (tinker_cookbook fetches them with
+    urllib). HMAC-SHA256 under a secret made per server start, so a restart voids every URL.
+    The owner travels as an opaque tag (an HMAC of its digest), never a digest of the key."""
+
+    MAX_OWNERS = 100_000  # tags remembered (one per key that asked; keys are configured, so few)
+
+    def __init__(self) -> None:
+        self._secret = secrets.token_bytes(32)
+        self._owners: dict[str, str] = {}
+
+    def _mac(self, *parts: str) -> str:
+        message = "\0".join(parts).encode("utf-8", "surrogateescape")
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+    def sign(self, owner: str, resource: str, expires: int) -> dict[str, str]:
+        """The query parameters that let `resource` of `owner` be fetched until `expires` (Unix s)."""
+        tag = self._mac("owner", owner)[:24]
+        if tag not in self._owners and len(self._owners) >= self.MAX_OWNERS:
+            self._owners.clear()  # (only URLs already given out stop working)
+        self._owners[tag] = owner
+        return {"expires": str(expires), "owner": tag, "signature": self._mac("url", owner, resource, str(expires))}
+
+    def verify(self, resource: str, expires: str | None, tag: str | None, signature: str | None) -> str:
+        """The owner a signed URL of `resource` stands for; 403 if it was not signed here, is for
+        another resource or has expired."""
+        owner = self._owners.get(tag or "")
+        if owner is None or not expires or not expires.isdigit() or not signature \
+                or not _same(signature, self._mac("url", owner, resource, expires)):
+            raise HttpError(403, "this download URL is not valid here (wrong signature, or signed by an earlier start "
+                                 "of this server): ask for a new one (get_external_weights_urls / "
+                                 "get_checkpoint_archive_url)", code="forbidden")
+        if int(expires) <= time.time():
+            raise HttpError(403, f"this download URL expired at {expires} (Unix time): ask for a new one",
+                            code="forbidden")
+        return owner

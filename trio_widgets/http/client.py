@@ -34,8 +34,9 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -46,6 +47,7 @@ from ..backend import (
     ComputeLogprobsRequest,
     CreateModelRequest,
     CreateSamplerRequest,
+    ExportUrls,
     ForwardRequest,
     FromStateRequest,
     LoadRequest,
@@ -69,6 +71,7 @@ from ..errors import (
     RequestErrorCategory,
     RequestFailedError,
 )
+from ..export import extract_tar
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
 from ..protocol import error_from_wire, parse_tinker_path
 from ..protocol.losses import forward_metrics, tokens_read
@@ -98,6 +101,7 @@ __all__ = ["HttpBackend"]
 log = logging.getLogger(__name__)
 
 _RETRYABLE = {408, 429, 500, 502, 503, 504}
+_DOWNLOAD_S = 3600.0  # a checkpoint download's time, in all (each read has the link's timeout)
 _TOKENIZER_LOCK = threading.Lock()
 
 
@@ -670,6 +674,13 @@ class HttpBackend:
                                       "user_metadata": request.user_metadata, "type": "save_weights"},
                     lambda body, _p: SaveWeightsResponse(path=body["path"], model=str(body.get("model") or ""),
                                                          size=int(body.get("size") or 0)))
+        if op == "save_weights_for_sampler" and isinstance(request, SaveRequest) and request.external:
+            external: dict[str, Any] = {"model_id": model_id, "path": request.name, "seq_id": seq,
+                                        "ttl_seconds": request.ttl_seconds, "type": "save_weights_external"}
+            if request.age_recipients is not None:
+                external["age_encryption_recipients"] = list(request.age_recipients)
+            return ("/save_weights_external", external,
+                    lambda body, _p: SaveWeightsForSamplerResponse(path=body["path"]))
         if op == "save_weights_for_sampler" and isinstance(request, SaveRequest):
             out: dict[str, Any] = {"model_id": model_id, "seq_id": seq, "kind": "snapshot",
                                    "ttl_seconds": request.ttl_seconds, "user_metadata": request.user_metadata,
@@ -799,6 +810,33 @@ class HttpBackend:
                                    else AdamOptimizerConfig(),
                                    lora_rank=body.get("lora_rank"), train_unembed=body.get("train_unembed"),
                                    train_mlp=body.get("train_mlp"), train_attn=body.get("train_attn"))
+
+    def export_urls(self, path: Any) -> ExportUrls:
+        """The server's signed URLs of one of this key's checkpoints (no key in them)."""
+        body = self._link.call("POST", "/trio/export_urls", json={"tinker_path": _tinker_path(path, "tinker_path")},
+                               checkpoint=str(path))
+        expires = _when(body.get("expires"))
+        assert expires is not None
+        return ExportUrls(str(body["archive_url"]), {str(k): str(v) for k, v in dict(body["urls"]).items()}, expires)
+
+    def download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
+        """The archive at the signed URL, streamed into `destination` (bounded: extract_tar)."""
+        url = self.export_urls(path).archive_url
+        deadline = time.monotonic() + _DOWNLOAD_S
+        # the signed URL is the credential: the key is not sent with it
+        with httpx.Client(timeout=self._link.timeout, transport=self._link.transport) as http, \
+                http.stream("GET", url) as response:
+            if response.status_code != 200:
+                response.read()
+                raise _error(response, path=str(path))
+
+            def chunks() -> Iterator[bytes]:
+                for chunk in response.iter_raw(1 << 20):
+                    if time.monotonic() > deadline:
+                        raise APIConnectionError(f"the download of {path!r:.200} took more than {_DOWNLOAD_S:g} s")
+                    yield chunk
+
+            return extract_tar(chunks(), destination, max_bytes=max_bytes)
 
     def training_runs(self) -> list[TrainingRun]:
         """This API key's runs (every session of it), most recent first."""

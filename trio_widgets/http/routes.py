@@ -225,6 +225,19 @@ def build_app(service: Service) -> Starlette:
         return s.set_checkpoint_ttl(owner, request.path_params["model_id"], request.path_params["checkpoint_id"],
                                     body)
 
+    async def export_urls(s: Service, owner: str, request: Request) -> dict:
+        body = json_body(await read_body(request, s, owner))
+        return s.export_urls(owner, body.get("tinker_path"), str(request.base_url))
+
+    async def external_weights_urls(s: Service, owner: str, request: Request) -> dict:
+        # tinker's RestClient.get_external_weights_urls: one signed URL per file
+        p = request.path_params
+        found = s.export_urls(owner, f"tinker://{p['model_id']}/{p['checkpoint_id']}", str(request.base_url))
+        return {"urls": found["urls"], "expires": found["expires"]}
+
+    async def export_download(s: Service, owner: str, request: Request) -> Response:
+        return await s.exports.download(request)  # no key: the URL's signature is the credential
+
     async def info(s: Service, owner: str, request: Request) -> dict:
         return {**s.info(), **s.totals()}
 
@@ -280,7 +293,11 @@ def build_app(service: Service) -> Starlette:
         post("/weights_info", _json_handler(lambda s, o, b: s.weights_info(o, b))),
         route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", delete_checkpoint),
         route("PUT", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", set_ttl),
-        post("/save_weights_external", unsupported("save_weights_external (uploading weights elsewhere)")),
+        post("/save_weights_external", _json_handler(lambda s, o, b: s.save_weights_external(o, b))),
+        get("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls",
+            external_weights_urls),
+        post("/trio/export_urls", export_urls),
+        get("/trio/export/{model_id}/{segment}/{name}/{member}", export_download, open_=True),
         post("/create_custom_loss", unsupported("a server-side custom loss (create_custom_loss)")),
         post("/auth/token", unsupported("JWT authentication")),
         post("/trio/release", _json_handler(lambda s, o, b: s.release(o, b))),

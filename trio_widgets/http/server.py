@@ -78,6 +78,7 @@ from ..errors import (
     InvalidInputError,
     PoolClosedError,
 )
+from ..export import DEFAULT_MAX_EXPORT_BYTES
 from ..futures import APIFuture
 from ..protocol import WireError, parse_tinker_path, row_of
 from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
@@ -86,6 +87,7 @@ from . import new_event_loop, wire
 from .auth import HttpError as _HttpError
 from .auth import authenticate, check_bind, owner_of, wire_of
 from .auth import not_found as _not_found
+from .exports import Exports, parse_age_recipients
 from .guard import Budget, Connections, Policy, guarded_protocol, policy_app
 from .routes import build_app
 from .sequencer import Sequencer
@@ -245,7 +247,8 @@ class Service:
                  max_sessions_per_key: int, max_clients_per_session: int, max_futures_per_key: int,
                  body_timeout_s: float = 30.0, max_inflight_bytes_per_key: int = 64 << 20,
                  max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
-                 max_state_bytes_per_key: int = 2 << 30):
+                 max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0):
         self.pool = pool
         self.backend = LocalBackend(pool)
         self.api_keys = [k for k in (api_keys or ())]
@@ -283,6 +286,8 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._tokenizer_dirs: dict[str, str] = {}
         self._tmp: str | None = None  # tokenizers saved for the SDK's get_tokenizer (made on first use)
+        self.exports = Exports(lambda owner, path: self._checkpoint_dir(owner, path), pool,
+                               max_bytes=max_export_bytes, url_ttl_s=export_url_ttl_s, timeout_s=export_timeout_s)
 
     # -- auth ---------------------------------------------------------------------------
     def authenticate(self, request: Request, observer: bool = False) -> str:
@@ -744,6 +749,18 @@ class Service:
                               user_metadata=body.get("user_metadata"))
         return self._sequenced(model, owner, body.get("seq_id"), "save_state", request, encode)
 
+    def save_weights_external(self, owner: str, body: dict) -> dict:
+        """tinker's export: the weights as a PEFT directory under external_weights/, fetched with
+        the signed URLs of get_external_weights_urls (trio_widgets/http/exports.py)."""
+        model = self.model(body.get("model_id"), owner)
+        with self._consumes(model, body.get("seq_id")):
+            name = ckpt.validate_name(body.get("path"), "path")
+            recipients = parse_age_recipients(body.get("age_encryption_recipients"))
+        path = f"tinker://{model.model_id}/external_weights/{name}"
+        request = SaveRequest(name, ttl_seconds=body.get("ttl_seconds"), external=True, age_recipients=recipients)
+        return self._sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler", request,
+                               lambda _r: ({"path": path, "type": "save_weights_external"}, False))
+
     def save_weights_for_sampler(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
         with self._consumes(model, body.get("seq_id")):
@@ -987,6 +1004,9 @@ class Service:
         self.backend.set_checkpoint_ttl(model_id, checkpoint_id, body.get("ttl_seconds"), run_dir=run_dir)
         return {}
 
+    def export_urls(self, owner: str, tinker_path: Any, base_url: str) -> dict:
+        return self.exports.urls(owner, tinker_path, base_url)
+
     def weights_info(self, owner: str, body: dict) -> dict:
         local = self._checkpoint_dir(owner, body.get("tinker_path"))
         return _json_safe(dataclasses.asdict(self.backend.weights_info(local)))
@@ -1097,7 +1117,8 @@ class Server:
                  body_timeout_s: float = 30.0, max_waiting_connections: int = 256,
                  max_connections_per_address: int = 512, max_inflight_bytes_per_key: int = 64 << 20,
                  max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
-                 max_state_bytes_per_key: int = 2 << 30, owns_pool: bool = False):
+                 max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, owns_pool: bool = False):
         if not isinstance(pool, LocalPool):
             raise TypeError(f"serve() takes a LocalPool, got {type(pool).__name__}")
         check_bind(host, [*(api_keys or ()), *(observer_keys or ())])
@@ -1111,7 +1132,10 @@ class Server:
                                        ("max_inflight_bytes_per_key", max_inflight_bytes_per_key, 1, 1 << 40),
                                        ("max_inflight_bytes", max_inflight_bytes, 1, 1 << 40),
                                        ("max_clients_per_key", max_clients_per_key, 1, 1 << 20),
-                                       ("max_state_bytes_per_key", max_state_bytes_per_key, 1, 1 << 50)):
+                                       ("max_state_bytes_per_key", max_state_bytes_per_key, 1, 1 << 50),
+                                       ("max_export_bytes", max_export_bytes, 1, 1 << 50),
+                                       ("export_url_ttl_s", export_url_ttl_s, 1.0, 7 * 86400.0),
+                                       ("export_timeout_s", export_timeout_s, 1.0, 86400.0)):
             if not isinstance(value, (int, float)) or not (low <= value <= high):
                 raise ValueError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
         if pool.closed:
@@ -1129,7 +1153,8 @@ class Server:
                                  max_futures_per_key=max_futures_per_key, body_timeout_s=body_timeout_s,
                                  max_inflight_bytes_per_key=max_inflight_bytes_per_key,
                                  max_inflight_bytes=max_inflight_bytes, max_clients_per_key=max_clients_per_key,
-                                 max_state_bytes_per_key=max_state_bytes_per_key)
+                                 max_state_bytes_per_key=max_state_bytes_per_key, max_export_bytes=max_export_bytes,
+                                 export_url_ttl_s=export_url_ttl_s, export_timeout_s=export_timeout_s)
         self._policy = Policy.of([host, *(allowed_hosts or ())], allowed_origins)
         self._connections = Connections(header_timeout_s=float(header_timeout_s),
                                         max_waiting=int(max_waiting_connections),
@@ -1278,5 +1303,7 @@ def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **setti
     header_timeout_s (10), body_timeout_s (30), max_waiting_connections (256),
     max_connections_per_address (512), max_inflight_bytes_per_key (64 MiB), max_inflight_bytes (256 MiB);
     per key across its sessions: max_clients_per_key (128), max_state_bytes_per_key (2 GiB of
-    adapter and optimizer state; a rank-r client of a model costs what `ModelHandle.state_bytes` says)."""
+    adapter and optimizer state; a rank-r client of a model costs what `ModelHandle.state_bytes` says);
+    checkpoint downloads (trio_widgets/http/exports.py): max_export_bytes (4 GiB of PEFT files),
+    export_url_ttl_s (3600: how long a signed URL works), export_timeout_s (3600: one download's time)."""
     return Server(pool, host=host, port=port, **settings).start()

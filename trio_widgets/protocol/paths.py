@@ -1,4 +1,5 @@
-"""The one parser of tinker's checkpoint paths: `tinker://<run>/<weights|sampler_weights>/<name>`."""
+"""The one parser of tinker's checkpoint paths: `tinker://<run>/<weights|sampler_weights|external_weights>/<name>`
+(external_weights: what save_weights_external wrote, a PEFT directory for download)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ __all__ = ["SEGMENTS", "TINKER_SCHEME", "TinkerPath", "parse_checkpoint_id", "pa
 
 TINKER_SCHEME = "tinker://"
 #: a path's segment -> tinker's checkpoint type
-SEGMENTS: dict[str, Literal["training", "sampler"]] = {"weights": "training", "sampler_weights": "sampler"}
-_PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<segment>weights|sampler_weights)/(?P<name>[^/]+)$")
+SEGMENTS: dict[str, Literal["training", "sampler", "external"]] = {
+    "weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+_PATH = re.compile(r"^tinker://(?P<run>[^/]+)/(?P<segment>weights|sampler_weights|external_weights)/(?P<name>[^/]+)$")
 
 
 @dataclass(frozen=True)
 class TinkerPath:
     run_id: str
-    segment: Literal["weights", "sampler_weights"]
+    segment: Literal["weights", "sampler_weights", "external_weights"]
     name: str
 
     def __str__(self) -> str:
@@ -30,7 +32,7 @@ class TinkerPath:
         return f"{self.segment}/{self.name}"
 
     @property
-    def checkpoint_type(self) -> Literal["training", "sampler"]:
+    def checkpoint_type(self) -> Literal["training", "sampler", "external"]:
         return SEGMENTS[self.segment]
 
 
@@ -39,7 +41,7 @@ def parse_tinker_path(path: Any, field: str = "path") -> TinkerPath:
     (The parts are not checked as file names here: whoever maps them to a directory does.)"""
     m = _PATH.match(path) if isinstance(path, str) else None
     if m is None:
-        raise InvalidInputError(f"must be a tinker://<run>/weights/<name> or tinker://<run>/sampler_weights/<name> "
+        raise InvalidInputError(f"must be a tinker://<run>/weights|sampler_weights|external_weights/<name> "
                                 f"path (what save_state / save_weights_for_sampler returned), got {path!r:.200}",
                                 field=field)
     return TinkerPath(m["run"], m["segment"], m["name"])  # type: ignore[arg-type]
@@ -51,6 +53,7 @@ def parse_checkpoint_id(checkpoint_id: Any, field: str = "checkpoint_id") -> tup
     directory)."""
     segment, _, name = checkpoint_id.partition("/") if isinstance(checkpoint_id, str) else ("", "", "")
     if segment not in SEGMENTS or not name or "/" in name or "\\" in name or ".." in name or name.startswith("."):
-        raise InvalidInputError(f"must be 'weights/<name>' or 'sampler_weights/<name>', got {checkpoint_id!r:.80}",
+        raise InvalidInputError(f"must be 'weights/<name>', 'sampler_weights/<name>' or 'external_weights/<name>', got "
+                                f"{checkpoint_id!r:.80}",
                                 field=field)
     return segment, name
