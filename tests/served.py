@@ -28,6 +28,17 @@ def tinker_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
+def sdk_client(server: Any, key: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The tinker SDK's ServiceClient against `server`, finished after use (a fixture's body:
+    `yield from sdk_client(...)`)."""
+    import tinker
+
+    tinker_env(monkeypatch)
+    sc = tinker.ServiceClient(base_url=server.url, api_key=key)
+    yield sc
+    sc.close("success").result(timeout=60)
+
+
 def pairs_from_telemetry(pool: trio.LocalPool, client_id: str, since: int = 0) -> list[tuple[int, int]]:
     """(forward_backward cycle, optim_step cycle) of each update of `client_id`, in order, for
     requests with pool request id > `since` (the pool's own record, not the client's)."""

@@ -16,6 +16,7 @@ from served import (
     check_three_loops,
     pairs_from_telemetry,
     same_tensors,
+    sdk_client,
     served,
     three_loops,
     three_loops_async,
@@ -69,10 +70,7 @@ def fast(pool):
 
 @pytest.fixture
 def sdk(server, monkeypatch):
-    tinker_env(monkeypatch)
-    sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
-    yield sc
-    sc.close("success").result(timeout=60)
+    yield from sdk_client(server, KEY, monkeypatch)
 
 
 def test_sync_loops_have_the_clock_rules_of_local_ones(sdk, server, pool):

@@ -66,7 +66,7 @@ class CheckpointExport:
     in all, not matching its manifest); nothing is sent before the checks pass."""
 
     def __init__(self, directory: Path, *, max_bytes: int = DEFAULT_MAX_EXPORT_BYTES, shown: str | None = None,
-                 verify: bool = True):
+                 verify: bool = True, limit_name: str = "max_bytes"):
         self.shown = shown or str(directory)
         self.max_bytes = int(max_bytes)
         self.files: list[_File] = []
@@ -83,8 +83,8 @@ class CheckpointExport:
             total = sum(f.size for f in self.files)
             if total > self.max_bytes:
                 raise InvalidInputError(f"checkpoint {self.shown!r} has {total} bytes of PEFT files, more than the "
-                                        f"{self.max_bytes} bytes an export may have here (max_export_bytes)",
-                                        field="max_bytes")
+                                        f"{self.max_bytes} bytes an export may have here ({limit_name})",
+                                        field=limit_name)
             if verify:
                 for f in self.files:
                     self._verify(f)

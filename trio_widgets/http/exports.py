@@ -9,6 +9,7 @@ chunk; an age-encrypted file is encrypted into a spooled temporary file)."""
 from __future__ import annotations
 
 import datetime
+import math
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -100,7 +101,8 @@ class Exports:
                                   path=tinker_path) from None
         if meta and ckpt.expired(meta, tinker_path):  # as listings do: an expired checkpoint is gone
             raise CheckpointNotFoundError(f"checkpoint {tinker_path!r} has expired", path=tinker_path)
-        return CheckpointExport(directory, max_bytes=self.max_bytes, shown=tinker_path, verify=verify)
+        return CheckpointExport(directory, max_bytes=self.max_bytes, shown=tinker_path, verify=verify,
+                                limit_name="max_export_bytes")
 
     def urls(self, owner: str, tinker_path: Any, base_url: str) -> dict[str, Any]:
         """Signed URLs of the archive and of each file (`.age` names for an encrypted export)."""
@@ -108,7 +110,7 @@ class Exports:
         path = str(parsed)
         with self._open(owner, path, verify=False) as export:  # refused now (size, files), not at download
             names = [n + AGE_SUFFIX for n in PEFT_FILES] if export.age_recipients else list(PEFT_FILES)
-        expires = int(time.time() + self.url_ttl_s)
+        expires = math.ceil(time.time() + self.url_ttl_s)  # never less than url_ttl_s
         prefix = f"{base_url.rstrip('/')}/api/v1/trio/export/{quote(parsed.run_id, safe='')}/{parsed.segment}/" \
                  f"{quote(parsed.name, safe='')}/"
 
