@@ -133,7 +133,6 @@ _NO_EXTERNAL = ("an export to tinker's external store; save_weights_for_sampler 
                 "directory Hugging Face tools load")
 _NO_PUBLISH = "nothing local is public: Checkpoint.public is always False"
 _NO_ACCOUNT = "identity, audit log, billing and storage usage of a hosted account have no local meaning"
-_NO_DOWNLOADS = "downloads from a hosted checkpoint store; local checkpoints are directories already on disk"
 
 ALLOWED_DIFFERENCES: dict[str, str] = {
     "pytrio:types.APIFuture()": "futures are made by the pool for each request (and by APIFuture.completed), "
@@ -188,9 +187,6 @@ ALLOWED_DIFFERENCES: dict[str, str] = {
     "tinker:SamplingClient.feature_gates": "tinker's server feature flags; a local pool has every feature it has",
     "tinker:SamplingClient.retry_handler": "there is no network, so nothing to retry (retry_config is accepted "
                                            "and ignored)",
-    "pytrio:types.CheckpointArchiveUrlResponse": _NO_DOWNLOADS,
-    "pytrio:types.CheckpointDownloadResult": _NO_DOWNLOADS,
-    "pytrio:types.CheckpointDownloadSource": _NO_DOWNLOADS,
 }
 
 # Issue 16's client half is done: every difference of the client is fixed or allowed above.
