@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import sys
 import tarfile
 import time
@@ -258,6 +259,31 @@ def test_an_export_over_the_limit_is_refused_clearly(server, pool, trained, tmp_
     with pytest.raises(trio.InvalidInputError, match=r"more than the 1000 bytes .*\(max_bytes\)"):
         local.download_checkpoint(str(pool_path(path)), tmp_path / "capped", max_bytes=1000).result()
     assert not (tmp_path / "capped").exists() and not [p for p in tmp_path.iterdir() if ".download-" in p.name]
+
+
+def test_a_download_that_stalls_is_cut_off_at_export_timeout_s(pool, trained):
+    """A client that stops reading holds the connection and the files only until
+    export_timeout_s: the server then drops it, mid-body."""
+    _service, tc, _path = trained
+    path = tc.save_weights_for_sampler("large").result(timeout=60).path
+    with served(pool, api_keys=[KEY], export_timeout_s=1) as short:
+        directory = short.checkpoint_path(path, KEY)
+        (directory / "trio_checkpoint.json").unlink()  # a PEFT directory from elsewhere: no checksums to match
+        size = 48 << 20  # more than the sockets' buffers hold
+        with open(directory / "adapter_model.safetensors", "wb") as f:
+            f.truncate(size)
+        with trio.RestClient(base_url=short.url, api_key=KEY) as rest:
+            url = rest.get_checkpoint_archive_url(path).result().url
+        host_port, _, rest_of_url = url.split("://", 1)[1].partition("/")
+        host, port = host_port.split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"GET /{rest_of_url} HTTP/1.1\r\nHost: {host_port}\r\n\r\n".encode())
+            received = len(s.recv(65536))
+            time.sleep(2.5)  # not reading
+            started = time.monotonic()
+            while chunk := s.recv(1 << 20):
+                received += len(chunk)
+        assert received < size and time.monotonic() - started < 20
 
 
 def test_path_traversal_is_refused(server, trained, tmp_path):

@@ -8,7 +8,9 @@ chunk; an age-encrypted file is encrypted into a spooled temporary file)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import logging
 import math
 import tempfile
 import time
@@ -29,6 +31,8 @@ from ..validation import check_age_recipients
 from .auth import Signer
 
 __all__ = ["AGE_SUFFIX", "Exports", "parse_age_recipients"]
+
+log = logging.getLogger("trio_widgets.http.server")
 
 AGE_SUFFIX = ".age"  # tinker's name for an encrypted export's files
 _SPOOL_BYTES = 8 << 20
@@ -148,9 +152,28 @@ class Exports:
         except BaseException:
             export.close()
             raise
-        return StreamingResponse(_closing(body, export), media_type=media,
-                                 headers={"Content-Length": str(size),
-                                          "Content-Disposition": f'attachment; filename="{member}"'})
+        headers = {"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{member}"'}
+        return _Bounded(_closing(body, export), export, deadline, media_type=media, headers=headers)
+
+
+class _Bounded(StreamingResponse):
+    """A download that ends at `deadline` also when the client stops reading: each send waits
+    (flow control) at most until then; then the response stops unfinished and the server drops
+    the connection (the client sees a short body)."""
+
+    def __init__(self, body: Iterator[bytes], export: CheckpointExport, deadline: float, **kwargs: Any):
+        super().__init__(body, **kwargs)
+        self.export, self.deadline = export, deadline
+
+    async def stream_response(self, send: Any) -> None:
+        async def timed(message: Any) -> None:
+            await asyncio.wait_for(send(message), max(0.0, self.deadline - time.monotonic()))
+
+        try:
+            await super().stream_response(timed)
+        except asyncio.TimeoutError:  # (while sending: no read of the files is in flight)
+            log.info("download of %s stopped: it ran past export_timeout_s", self.export.shown)
+            self.export.close()
 
 
 def _drain(spooled: Any) -> Iterator[bytes]:
