@@ -102,7 +102,11 @@ def test_tinker_sdk_trio_http_and_in_process_give_the_same_peft_directory(sdk, s
     for name, url in urls.urls.items():
         _fetch(url, tmp_path / "sdk" / name)
     listed = [c.checkpoint_id for c in rest.list_checkpoints(sdk_tc.model_id).result(timeout=60).checkpoints]
-    assert "external_weights/for-download" in listed  # a checkpoint like others: listed, then deleted
+    assert "external_weights/for-download" in listed  # a checkpoint like others: listed, given a TTL, deleted
+    rest.set_checkpoint_ttl_from_tinker_path(export.path, 7200).result(timeout=60)
+    entry = next(c for c in rest.list_checkpoints(sdk_tc.model_id).result(timeout=60).checkpoints
+                 if c.checkpoint_id == "external_weights/for-download")
+    assert entry.expires_at is not None and entry.expires_at.timestamp() > time.time() + 7000
     rest.delete_checkpoint_from_tinker_path(export.path).result(timeout=60)
     assert _http_status(urls.urls["adapter_config.json"])[0] == 404
 
