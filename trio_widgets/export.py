@@ -209,28 +209,32 @@ class CheckpointExport:
 # -- back into a directory ----------------------------------------------------------------------
 
 class _Stream:
-    """The chunks as a file tarfile reads in stream mode, refusing more than `limit` bytes."""
+    """The chunks as a file tarfile reads in stream mode, refusing more than `limit` bytes
+    (each byte copied once more: tarfile reads 10 KiB at a time, chunks are 1 MiB)."""
 
     def __init__(self, chunks: Iterable[bytes], limit: int):
         self._chunks = iter(chunks)
-        self._buffer = b""
+        self._chunk, self._pos = b"", 0
         self.read_bytes = 0
         self._limit = limit
 
     def read(self, n: int = -1) -> bytes:
-        while n < 0 or len(self._buffer) < n:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                break
-            self.read_bytes += len(chunk)
-            if self.read_bytes > self._limit:
-                raise InvalidInputError(f"the archive is more than {self._limit} bytes, the limit of this download; "
-                                        f"pass a larger max_bytes", field="max_bytes")
-            self._buffer += chunk
-        if n < 0:
-            n = len(self._buffer)
-        out, self._buffer = self._buffer[:n], self._buffer[n:]
-        return out
+        parts, want = [], n
+        while n < 0 or want > 0:
+            if self._pos >= len(self._chunk):
+                chunk = next(self._chunks, None)
+                if chunk is None:
+                    break
+                self.read_bytes += len(chunk)
+                if self.read_bytes > self._limit:
+                    raise InvalidInputError(f"the archive is more than {self._limit} bytes, the limit of this "
+                                            f"download; pass a larger max_bytes", field="max_bytes")
+                self._chunk, self._pos = bytes(chunk), 0
+            end = len(self._chunk) if n < 0 else min(len(self._chunk), self._pos + want)
+            parts.append(self._chunk[self._pos:end])
+            want -= end - self._pos
+            self._pos = end
+        return b"".join(parts)
 
 
 def _bad(why: str) -> CheckpointError:
@@ -245,11 +249,15 @@ def extract_tar(chunks: Iterable[bytes], destination: Path, *, max_bytes: int = 
     `../`, another name, a truncated archive) is refused and nothing is written."""
     destination = Path(destination)
     if os.path.lexists(destination) and (destination.is_symlink() or not destination.is_dir()):
-        raise InvalidInputError(f"{str(destination)!r} exists and is not a directory: the download is a PEFT "
-                                f"directory", field="destination_path")
+        raise InvalidInputError(f"{str(destination)!r} exists and is not a directory (a symlink is not followed): "
+                                f"the download is a PEFT directory", field="destination_path")
     parent = destination.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{destination.name}.download-"))
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=parent, prefix=f".{destination.name}.download-"))
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write into {str(parent)!r}: {exc.strerror or exc}",
+                                field="destination_path") from None
     sizes: dict[str, int] = {}
     try:
         stream = _Stream(chunks, max_bytes + 64 * _BLOCK)  # the headers' and padding's bytes on top
