@@ -15,11 +15,16 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Run-time packages at the versions binder/constraints.txt pins (what Binder installs too);
-# `make binder-lock` rewrites it from .venv after a change of dependencies.
-$(STAMP): $(PY) pyproject.toml binder/constraints.txt
+# `make binder-lock` rewrites it from .venv after a change of dependencies. Then, where Python
+# >= 3.11, tinker-cookbook (tests/test_cookbook.py) with --no-deps: it requires tml-renderers,
+# which PyPI lacks (used only for hosted families a local pool does not serve), so
+# requirements-cookbook.txt pins everything else it needs (make binder-lock writes it too).
+$(STAMP): $(PY) pyproject.toml binder/constraints.txt requirements-cookbook.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c binder/constraints.txt "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -c binder/constraints.txt -e ".[engine,dev,lab]"
+	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
+	  $(PY) -m pip install -q --no-deps -r requirements-cookbook.txt; fi
 	touch $(STAMP)
 
 setup: $(STAMP)
