@@ -101,6 +101,10 @@ _SESSION_RE = re.compile(r"^sess-[0-9a-f]{16}$")
 _MODEL_RE = re.compile(r"^(?P<session>sess-[0-9a-f]{16}):train:(?P<n>\d{1,9})$")
 _SEEN_PER_SAMPLER = 4096
 _MAX_TOKENIZER_BYTES = 64 << 20
+# How long an answered result stays retrievable: the tinker SDK reads a retrieve for up to 45 s and then
+# asks again (an answer lost on the way, e.g. a connection its own garbage collection closed from
+# another event loop), so this must outlast that. Unretrieved results stay 600 s.
+RETRIEVED_KEPT_S = 120.0
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -1023,7 +1027,7 @@ class Service:
                                                          f"for {self.session_timeout_s:g} s; its queued requests "
                                                          f"were cancelled")
             for rid, entry in list(self.entries.items()):
-                kept = 30.0 if entry.retrieved is not None else 600.0  # a lost answer is asked again soon
+                kept = RETRIEVED_KEPT_S if entry.retrieved is not None else 600.0
                 if entry.done.is_set() and now - (entry.retrieved or entry.created) > kept:
                     self.forget(rid)
             ended = [s for s in self.sessions.values() if s.state != "live" and now - s.last_seen > 600]
