@@ -186,6 +186,28 @@ def test_user_code_is_told_from_libraries():
         event.set()
         waiter.join()
     assert only.file == threading.__file__ and only.function == "Condition.wait" and only.cell is None
+    assert not only.user and all(f.user for f in frames)
+
+
+def test_a_stretch_is_blamed_on_user_code_over_the_library_it_calls():
+    """Notebook 06's case: the loop's thread spent more samples in trio's validation (its batch being
+    checked, no user frame on the stack) than in the user's loader; the loader is named."""
+    from trio_widgets.engine.gil import _as_stall, _Stretch
+    from trio_widgets.telemetry import UserFrame
+
+    stretch = _Stretch(0.0)
+    loader = (UserFrame("/home/me/loop.py", "heavy_batches", 7),)
+    validation = (UserFrame(trio.validation.__file__, "check_batch", 182, user=False),)
+    for key, frames, n in [(("MainThread", loader[0].file, "heavy_batches"), loader, 2),
+                           (("MainThread", validation[0].file, "check_batch"), validation, 5),
+                           (("other", "/home/me/x.py", "f"), (UserFrame("/home/me/x.py", "f", 1),), 1)]:
+        stretch.samples[key] += n
+        stretch.frames[key] = frames
+    stall = _as_stall(stretch)
+    assert stall.thread == "MainThread" and stall.frames == loader
+    # with no user code sampled at all, the library frame stands in
+    del stretch.samples[("MainThread", loader[0].file, "heavy_batches")]
+    assert _as_stall(stretch).frames == validation
 
 
 def test_the_watchdog_feeds_the_trace_metrics_and_dashboard():

@@ -69,6 +69,8 @@ class Diagnosis:
     gil_frames: tuple[UserFrame, ...] = ()
     #: cycles per update the loop waited for samples from the pool
     sampling_cycles: float | None = None
+    #: what was measured against which threshold, in words (the dashboard shows it on hover)
+    evidence: str = ""
 
     @property
     def wasted(self) -> bool:
@@ -155,8 +157,8 @@ def _ratio(value: float) -> str:
 
 
 def _gil(updates: Sequence[tuple[RequestRecord, RequestRecord | None]], cycles: Mapping[int, CycleRecord],
-         stalls: Sequence[GilStall]) -> tuple[float, float, float, float, GilStall] | None:
-    """(wait / compute, wait s, compute s, cycle s, the culprit's stall) when the clock waited
+         stalls: Sequence[GilStall]) -> tuple[float, float, float, float, float, GilStall] | None:
+    """(wait / compute, held share, wait s, compute s, cycle s, the culprit's stall) when the clock waited
     for the interpreter, in the cycles that ran these updates, at least GIL_SHARE of the CPU
     time it worked, and other threads' Python held it (the watchdog's stalls) for at least
     GIL_COVERAGE of that time; else None. Both relative: a slow or busy machine stretches the
@@ -171,12 +173,15 @@ def _gil(updates: Sequence[tuple[RequestRecord, RequestRecord | None]], cycles: 
     t0, t1 = min(c.started_at for c in mine), max(c.ended_at for c in mine)
     inside = [s for s in stalls if s.ended_at > t0 and s.started_at < t1]
     held = _union((max(s.started_at, t0), min(s.ended_at, t1)) for s in inside)
-    if sum(b - a for a, b in held) < GIL_COVERAGE * (t1 - t0):
+    coverage = sum(b - a for a, b in held) / (t1 - t0)
+    if coverage < GIL_COVERAGE:
         return None
     # The culprit: the function whose stalls covered the most of that time; its latest frames.
+    # User code first: a library's frame names the culprit only when no stall had user code.
+    named = [s for s in inside if s.frames and s.frames[0].user] or inside
     weight: dict[tuple[str, str], float] = {}
     latest: dict[tuple[str, str], GilStall] = {}
-    for stall in inside:
+    for stall in named:
         key = (stall.frames[0].file, stall.frames[0].function) if stall.frames else (stall.thread, "")
         weight[key] = weight.get(key, 0.0) + min(stall.ended_at, t1) - max(stall.started_at, t0)
         latest[key] = stall
@@ -184,7 +189,7 @@ def _gil(updates: Sequence[tuple[RequestRecord, RequestRecord | None]], cycles: 
     wait = statistics.median(c.gil_wait_s for c in mine)
     compute = statistics.median(c.cpu_s for c in mine)
     cycle = statistics.median(c.ended_at - c.started_at for c in mine)
-    return share, wait, compute, cycle, culprit
+    return share, coverage, wait, compute, cycle, culprit
 
 
 def _gil_message(wait: float, compute: float, cycle: float, culprit: GilStall) -> str:
@@ -217,7 +222,7 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     updates = _updates(records)[-(window + 1):]
     if len(updates) < MIN_UPDATES:
         return Diagnosis(client_id, label, "warming-up", "measuring: waiting for a few updates",
-                         updates=len(updates))
+                         updates=len(updates), evidence=f"{len(updates)} of {MIN_UPDATES} updates measured")
 
     # Loop structure of each step from one update to the next; then the current segment only.
     kinds: list[str] = []
@@ -229,6 +234,10 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
             last = max(fb_done, _delivered_at(opt) if opt is not None else fb_done)
             kinds.append("together" if nxt.queued_at >= last else "pipelined")
     start = _segment_start(kinds)
+    # The GIL is judged over the whole window, not the loop's current segment: a loader's
+    # Python stretches cycles whatever the loop's shape, and a heavy loader makes a loop
+    # flip between shapes (the last updates, after it yielded its last batch, run clean).
+    window_updates = updates
     updates, kinds = updates[start:], kinds[start:]
     structure = max(STRUCTURE_PERIOD, key=lambda k: (kinds.count(k), -STRUCTURE_PERIOD[k]))
     p = cycles_per_update([fb.cycle for fb, _ in updates], window)
@@ -264,11 +273,19 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     n = len(updates)
     excess = STRUCTURE_PERIOD[structure] - 1
     period_text = _plural(p, "cycle")
-    gil = _gil(updates, cycles, stalls) if cycles else None
+    gil = _gil(window_updates, cycles, stalls) if cycles else None
+    shape = (f"{n} updates, {period_text} per update; steps naive/together/pipelined: "
+             + "/".join(str(kinds.count(k)) for k in STRUCTURE_PERIOD))
     if gil is not None:
-        share, wait, compute, cycle, culprit = gil
+        share, coverage, wait, compute, cycle, culprit = gil
+        evidence = (f"clock's wait for the interpreter: {share:.0%} of its CPU time (gil from {GIL_SHARE:.0%}); "
+                    f"other threads' Python held it {coverage:.0%} of the time (from {GIL_COVERAGE:.0%}); " + shape)
         return Diagnosis(client_id, label, "gil", _gil_message(wait, compute, cycle, culprit), p, stall_cycles, n,
-                         gil_share=share, gil_frames=culprit.frames, sampling_cycles=sampling_cycles)
+                         gil_share=share, gil_frames=culprit.frames, sampling_cycles=sampling_cycles,
+                         evidence=evidence)
+    measured = (f"{shape}; next request {stall_cycles:.1f} cycles after results were ready (stall from "
+                f"{max(1.0, sampling_cycles):.1f}), {sampling_cycles:.1f} cycles waiting for samples "
+                f"(sampling from 1.0)")
     # The larger of the two waits is named: an RL loop's bit of scoring Python between its
     # samples and its update is not a stall next to the cycles it waits for the samples.
     # A pipelined loop whose lookahead hides the gap (still ~1 cycle per update) wastes nothing:
@@ -281,26 +298,29 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
                    f"({period_text} per update) — your loop was busy elsewhere meanwhile (computing, or waiting "
                    f"for data): make that cheaper, or overlap it with training (queue the next request first, "
                    f"read ahead in a thread)")
-        return Diagnosis(client_id, label, "stall", message, p, stall_cycles, n, sampling_cycles=sampling_cycles)
+        return Diagnosis(client_id, label, "stall", message, p, stall_cycles, n, sampling_cycles=sampling_cycles,
+                         evidence=measured)
     if sampling_cycles >= 1.0:
         message = (f"{period_text} per update, ~{_plural(sampling_cycles, 'cycle')} of them waiting for samples: "
                    f"the loop samples, then trains on them (on-policy RL), and that time is the pool's work — to "
                    f"overlap them, sample the next batch while this one trains (one step off-policy)")
-        return Diagnosis(client_id, label, "sampling", message, p, stall_cycles, n, sampling_cycles=sampling_cycles)
+        return Diagnosis(client_id, label, "sampling", message, p, stall_cycles, n, sampling_cycles=sampling_cycles,
+                         evidence=measured)
     if structure == "naive":
         message = (f"optim_step was submitted after awaiting forward_backward: {period_text} per update instead "
                    f"of 1 — submit optim_step right after forward_backward, before awaiting")
-        return Diagnosis(client_id, label, "naive", message, p, stall_cycles, n)
+        return Diagnosis(client_id, label, "naive", message, p, stall_cycles, n, evidence=measured)
     if structure == "together":
         message = (f"the next batch was submitted only after the previous update finished: {period_text} per "
                    f"update instead of 1 — queue the next batch before awaiting the current one (pipeline)")
-        return Diagnosis(client_id, label, "together", message, p, stall_cycles, n)
+        return Diagnosis(client_id, label, "together", message, p, stall_cycles, n, evidence=measured)
     if p > 1.25:
         message = (f"{period_text} per update although the loop is pipelined — requests are not reaching the "
                    f"pool every cycle (failed or cancelled requests, or a loop that waits elsewhere)")
-        return Diagnosis(client_id, label, "slow", message, p, stall_cycles, n)
+        return Diagnosis(client_id, label, "slow", message, p, stall_cycles, n,
+                         evidence=f"{measured}; slow from 1.25 cycles per update")
     return Diagnosis(client_id, label, "pipelined", f"{period_text} per update: pipelined, nothing wasted",
-                     p, stall_cycles, n)
+                     p, stall_cycles, n, evidence=measured)
 
 
 def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
@@ -354,4 +374,13 @@ def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
     return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),
-                    window=window, cycles=cycles, stalls=list(telemetry.gil)[-RECENT_STALLS:])
+                    window=window, cycles=cycles, stalls=_stalls(telemetry))
+
+
+def _stalls(telemetry: Telemetry) -> list[GilStall]:
+    """The recent GIL stalls and the one going on now (the latest cycles' evidence)."""
+    stalls = list(telemetry.gil)[-RECENT_STALLS:]
+    ongoing = telemetry.gil_ongoing
+    if ongoing is not None and (not stalls or ongoing.started_at > stalls[-1].started_at):
+        stalls.append(ongoing)
+    return stalls

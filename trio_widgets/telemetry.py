@@ -87,6 +87,8 @@ class UserFrame:
     function: str
     line: int
     cell: int | None = None
+    #: False for a library's frame, given only when no user code was on the stack
+    user: bool = True
 
     @property
     def where(self) -> str:
@@ -131,6 +133,9 @@ class Telemetry:
         self.requests: deque[RequestRecord] = deque(maxlen=capacity * 4)
         self.queue_depths: deque[QueueDepthRecord] = deque(maxlen=capacity)
         self.gil: deque[GilStall] = deque(maxlen=capacity)
+        #: the stretch the GIL watchdog is in now (None between stretches): it joins `gil` when it
+        #: ends, at most max_stretch_s later; the advisor reads it meanwhile
+        self.gil_ongoing: GilStall | None = None
         self.clients: dict[str, ClientInfo] = {}  # live clients
         # Retired clients, newest last, so records still in the buffers keep their labels;
         # bounded like everything here (clients may come and go all day).

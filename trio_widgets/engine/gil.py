@@ -13,9 +13,12 @@ both cheap enough to run all the time:
   It sleeps ``interval_s``; a wake-up later than ``threshold_s`` (beyond its own run-queue
   wait, so a busy machine is not mistaken for a held GIL) means another thread held the
   interpreter. Then it looks at what the other threads execute (`sys._current_frames`),
-  finds the one that used the CPU meanwhile (its `/proc` CPU time), and keeps its top user
+  finds the one that ran meanwhile (its `/proc` CPU and run-queue time), and keeps its top user
   frames (file, function, line; a notebook cell's execution count and line) in a
-  :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded).
+  :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded). A stretch
+  goes on through on-time heartbeats while that thread keeps running: a loop of short
+  bytecodes hands the GIL over at each switch interval, so a heartbeat may get it at once
+  while the clock, wanting it for each torch call, waits again and again (a convoy).
 
 Sleeping or waiting on I/O releases the GIL: it makes neither measurement move. The run-queue
 share and the blame need Linux's /proc; elsewhere the clock's wait includes its run-queue
@@ -60,10 +63,13 @@ def _runqueue_s(fd: int) -> float | None:
         return None
 
 
-def _run_s(fd: int) -> float | None:
-    """CPU seconds of the thread behind `fd`, ever (updated when it is switched out)."""
+def _busy_s(fd: int) -> float | None:
+    """Seconds the thread behind `fd` ran on a CPU or waited in the run queue for one, ever
+    (updated when it is switched out): a thread that runs Python all the time is in one of
+    the two, however loaded the machine, except when it hands the GIL over."""
     try:
-        return int(os.pread(fd, 96, 0).split()[0]) / 1e9
+        fields = os.pread(fd, 96, 0).split()
+        return (int(fields[0]) + int(fields[1])) / 1e9
     except (OSError, IndexError, ValueError):
         return None
 
@@ -167,7 +173,7 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
         frame = frame.f_back
     if not out and innermost is not None:
         code = innermost.f_code
-        out.append(UserFrame(code.co_filename, _function(code), innermost.f_lineno or 0, None))
+        out.append(UserFrame(code.co_filename, _function(code), innermost.f_lineno or 0, None, user=False))
     return tuple(out)
 
 
@@ -185,6 +191,11 @@ ON_TIME_GRACE = 1
 _OWN_THREADS = ("trio-clock-", "trio-gil-")
 #: The thread blamed for a late heartbeat ran on a CPU for at least this share of the time.
 HOLDER_SHARE = 0.1
+#: An on-time heartbeat inside a stretch does not end it while the stretch's holder ran on a
+#: CPU for at least this share of the time since the last look: a loop of short bytecodes
+#: hands the GIL over at every switch interval, so a heartbeat may get it at once, and yet
+#: the clock waits for it again and again (a convoy) as long as that thread runs.
+CONVOY_SHARE = 0.5
 
 
 class _Stretch:
@@ -201,7 +212,7 @@ class _Stretch:
         # blamed on the most sampled one (a sample taken just as the holder moved on is outvoted).
         self.samples: Counter[tuple[str, str, str]] = Counter()
         self.frames: dict[tuple[str, str, str], tuple[UserFrame, ...]] = {}
-        self.cpu: dict[int, float] = {}  # native thread id -> CPU seconds at the last sample
+        self.cpu: dict[int, float] = {}  # native thread id -> its _busy_s at the last sample
 
 
 class GilWatchdog:
@@ -213,7 +224,7 @@ class GilWatchdog:
     """
 
     def __init__(self, telemetry: Telemetry, name: str, *, interval_s: float = 0.02,
-                 threshold_s: float | None = None, max_stretch_s: float = 1.0) -> None:
+                 threshold_s: float | None = None, max_stretch_s: float = 0.25) -> None:
         self.telemetry = telemetry
         self.name = f"trio-gil-{name}"
         self.interval_s = float(interval_s)
@@ -265,7 +276,7 @@ class GilWatchdog:
                 if lag > self.threshold_s:
                     self.late += 1
                     self._late(asked + self.interval_s, woke, lag)
-                elif self._stretch is not None:
+                elif self._stretch is not None and not self._convoy(self._stretch, woke):
                     # A holder that gives the GIL up now and then (to the clock's torch calls)
                     # lets a heartbeat through on time: one such does not end the stretch.
                     self._stretch.on_time += 1
@@ -297,17 +308,39 @@ class GilWatchdog:
         holder = self._holder(stretch, woke - self._last_sample)
         self._last_sample = woke
         if holder is not None:
-            thread, frames = holder
-            key = (thread, frames[0].file, frames[0].function) if frames else (thread, "", "")
-            stretch.samples[key] += 1
-            stretch.frames[key] = frames
+            self._sample(stretch, *holder)
+            self.telemetry.gil_ongoing = _as_stall(stretch)
 
-    def _holder(self, stretch: _Stretch, window_s: float) -> tuple[str, tuple[UserFrame, ...]] | None:
-        """The thread, other than pools' own, that ran on a CPU for most of the time since the
-        previous late heartbeat (the one that kept the GIL), with its top user frames now.
+    def _convoy(self, stretch: _Stretch, woke: float) -> bool:
+        """An on-time heartbeat while the stretch's holder still runs: the stretch goes on."""
+        if not stretch.samples:
+            return False
+        holder = self._holder(stretch, woke - self._last_sample, CONVOY_SHARE)
+        self._last_sample = woke
+        if holder is None or holder[0] != _leading_thread(stretch):
+            return False
+        stretch.ended_at = woke
+        stretch.on_time = 0
+        self._sample(stretch, *holder)
+        self.telemetry.gil_ongoing = _as_stall(stretch)
+        if woke - stretch.started_at > self.max_stretch_s:
+            self._close_stretch()  # bounded, as in _late: the next late heartbeat starts the next one
+        return True
 
-        None when no such thread ran for at least HOLDER_SHARE of that time: then the GIL was
-        the pools' own (a clock runs Python between its torch calls), or nobody's.
+    @staticmethod
+    def _sample(stretch: _Stretch, thread: str, frames: tuple[UserFrame, ...]) -> None:
+        key = (thread, frames[0].file, frames[0].function) if frames else (thread, "", "")
+        stretch.samples[key] += 1
+        stretch.frames[key] = frames
+
+    def _holder(self, stretch: _Stretch, window_s: float,
+                share: float = HOLDER_SHARE) -> tuple[str, tuple[UserFrame, ...]] | None:
+        """The thread, other than pools' own, that ran (on a CPU, or waiting in the run queue for
+        one) for most of the time since the previous look (the one that kept the GIL), with its
+        top user frames now.
+
+        None when no such thread ran for at least `share` of that time: then the GIL was the
+        pools' own (a clock runs Python between its torch calls), or nobody's.
         """
         me = threading.get_ident()
         cpu: dict[int, float] = {}
@@ -316,7 +349,7 @@ class GilWatchdog:
             native = thread.native_id
             if thread.ident == me or native is None or thread.name.startswith(_OWN_THREADS):
                 continue
-            used = self._cpu_of(native)
+            used = self._busy_of(native)
             if used is None:
                 continue
             cpu[native] = used
@@ -325,7 +358,7 @@ class GilWatchdog:
                 best = (used - before, thread)
         first = not stretch.cpu
         stretch.cpu = cpu
-        if first or best is None or best[0] < HOLDER_SHARE * window_s:
+        if first or best is None or best[0] < share * window_s:
             return None
         thread = best[1]
         frames = sys._current_frames()
@@ -336,7 +369,7 @@ class GilWatchdog:
             # their locals (a pool the user just dropped) alive until the next garbage collection.
             frames.clear()
 
-    def _cpu_of(self, native_id: int) -> float | None:
+    def _busy_of(self, native_id: int) -> float | None:
         fd = self._task_fds.get(native_id)
         if fd is None:
             if len(self._task_fds) > 256:  # threads come and go: forget the ones seen long ago
@@ -346,20 +379,37 @@ class GilWatchdog:
             if fd is None:
                 return None
             self._task_fds[native_id] = fd
-        value = _run_s(fd)
+        value = _busy_s(fd)
         if value is None:  # that thread ended
             os.close(self._task_fds.pop(native_id))
         return value
 
     def _close_stretch(self) -> None:
         stretch, self._stretch = self._stretch, None
+        self.telemetry.gil_ongoing = None
         if stretch is None or not stretch.samples:
             return  # a single late heartbeat: too short to say who held the GIL
-        per_thread: Counter[str] = Counter()
-        for (name, _, _), n in stretch.samples.items():
-            per_thread[name] += n
-        thread = per_thread.most_common(1)[0][0]
-        key = max((k for k in stretch.samples if k[0] == thread), key=lambda k: stretch.samples[k])
-        self.telemetry.add_gil_stall(GilStall(
-            started_at=stretch.started_at, ended_at=stretch.ended_at, lag_s=stretch.lag_s,
-            heartbeats=stretch.heartbeats, thread=thread, frames=stretch.frames[key]))
+        self.telemetry.add_gil_stall(_as_stall(stretch))
+
+
+def _leading_thread(stretch: _Stretch) -> str:
+    """The thread sampled most often in the stretch (a sample taken as it moved on is outvoted)."""
+    per_thread: Counter[str] = Counter()
+    for (name, _, _), n in stretch.samples.items():
+        per_thread[name] += n
+    return per_thread.most_common(1)[0][0]
+
+
+def _as_stall(stretch: _Stretch) -> GilStall:
+    """The stretch so far (it has samples) as a GilStall, blamed on its leading thread's code."""
+    thread = _leading_thread(stretch)
+    # Its user code, when any was on its stack: a loader that hands each batch to trio's
+    # validation is named, not the validation (library frames are kept only for want of any)
+    key = max((k for k in stretch.samples if k[0] == thread),
+              key=lambda k: (_is_user(stretch.frames[k]), stretch.samples[k]))
+    return GilStall(started_at=stretch.started_at, ended_at=stretch.ended_at, lag_s=stretch.lag_s,
+                    heartbeats=stretch.heartbeats, thread=thread, frames=stretch.frames[key])
+
+
+def _is_user(frames: tuple[UserFrame, ...]) -> bool:
+    return bool(frames) and frames[0].user
