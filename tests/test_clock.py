@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from conftest import random_batch
@@ -120,13 +121,34 @@ def test_optim_step_keyword_and_positional(pool):
 
 def test_empty_cycles_tick_and_telemetry_is_bounded():
     with trio.LocalPool(min_cycle_s=0.0, telemetry_capacity=16, name="tick") as p:
-        while p.telemetry.total_cycles < 200:
+        while p.telemetry.total_cycles < 48:  # three times what the buffers hold
             threading.Event().wait(0.01)
         assert len(p.telemetry.cycles) == 16
         assert len(p.telemetry.queue_depths) == 16
         assert all(c.n_requests == 0 for c in p.telemetry.cycles)
         indices = [c.index for c in p.telemetry.cycles]
         assert indices == list(range(indices[0], indices[0] + 16))
+
+
+def test_an_idle_pool_does_not_spin_and_work_does_not_wait_for_its_tick():
+    """min_cycle_s=0 and nothing queued: an empty cycle waits for a submit or the idle tick
+    (it ticked ~190 times a second before); a submit ends the wait, so a naive loop still
+    spans its exact cycles."""
+    from trio_widgets.engine.clock import _IDLE_TICK_S
+
+    with trio.LocalPool(min_cycle_s=0.0, name="idle") as p:
+        threading.Event().wait(0.2)
+        c0, t0 = p.telemetry.total_cycles, time.perf_counter()
+        threading.Event().wait(1.0)
+        rate = (p.telemetry.total_cycles - c0) / (time.perf_counter() - t0)
+        assert rate <= 1.5 / _IDLE_TICK_S, rate  # (a slow machine only ticks fewer)
+        tc = trio.ServiceClient(p).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        for _ in range(3):  # each submit lands while the clock waits out an idle cycle
+            fb = tc.forward_backward(random_batch(3, n=1, length=8))
+            fb.result(timeout=60)
+            opt = tc.optim_step(ADAM)
+            opt.result(timeout=60)
+            assert opt.cycle == fb.cycle + 2
 
 
 def test_telemetry_records_requests_and_queue_depth(pool):

@@ -109,10 +109,13 @@ def test_a_remote_dashboard_shows_every_served_client(tmp_path):
                 if t.name.startswith(("trio-remote", "trio-http", "trio-serve"))]
 
 
-def test_a_connecting_viewer_gets_a_bounded_snapshot_and_the_servers_gil_stalls(tmp_path):
+def test_a_connecting_viewer_gets_a_bounded_snapshot_and_the_servers_gil_stalls(tmp_path, monkeypatch):
     """Full ring buffers (thousands of cycles and requests) give a snapshot of at most ~100 KB, and
     the GIL stalls the server's watchdog records reach a remote view (issue 23)."""
+    from trio_widgets.engine import clock
     from trio_widgets.http.stream import SNAPSHOT_BYTES
+
+    monkeypatch.setattr(clock, "_IDLE_TICK_S", 0.001)  # idle cycles fill the buffer in seconds
 
     with trio.LocalPool(min_cycle_s=0.0, checkpoint_dir=str(tmp_path), name="snapshot") as pool, \
             served(pool) as server:

@@ -2,7 +2,8 @@
 
 The rules (docs/architecture.md, "Clock cycles"):
 
-* A cycle lasts max(min_cycle_s, its compute time); an empty cycle still ticks.
+* A cycle lasts max(min_cycle_s, its compute time); an empty cycle still ticks (with nothing
+  queued, for at least _IDLE_TICK_S or until the next submit: an idle pool does not spin).
 * A request is eligible for cycle K only if it was queued before K's boundary; the
   boundary takes a snapshot of the queues.
 * Per tenant per cycle: at most one forward-kind op, then at most one optim_step, in
@@ -133,6 +134,13 @@ class _Clock:
         self.activity = "starting"  # what the thread does now, for close() to say if it hangs
         self.failure: BaseException | None = None  # set if the thread died
         self.watchdog: GilWatchdog | None = None  # stopped with the clock
+        # the queues changed since the last boundary took them (an idle clock then does not wait)
+        self.poked = False
+
+    def poke(self) -> None:
+        """The queues changed: wake the clock. Call with `cond` held."""
+        self.poked = True
+        self.cond.notify_all()
 
     def fail_carried(self, why: str) -> None:
         """Fail every sample still decoding with PoolClosedError (the clock has stopped)."""
@@ -404,7 +412,7 @@ class LocalPool:
         with self._clock.cond:
             if client_id in self._tenants:
                 self._retired.add(client_id)
-            self._clock.cond.notify_all()  # an idle clock takes the next boundary, which drops it
+            self._clock.poke()  # an idle clock takes the next boundary, which drops it
 
     @property
     def tenant_count(self) -> int:
@@ -452,7 +460,7 @@ class LocalPool:
             if queue is None or client_id in self._retired:
                 raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
             queue.append(request)
-            self._clock.cond.notify_all()
+            self._clock.poke()
         self.telemetry.add_request(record)
         return request
 
@@ -466,7 +474,7 @@ class LocalPool:
             if prepared.weight:
                 request.record.metrics["weight:sum"] = prepared.weight
             request.ready = True
-            self._clock.cond.notify_all()
+            self._clock.poke()
 
     def _drop_reserved(self, request: Request, error: BaseException) -> None:
         with self._clock.cond:
@@ -474,7 +482,7 @@ class LocalPool:
             if queue is None or request not in queue:
                 return  # already taken or failed (the pool closed)
             queue.remove(request)
-            self._clock.cond.notify_all()
+            self._clock.poke()
         request.record.status = "error"
         request.record.error = str(error)
         request.record.delivered_at = time.perf_counter()
@@ -500,6 +508,7 @@ class LocalPool:
         self.decode_budget = StepBudget(self.min_decode_steps, now, self.min_cycle_s)
         decoding = Counter(c.requests[i].client_id for c in self._clock.carried for i in c.waiting)
         with self._clock.cond:
+            self._clock.poked = False  # what changed until now, this boundary sees
             index = self.cycle_index
             self.cycle_index += 1
             depths = {cid: len(q) for cid, q in self._queues.items()}
@@ -633,7 +642,7 @@ def _cancel(pool_ref: weakref.ref[LocalPool], request: Request) -> bool:
         if queue is None or request not in queue:
             return False
         queue.remove(request)
-        pool._clock.cond.notify_all()
+        pool._clock.poke()
     request.record.status = "cancelled"
     request.payload = None
     pool.telemetry.request_delivered(request.record)
@@ -674,7 +683,10 @@ def _deliver(telemetry: Telemetry, outcomes: list[tuple[Request, Any]], cycle: i
 
 
 _POOL_IDS = itertools.count(1)
-_IDLE_TICK_S = 0.001
+#: how long an empty cycle with nothing queued lasts at least: a submit (or close) ends the wait
+#: at once, so work never waits for it; without it a pool at min_cycle_s=0 ticked ~190 empty
+#: cycles a second, taking the GIL from client threads and feeding every view a row each time
+_IDLE_TICK_S = 0.05
 _MAX_CYCLE_S = 3600.0  # a cycle longer than an hour is a typo (and time_t overflows at inf)
 _GATE_POLL_S = 0.05  # how often a clock waiting on hold() looks whether the pool is closing
 
@@ -782,9 +794,9 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
         del pool, taken, requests, decoding
         with clock.cond:
             deadline = boundary + min_cycle_s
-            if idle and min_cycle_s < _IDLE_TICK_S:
+            if idle and min_cycle_s < _IDLE_TICK_S and not clock.closing and not clock.poked:
                 # An idle clock with no minimum would spin and starve the client threads of
-                # the GIL; it waits a moment, or until the next submit wakes it.
+                # the GIL; it waits for the next submit (which notifies) or an idle tick.
                 clock.cond.wait(_IDLE_TICK_S)
             asleep = None
             while not clock.closing:
