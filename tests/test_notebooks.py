@@ -144,13 +144,13 @@ def check_05(text: str) -> None:
 
 def check_06(text: str) -> None:
     if sys.version_info >= (3, 11):  # the tinker SDK is installed (the dev extra)
-        first, last = _floats(r"tinker SDK: 30 updates, loss ([\d.]+) -> ([\d.]+); saved tinker://", text)
+        first, last = _floats(r"tinker SDK: 30 updates, loss ([\d.]+) -> ([\d.]+) per token; saved tinker://", text)
         assert last < first, f"the SDK's loss did not fall: {first} -> {last}"
-        assert "'ada:train:0'" in text, "no lane labelled by the SDK's session"
+        assert "'ada'" in text and "'grace'" in text, "no lanes labelled by the names the clients gave"
     first, last, cycles = _floats(r"trio client: 30 updates, loss ([\d.]+) -> ([\d.]+) per token, ([\d.]+) "
-                                  r"cycles/update", text)
+                                  r"cycles? per update", text)
     assert last < first and cycles <= 2, (first, last, cycles)
-    assert re.search(r"lanes: \[.*· grace'", text), "no lane for the trio client's session"
+    assert re.search(r"lanes: \[.*'grace'", text), "no lane for the trio client's session"
     remote, local = _floats(r"remote dashboard of .*: (\d+) updates; the pool itself: (\d+)", text)
     assert remote == local > 0
     # the lesson: in-process the 100 ms cycles stretch to the loop's pace (about one cycle per

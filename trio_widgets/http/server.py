@@ -214,6 +214,7 @@ class _Session:
     session_id: str
     owner: str
     label: str
+    named: bool = False  # the label is a name the user gave (else the session id's start)
     last_seen: float = field(default_factory=time.monotonic)
     state: str = "live"  # live, finished, expired
     model_requests: dict[int, _Entry] = field(default_factory=dict)  # model_seq_id -> its create / load
@@ -325,7 +326,7 @@ class Service:
         named = [meta.get(k) for k in ("name", "run_name", "recipe_name")] if isinstance(meta, dict) else []
         name = next((n for n in named if isinstance(n, str) and n.strip()), None) or body.get("display_name")
         label = str(name)[:40] if name else session_id[:13]
-        self.sessions[session_id] = _Session(session_id, owner, label)
+        self.sessions[session_id] = _Session(session_id, owner, label, named=bool(name))
         # the pool's one session table lists it, with the runs and samplers it makes
         self.backend.open_session(session_id, meta if isinstance(meta, dict) else None,
                                   str(body["display_name"]) if body.get("display_name") else None)
@@ -560,8 +561,14 @@ class Service:
         return {"model_id": model_id, "type": "create_model"}
 
     def _model_label(self, session: _Session, n: int, meta: Any) -> str:
+        """A lane's label says whose it is in the words the user gave: "ada" (a named session's
+        first model), "grace" (a named model), "ada · grace" (both), "ada:train:1" (a named
+        session's later models); sess-1db27469:train:0 only when nothing was named."""
         name = meta.get("name") if isinstance(meta, dict) else None
-        return f"{session.label} · {str(name)[:40]}" if name else f"{session.label}:train:{n}"
+        name = str(name).strip()[:40] if isinstance(name, str | int) and str(name).strip() else None
+        if name:
+            return f"{session.label} · {name}" if session.named and name != session.label else name
+        return session.label if session.named and n == 0 else f"{session.label}:train:{n}"
 
     def create_model(self, owner: str, body: dict) -> dict:
         session = self.session(body.get("session_id"), owner)
