@@ -17,6 +17,9 @@ pool = trio.LocalPool(min_cycle_s=8.0, name="interrupted")  # a cycle every 8 s:
 tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4)
 batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8]})]
 fb = tc.forward_backward(batch)
+from trio_widgets.futures import on_wait_interrupted
+heard = []
+on_wait_interrupted(heard.append)  # as a Dashboard listens, to say so
 print("ready")
 """
 
@@ -67,3 +70,43 @@ def test_interrupting_a_wait_is_one_line_naming_the_request(kernel, wait):
     # the pool and the client are fine: the request ran (the wait stopped, not the pool), the next too
     assert not _run(kc, "assert fb.result(timeout=60).metrics\nassert tc.forward_backward(batch).result(timeout=60)\n"
                         "pool.close()")
+    # whoever listens (a Dashboard) heard which wait stopped, once
+    assert not _run(kc, "assert [(e.op, e.client_id) for e in heard] == [('forward_backward', tc.client_id)], heard\n"
+                        "assert heard[0].state in str(heard[0]), heard[0].state")
+
+
+def test_a_training_run_reports_its_own_stop_not_each_wait():
+    """trio.train says "stopped at step N" itself: its waits (which never cancel a request) are not
+    announced again; a wait of the user's own is."""
+    import asyncio
+
+    import trio_widgets as trio
+    from trio_widgets.futures import on_wait_interrupted
+
+    heard: list = []
+    stop_listening = on_wait_interrupted(heard.append)
+
+    async def main(tc):
+        batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8]})]
+        run = trio.train(tc, iter(lambda: batch, None), learning_rate=1e-3, steps=1000)
+        while run.step < 2:
+            await asyncio.sleep(0.05)
+        run.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run.task
+        # a wait of the user's own, cancelled, is announced
+        waiter = asyncio.ensure_future(tc.forward_backward(batch).result_async())
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return run
+
+    try:
+        with trio.LocalPool(min_cycle_s=0.02, name="run-stops") as pool:
+            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4)
+            run = asyncio.run(main(tc))
+    finally:
+        stop_listening()
+    assert run.state == "stopped"
+    assert [(e.op, e.client_id) for e in heard] == [("forward_backward", tc.client_id)], heard

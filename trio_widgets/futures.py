@@ -23,7 +23,7 @@ from typing import Any, Generic, Protocol, TypeVar
 T = TypeVar("T")
 U = TypeVar("U")
 
-__all__ = ["APIFuture", "PoolFuture", "WaitInterrupted", "mark_delivery_thread"]
+__all__ = ["APIFuture", "PoolFuture", "WaitInterrupted", "mark_delivery_thread", "on_wait_interrupted"]
 
 log = logging.getLogger(__name__)
 _thread = threading.local()
@@ -74,6 +74,36 @@ class PoolFuture(concurrent.futures.Future):
         return super().result(timeout)
 
 
+_listeners: list[Callable[[WaitInterrupted], None]] = []
+_listeners_lock = threading.Lock()
+
+
+def on_wait_interrupted(listener: Callable[[WaitInterrupted], None]) -> Callable[[], None]:
+    """Call `listener(exc)` (on the interrupted thread; keep it short) whenever a wait for a
+    result in this process is interrupted, so that a Dashboard can say so. Returns the
+    function that stops it."""
+    with _listeners_lock:
+        _listeners.append(listener)
+
+    def remove() -> None:
+        with _listeners_lock:
+            if listener in _listeners:
+                _listeners.remove(listener)
+    return remove
+
+
+def _interrupted(future: APIFuture) -> WaitInterrupted:
+    exc = WaitInterrupted(future)
+    with _listeners_lock:
+        listeners = list(_listeners)
+    for listener in listeners:
+        try:
+            listener(exc)
+        except Exception:  # a view's trouble must not replace the user's interrupt
+            log.exception("a wait-interrupted listener raised; it was ignored")
+    return exc
+
+
 class WaitInterrupted(KeyboardInterrupt, asyncio.CancelledError):
     """Waiting for a request's result stopped: Kernel → Interrupt or Ctrl+C during `.result()`, or
     the task awaiting it was cancelled (both classes, so `except KeyboardInterrupt` and asyncio's
@@ -81,6 +111,8 @@ class WaitInterrupted(KeyboardInterrupt, asyncio.CancelledError):
     cycle was withdrawn with the wait; one already taken runs, and its future keeps its result."""
 
     def __init__(self, future: APIFuture) -> None:
+        self.op = future.op
+        self.client_id: str | None = getattr(future._scheduled, "client_id", None)
         what = f"{future.op} (request #{future.request_id})" if future.request_id is not None else future.op
         if future.cancelled():
             state = "it had not run and was withdrawn"
@@ -88,6 +120,7 @@ class WaitInterrupted(KeyboardInterrupt, asyncio.CancelledError):
             state = "its result had arrived and stays in its future"
         else:
             state = "it was already in a cycle and runs to its end; its future gets the result"
+        self.state = state
         super().__init__(f"interrupted while waiting for {what}: {state}")
 
     def _render_traceback_(self) -> list[str]:
@@ -134,7 +167,7 @@ class APIFuture(Generic[T]):
         try:
             return self._future.result(timeout)
         except KeyboardInterrupt:  # Kernel → Interrupt, Ctrl+C: one line, not a trip through threading
-            raise WaitInterrupted(self) from None
+            raise _interrupted(self) from None
 
     async def result_async(self, timeout: float | None = None) -> T:
         """tinker: await the result; on timeout (TimeoutError) the request is cancelled if
@@ -147,7 +180,7 @@ class APIFuture(Generic[T]):
         except asyncio.CancelledError as exc:  # the awaiting task was cancelled (a notebook's Interrupt)
             if isinstance(exc, WaitInterrupted):
                 raise
-            raise WaitInterrupted(self) from None
+            raise _interrupted(self) from None
 
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
