@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LAB_PORT ?= 8888
 
-.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean binder-lock
+.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean binder-lock binder-link
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ lab: setup
 
 binder-lock: setup
 	$(PY) binder/lock.py
+
+# The Binder link of the published repository (from pyproject.toml's project.urls or git's origin
+# remote; standard library only, no setup needed); says how to get one when it is not published.
+binder-link:
+	@$(PYTHON) binder/link.py
 
 demo: setup
 	$(PY) -m trio_widgets demo

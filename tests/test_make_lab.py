@@ -28,9 +28,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = "notebooks/01_quickstart.ipynb"
-BINDER_URL = re.compile(
-    r"https://mybinder\.org/v2/gh/[\w.-]+/[\w.-]+/[\w./-]+\?urlpath=(?:%2F)?/?lab(?:%2F|/)tree(?:%2F|/)"
-    r"notebooks(?:%2F|/)01_quickstart\.ipynb")
 STARTUP_S = 120  # `make lab` first runs `make setup`, a no-op once .venv is installed
 
 
@@ -56,10 +53,9 @@ def get(url: str, timeout: float = 15) -> tuple[int, str]:
 
 # -- README and binder/ ------------------------------------------------------------------
 
-def test_readme_has_binder_link_and_quick_start() -> None:
+def test_readme_has_quick_start() -> None:
+    # (how the README gets its Binder link, with no guessed repository: tests/test_binder.py)
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert BINDER_URL.search(readme), "README: no Binder link that opens notebooks/01_quickstart.ipynb in JupyterLab"
-    assert "https://mybinder.org/badge_logo.svg" in readme, "README: no Binder badge"
     quick = readme.split("## Quick start", 1)
     assert len(quick) == 2, "README: no '## Quick start' section"
     block = re.search(r"```(?:bash|sh|console)?\n(.*?)```", quick[1], re.S)
