@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -340,6 +341,12 @@ def test_notebook_runs_top_to_bottom(name: str, tmp_path: Path, lab_server) -> N
     assert leftovers == {"tasks": [], "threads": []}, f"left running after the last cell: {leftovers}"
 
     CHECKS[name](stdout)
+    # what it wrote beside itself leaves `git status` clean where a user runs it (notebooks/)
+    written = [str(Path("notebooks") / p.relative_to(work)) for p in work.rglob("*") if p.is_file()]
+    if written:
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=REPO, capture_output=True,
+                                 text=True).stdout.split()
+        assert sorted(ignored) == sorted(written), f"{name} leaves untracked files: {set(written) - set(ignored)}"
     assert seconds <= MAX_SECONDS, f"{name} took {seconds:.0f} s (limit {MAX_SECONDS} s)"
     assert memory.peak_total < MAX_PEAK_BYTES, (
         f"{name}: kernel + server peaked at {memory.peak_total / mb:.0f} MB (limit {MAX_PEAK_BYTES / mb:.0f} MB)")
