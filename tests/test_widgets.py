@@ -80,7 +80,9 @@ def test_dashboard_shows_a_loop_written_by_hand(tmp_path):
             sampler = await tc.save_weights_and_get_sampling_client_async()
             await sampler.sample_async(trio.ModelInput.from_ints([5, 6, 7]), 1, trio.SamplingParams(max_tokens=2))
             ticks = dash.ticks
-            await until(lambda: dash.ticks >= ticks + 12, "12 more ticks")  # and the advisor has run
+            # 6 more ticks (>= 1.2 s at the default 5 Hz): the advisor (once a second) and the loss
+            # curve (redrawn once a second) have caught up, and the pill still says training
+            await until(lambda: dash.ticks >= ticks + 6, "6 more ticks")
             state = {
                 "bars": dict(dash.figures.bars.data),
                 "loss": dict(dash.figures.clients[tc.client_id].loss.data),
@@ -536,3 +538,77 @@ def test_cycle_labels_never_touch_even_when_cycles_are_uneven():
                 assert gap >= 3.5 * (len(a) + len(b)), (a, b, gap)
             labelled += bool(shown)
     assert labelled >= 50  # and there are labels to read
+
+
+def test_an_idle_pool_sends_nothing_and_a_hidden_view_gets_one_catch_up():
+    """Issue 24 item 2: an idle pool's dashboard stops sending once its first idle second is
+    drawn; a page that says every view is hidden gets nothing until a view is seen again, then
+    one PATCH-DOC of the current values (the latest cycles included)."""
+    batch = [trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7, 8]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8, 9]})]
+
+    def report(bk, view: str, visible: bool) -> None:
+        # what the page's VISIBILITY_JS sends (its plain object may arrive as BokehJS's map)
+        data = {"type": "map", "entries": [["name", "trio_visibility"], ["view", view], ["visible", visible]]}
+        bk._sync_model(None, {"event": "jsevent", "kind": "MessageSent", "msg_data": data}, [])
+
+    async def main():
+        with trio.LocalPool(min_cycle_s=0.0, name="quiet") as pool:
+            dash = trio.Dashboard(pool)
+            seen = watch(dash)
+            bk = dash.bokeh_widget
+            try:
+                await until(lambda: dash.pool_state == "idle" and dash.ticks >= 12, "an idle, settled dashboard")
+                sends, cycle = sum(seen["sends"].values()), pool.cycle_index
+                ticks = dash.ticks
+                await until(lambda: dash.ticks >= ticks + 10 and pool.cycle_index >= cycle + 10, "idle ticks")
+                idle = {"sends": sum(seen["sends"].values()) - sends, "status": dash.status_text}
+
+                report(bk, "a", False)
+                report(bk, "b", True)  # one view still seen: it is sent to
+                assert not bk.views_hidden()
+                report(bk, "b", False)
+                assert bk.views_hidden()
+                tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=1, seed=0)
+                sends, patches = sum(seen["sends"].values()), bk.patches_sent
+                for _ in range(3):
+                    await tc.forward_backward_async(batch, "cross_entropy")
+                    await (await tc.optim_step_async(trio.AdamParams(learning_rate=1e-3)))
+                ticks = dash.ticks
+                await until(lambda: dash.ticks >= ticks + 3, "ticks while hidden")
+                hidden = {"sends": sum(seen["sends"].values()) - sends, "patches": bk.patches_sent - patches,
+                          "paused": bk.paused, "bars": len(dash.figures.bars.data["left"])}
+                report(bk, "a", True)
+                await until(lambda: not bk.paused and bk.patches_sent > patches, "the catch-up")
+                ticks = dash.ticks
+                await until(lambda: dash.ticks >= ticks + 2, "two more ticks")
+                shown = {"patches": bk.patches_sent - patches, "status": dash.status_text, "cycle": pool.cycle_index}
+                return idle, hidden, shown
+            finally:
+                dash.close()
+
+    idle, hidden, shown = asyncio.run(main())
+    assert idle["sends"] == 0, idle
+    assert hidden["sends"] == 0 and hidden["patches"] == 0 and hidden["paused"], hidden
+    assert hidden["bars"] >= 6  # the figures followed the pool meanwhile (in Python)
+    assert shown["patches"] >= 1, shown  # the catch-up (then the idle second after the run is drawn)
+    assert "updates <b>3</b>" in shown["status"], shown
+
+
+def test_visibility_reports_are_bounded_and_a_stale_hidden_is_not_trusted():
+    from trio_widgets.widgets import _bokeh_setup
+
+    pool = trio.LocalPool(min_cycle_s=0.05, name="stale")
+    dash = trio.Dashboard(pool, refresh_hz=1)
+    bk = dash.bokeh_widget
+    try:
+        for i in range(40):
+            bk._sync_model(None, {"event": "jsevent", "kind": "MessageSent",
+                                  "msg_data": {"name": "trio_visibility", "view": f"v{i}", "visible": False}}, [])
+        assert len(bk.visibility) == _bokeh_setup._VIEWS_KEPT and bk.visibility_reports == 40
+        assert bk.views_hidden()
+        # a "hidden" not said again lately may be a page the kernel cannot hear (a cell blocks it)
+        assert not bk.views_hidden(time.monotonic() + _bokeh_setup.HIDDEN_TRUST_S + 1)
+    finally:
+        dash.close()
+        pool.close()

@@ -53,6 +53,7 @@ jupyter_bokeh 4.1):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -302,6 +303,12 @@ class LabPage:
     page_errors: list[str] = field(default_factory=list)
     #: bokeh PATCH-DOC messages the page received over the kernel websocket (one per dashboard tick)
     patches_received: int = 0
+    #: comm messages (any widget's) the page received over the kernel websocket
+    comm_received: int = 0
+    #: kernel messages the page received, by type
+    received: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: set to a list to keep the text of each comm message received (for a test to read)
+    comm_log: list[str] | None = None
     #: kernel messages that report a comm error (e.g. the kernel's "No such comm" warnings,
     #: which JupyterLab shows in red in its log console)
     comm_errors: list[str] = field(default_factory=list)
@@ -505,6 +512,13 @@ def open_notebook(
         text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
         if "PATCH-DOC" in text:
             lp.patches_received += 1
+        kind = _MSG_TYPE.search(text, 0, 4096)  # the first is the header's (later: its parent's)
+        if kind is not None:
+            lp.received[kind.group(1)] += 1
+        if kind is not None and kind.group(1) == "comm_msg":
+            lp.comm_received += 1
+            if lp.comm_log is not None:
+                lp.comm_log.append(text)
         for m in re.finditer(r"No such comm[^\\\"]*|Cannot send[^\\\"]*", text):
             lp.comm_errors.append(m.group(0))
 
@@ -531,6 +545,19 @@ def open_notebook(
                 for sess in lab.api("GET", "api/sessions"):
                     if sess.get("path") == notebook:
                         lab.api("DELETE", f"api/sessions/{sess['id']}", timeout=15)
+
+
+_MSG_TYPE = re.compile(r'"msg_type":\s*"([a-z_]+)"')
+
+#: Makes the page's Page Visibility API say `hidden` (True) or `visible` again, with the
+#: visibilitychange event. Headless Chromium keeps every tab visible (another tab in front or a
+#: minimized window change nothing), so this is how a test hides one; the page still renders
+#: as if seen, so what it costs meanwhile is an upper bound of a really hidden tab's.
+EMULATE_HIDDEN_JS = """(hidden) => {
+    Object.defineProperty(document, 'visibilityState', {configurable: true, get: () => hidden ? 'hidden' : 'visible'});
+    Object.defineProperty(document, 'hidden', {configurable: true, get: () => hidden});
+    document.dispatchEvent(new Event('visibilitychange'));
+}"""
 
 
 def write_notebook(path: Path, cells: Sequence[str]) -> None:

@@ -34,6 +34,7 @@ page.  After *reloading the browser tab* with the same kernel running, call
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -153,6 +154,8 @@ def batched_bokeh_widget(obj: LayoutDOM) -> ipywidgets.DOMWidget:
         Document().add_root(obj)
     assert obj.document is not None
     obj.document.js_on_event("document_ready", CustomJS(code=QUIET_VIEW_JS))
+    obj.document.js_on_event("document_ready", CustomJS(code=VISIBILITY_JS))
+    obj.document.js_on_event("document_ready", CustomJS(code=SAME_CSS_JS))
     return _batched_class()(obj)
 
 
@@ -171,6 +174,95 @@ for (const [callback, batches] of [...doc._callbacks]) {
   doc._callbacks.set((event) => { if (event != null && event.kind === "MessageSent") callback(event); }, batches);
 }
 """
+
+
+#: Runs in the page once a view's document has rendered: two patches of BokehJS 3.9 (made once
+#: per page) that keep a paint from restyling the page. At every paint BokehJS rewrites each
+#: renderer's position <style>, and a glyph renderer's position is its data's box on screen,
+#: which moves whenever rows stream in or the time axis follows; then it reads each text's
+#: colour through getComputedStyle, which recalculates the styles of the whole notebook after
+#: each rewrite (~140 recalcs a second with the dashboard training: most of the page's time).
+#: 1. A style sheet is written only when its text changed (it holds nothing but its text).
+#: 2. In this document, a glyph renderer's element keeps no position: it is an empty box (glyphs
+#:    paint on the plot's canvas; hover finds them through the data, not the element).
+SAME_CSS_JS = """
+const doc = cb_obj;
+if (doc != null) doc.__trio_dashboard = true;
+let dom, glyphs;
+try { dom = Bokeh.require("core/dom"); glyphs = Bokeh.require("models/renderers/glyph_renderer"); }
+catch (e) { return; }
+const sheet = dom.InlineStyleSheet && dom.InlineStyleSheet.prototype;
+if (sheet != null && !sheet.__trio_same_css && typeof sheet._update === "function") {
+  const update = sheet._update;
+  sheet._update = function (css) { if (this.el.textContent !== css) update.call(this, css); };
+  sheet.__trio_same_css = true;
+}
+const view = glyphs.GlyphRendererView && glyphs.GlyphRendererView.prototype;
+if (view != null && !view.__trio_no_position && typeof view.update_position === "function") {
+  const update_position = view.update_position;
+  view.update_position = function () {
+    const d = this.model && this.model.document;
+    if (!(d != null && d.__trio_dashboard)) update_position.call(this);
+  };
+  view.__trio_no_position = true;
+}
+"""
+
+#: Runs in the page once a view's document has rendered: it tells the kernel whether the view
+#: can be seen (the tab is visible and the view is on screen: Page Visibility API and an
+#: IntersectionObserver), so that the kernel sends nothing to a view nobody sees (BokehJS lays
+#: out and redraws on every patch, hidden or not). A MessageSent event is the one kind the
+#: view still passes to the kernel (QUIET_VIEW_JS). While hidden it says so again every
+#: HIDDEN_REPORT_S seconds: the kernel only trusts a recent "hidden" (one it cannot hear,
+#: e.g. while a cell blocks it, might be visible again by now).
+VISIBILITY_JS = """
+const doc = cb_obj;
+if (doc == null || doc.__trio_visibility) return;
+doc.__trio_visibility = true;
+let MessageSentEvent;
+try { MessageSentEvent = Bokeh.require("document/events").MessageSentEvent; } catch (e) { return; }
+const view_id = Math.random().toString(36).slice(2);
+let on_screen = true, shown = null, timer = null, tries = 0;
+const report = () => {
+  const visible = on_screen && document.visibilityState !== "hidden";
+  if (visible !== shown || !visible) {
+    shown = visible;
+    doc._trigger_on_change(new MessageSentEvent(doc, "bokeh_event",
+      {name: "trio_visibility", view: view_id, visible: visible}));
+  }
+  if (timer != null) { clearInterval(timer); timer = null; }
+  if (!visible) timer = setInterval(report, REPORT_MS);
+};
+const observe = () => {
+  let el = null;
+  for (const view of (Bokeh.index && Bokeh.index.roots) || [])
+    if (view.model.document === doc) { el = view.el; break; }
+  if (el == null) { if (++tries < 50) setTimeout(observe, 100); return; }
+  new IntersectionObserver((entries) => {
+    const entry = entries[entries.length - 1];
+    on_screen = entry.isIntersecting;
+    report();
+  }).observe(el);
+  document.addEventListener("visibilitychange", report);
+};
+observe();
+"""
+#: how often a hidden view says again that it is hidden; the kernel forgets a "hidden" that is
+#: HIDDEN_TRUST_S old (throttled timers of a tab hidden for minutes may then let it push again)
+HIDDEN_REPORT_S = 4.0
+HIDDEN_TRUST_S = 10.0
+VISIBILITY_JS = VISIBILITY_JS.replace("REPORT_MS", str(int(HIDDEN_REPORT_S * 1000)))
+#: views whose visibility is remembered (a reloaded page leaves its old views behind, silent)
+_VIEWS_KEPT = 16
+
+
+def _plain(value: Any) -> Any:
+    """A value the page serialised, with BokehJS's maps ({"type": "map", "entries": ...}) as dicts."""
+    if isinstance(value, dict):
+        if value.get("type") == "map" and isinstance(value.get("entries"), list):
+            return {_plain(k): _plain(v) for k, v in value["entries"]}
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 _BATCHED_CLASS = None
@@ -200,12 +292,24 @@ def _batched_class() -> type:
         #: document_ready messages received (a view rendered); written on the comm thread
         views_ready: int = 0
 
+        #: patches held back while no view can be seen (pause / resume)
+        paused: bool = False
+        #: (model id, attribute) -> (model, attribute) changed while paused; None: send it all
+        _dirty: dict | None = None
+
         def _document_patched(self, event: Any) -> None:
             if event.setter is self:
                 return
             self.stale = True
             if not self.live:
                 self.events_dropped += 1
+                return
+            if self.paused:
+                model, attr = getattr(event, "model", None), getattr(event, "attr", None)
+                if self._dirty is not None and model is not None and isinstance(attr, str):
+                    self._dirty[(model.id, attr)] = (model, attr)
+                else:  # an event that is not one property's change: the catch-up sends everything
+                    self._dirty = None
                 return
             if self._held is not None:
                 self._held.append(event)
@@ -262,13 +366,61 @@ def _batched_class() -> type:
                 self.send({"msg": "patch"}, [buffer.to_bytes()])
             self.patches_sent += 1
 
+        def pause(self) -> None:
+            """Send nothing until resume(); remember what changed (bounded: one entry per property)."""
+            if not self.paused:
+                self.paused = True
+                self._dirty = {}
+
+        def resume(self) -> None:
+            """Send what changed while paused, as one PATCH-DOC of the current values (not the
+            changes one by one: a view that could not be seen needs only the last picture)."""
+            if not self.paused:
+                return
+            self.paused = False
+            dirty, self._dirty = self._dirty, None
+            if not self.live:
+                return
+            if dirty is None:
+                self.resync()
+                return
+            if not dirty:
+                return
+            from bokeh.document.events import ModelChangedEvent
+
+            doc = self._model.document
+            events = [ModelChangedEvent(doc, model, attr, getattr(model, attr)) for model, attr in dirty.values()
+                      if model.document is doc]
+            if events:
+                self._send_patch(events)
+
+        #: view id -> (visible, time.monotonic() of its last report), newest last; written on the
+        #: comm thread, read on the dashboard's (whole-dict replacement: no torn reads)
+        visibility: dict = {}  # noqa: RUF012 - replaced, never mutated in place
+        #: visibility reports received
+        visibility_reports: int = 0
+
+        def views_hidden(self, now: float | None = None) -> bool:
+            """Every view the page told us of is hidden, and said so recently."""
+            seen = self.visibility
+            if not seen:
+                return False
+            now = time.monotonic() if now is None else now
+            return all(not visible and now - at <= HIDDEN_TRUST_S for visible, at in seen.values())
+
         def _sync_model(self, _model: Any, content: dict[str, Any], _buffers: list[Any]) -> None:
             # Runs on whichever thread handles comm messages: count only, change nothing.
             if content.get("event") != "jsevent":
                 return
-            data = content.get("msg_data")
-            if content.get("kind") == "MessageSent" and isinstance(data, dict) and data.get("name") == "document_ready":
+            data = _plain(content.get("msg_data"))
+            name = data.get("name") if isinstance(data, dict) and content.get("kind") == "MessageSent" else None
+            if name == "document_ready":
                 self.views_ready += 1
+            elif name == "trio_visibility":
+                seen = {k: v for k, v in self.visibility.items() if k != data.get("view")}
+                seen[str(data.get("view"))] = (bool(data.get("visible")), time.monotonic())
+                self.visibility = dict(list(seen.items())[-_VIEWS_KEPT:])
+                self.visibility_reports += 1
             else:
                 self.echoes_ignored += 1
 

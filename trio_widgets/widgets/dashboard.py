@@ -8,10 +8,16 @@ How it updates (docs/architecture.md, "Widgets"):
 * the pool's telemetry calls a `TelemetryFeed` on the clock thread, which appends to
   bounded deques and does nothing else;
 * the dashboard runs its own thread ("trio-dashboard-N") with an asyncio loop: one task
-  wakes at most `refresh_hz` (10) times a second, drains the deques and makes every bokeh
-  change of that tick inside one batch (one PATCH-DOC, three comm messages, however many
-  sources were streamed); HTML (status, advisor) is sent only when its text changed. Its
-  own thread, so that it stays live while a cell blocks the kernel (a `.result()` loop);
+  wakes `refresh_hz` times a second (5 by default, 10 at most: a tick that draws repaints the
+  timeline and queue plots in the page; buttons do not wait for it), drains the deques and
+  makes every bokeh change of that tick inside one batch (one PATCH-DOC, three comm messages,
+  however many sources were streamed); HTML (status, advisor) is sent only when its text
+  changed. Its own thread, so that it stays live while a cell blocks the kernel;
+* the page is sent nothing when nothing it shows changed: an idle pool's empty cycles are drawn
+  for a second, then held until something happens (the timeline and its cycle count stand
+  still); while no view can be seen (tab hidden, output scrolled away: the page says so, see
+  `_bokeh_setup.VISIBILITY_JS`) the figures follow the pool here and the page gets one
+  catch-up when a view can be seen again;
 * widget callbacks (buttons, settings; they may run on a subshell thread with ipykernel 7)
   only append to a deque and wake that loop, so all bokeh mutations, run starts and
   exports happen on the dashboard's thread; the Start runs train on its loop too;
@@ -63,9 +69,12 @@ _CELL_DASHBOARDS = CellRegistry()
 _DASHBOARD_IDS = itertools.count(1)
 #: seconds an update (or any request) counts as recent for the pool's state pill
 _ACTIVE_S = 2.0
-#: the status and advisor text change at most this often (each change restyles the page), unless
-#: the pill or a notice changed
-_TEXT_EVERY_S = 0.5
+#: the status and advisor text change at most this often (each change restyles the whole notebook
+#: page), unless the pill or a notice changed
+_TEXT_EVERY_S = 1.0
+#: an idle stretch (empty cycles, nothing queued or delivered) is drawn for this long, then the
+#: timeline stands still until something happens: an idle pool sends the page nothing
+_IDLE_DRAWN_S = 1.0
 
 _CSS = """<style>
 .trio-dashboard { font-family: Inter, 'Segoe UI', Helvetica, Arial, sans-serif; background: #ffffff;
@@ -143,7 +152,7 @@ class Dashboard(W.VBox):
     """
 
     def __init__(self, pool: LocalPool | str | None = None, *, api_key: str | None = None, window: int = 24,
-                 refresh_hz: float = 10.0, lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8,
+                 refresh_hz: float = 5.0, lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8,
                  learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
                  lookahead: int = 1, export_dir: str | os.PathLike = "trio-exports",
                  title: str = "trio · live training", max_clients: int | None = None):
@@ -236,6 +245,13 @@ class Dashboard(W.VBox):
         self._expect_views = 0
         self._ready_seen = 0
         self._displayed_at: float | None = None
+        # an idle stretch: when it began, and its newest empty cycles and boundaries (drawn once
+        # something happens, so that the timeline then shows the window before it)
+        self._idle_since: float | None = None
+        self._held_cycles: deque = deque(maxlen=figs.band_rollover)
+        self._held_boundaries: deque = deque(maxlen=figs.queue_rollover)
+        self._drawn_cycles = 0  # the status line's cycle count: the timeline's, while it stands still
+        self._hidden = False  # no view can be seen: nothing is sent (a catch-up when one can again)
         self._display_id = f"trio-dashboard-{uuid.uuid4().hex}"
         self._shown = False
         self.ticks = 0
@@ -452,6 +468,8 @@ class Dashboard(W.VBox):
             await self.sweep.close(timeout=10.0)
             await asyncio.sleep(0)
             self.tick()  # draw their last updates: the snapshot shows where they stopped
+            with self._bokeh.batch():
+                self._figs.flush_losses()  # (the loss figure is otherwise redrawn once a second)
         except Exception:
             log.exception("stopping the dashboard's runs failed")
         if self._feed is not None:
@@ -464,10 +482,17 @@ class Dashboard(W.VBox):
         self.ticks += 1
         self._follow_pool()
         self._sync_views()
-        with self._bokeh.batch(), validate(False):  # rows we build are well-formed: skip bokeh's checks
+        bk = self._bokeh
+        hidden = bk.views_hidden()
+        if hidden and not bk.paused:
+            bk.pause()  # the figures still follow the pool here; the page gets one catch-up later
+        with bk.batch(), validate(False):  # rows we build are well-formed: skip bokeh's checks
+            if not hidden and bk.paused:
+                bk.resume()  # what changed while hidden, in this tick's one PATCH-DOC
             self._figs.set_log_scale(bool(self._settings["log"]))
             if self._feed is not None:
                 clients, cycles, boundaries, delivered = self._feed.drain()
+                cycles, boundaries = self._hold_idle(clients, cycles, boundaries, delivered)
                 for info in clients:
                     self._figs.add_client(info, self._label_of(info.client_id, info.label))
                     self._shown_ids.append(info.client_id)
@@ -482,16 +507,53 @@ class Dashboard(W.VBox):
                 for info in self._feed.drain_retired():
                     self._update_cycles.pop(info.client_id, None)
                     self._figs.retire_client(info.client_id)
-            self.controls.show_lanes(self._figs.first_lane, self._figs.lane_count, self._figs.lanes_visible)
+            if not hidden:
+                self.controls.show_lanes(self._figs.first_lane, self._figs.lane_count, self._figs.lanes_visible)
         self._watch_runs()
         now = time.perf_counter()
         if self.pool is not None and not self._pool_closed:
             self._rates.append((now, self.pool.telemetry.total_tokens))
+        if hidden:  # nobody sees the text either; it catches up on the first tick seen again
+            self._hidden = True
+            return
+        if self._hidden:
+            self._hidden = False
+            self._status_key = None
+            self._advised_at = float("-inf")
         if now - self._advised_at >= 1.0:  # the advisor reads whole buffers: once a second
             self._advised_at = now
             self._update_advisor()
         self._update_status(now)
         self._update_buttons()
+
+    def _hold_idle(self, clients: list, cycles: list, boundaries: list, delivered: list) -> tuple[list, list]:
+        """An idle pool's empty cycles are drawn for `_IDLE_DRAWN_S`, then held (the newest few)
+        until something happens; returns the cycles and boundaries to draw now."""
+        quiet = (not clients and not delivered and not self._feed_has_other()
+                 and all(c.n_requests == 0 for c in cycles) and all(not any(b.depths.values()) for b in boundaries))
+        now = time.perf_counter()
+        if not quiet:
+            self._idle_since = None
+            if self._held_cycles or self._held_boundaries:
+                cycles = [*self._held_cycles, *cycles]
+                boundaries = [*self._held_boundaries, *boundaries]
+                self._held_cycles.clear()
+                self._held_boundaries.clear()
+        elif cycles or boundaries:
+            if self._idle_since is None:
+                self._idle_since = now
+            if now - self._idle_since >= _IDLE_DRAWN_S:
+                self._held_cycles.extend(cycles)
+                self._held_boundaries.extend(boundaries)
+                return [], []
+        if cycles:
+            self._drawn_cycles = cycles[-1].index + 1
+        return cycles, boundaries
+
+    def _feed_has_other(self) -> bool:
+        """GIL stalls or retired clients are waiting in the feed (they are drawn this tick)."""
+        feed = self._feed
+        return feed is not None and bool(feed.gil or feed.retired)
 
     def _label_of(self, client_id: str, default: str) -> str:
         for run in self.sweep.runs:
@@ -640,7 +702,9 @@ class Dashboard(W.VBox):
         head = f"<span class='trio-pill {state}'>{state}</span>"
         if pool is not None:
             t = pool.telemetry
-            head += f"cycle <b>{pool.cycle_index}</b> · updates <b>{t.total_updates}</b>"
+            # while an idle timeline stands still, so does its count (the page is sent nothing)
+            cycle = self._drawn_cycles if self._idle_since is not None and self._drawn_cycles else pool.cycle_index
+            head += f"cycle <b>{cycle}</b> · updates <b>{t.total_updates}</b>"
             if state not in ("closed", "snapshot"):
                 head += f"<span class='trio-rate'> · <b>{_si(self._tokens_per_s())}</b> tokens/s</span>"
         runs = self.sweep.state

@@ -24,6 +24,7 @@ visibility. Loss curves live in `max_curves` slots, reused oldest-retired first.
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable
@@ -133,8 +134,13 @@ class DashboardFigures:
     that stretches to the width of its cell (from a 900 px notebook column up)."""
 
     def __init__(self, t0: float, *, window: int = 24, lanes_visible: int = 10, max_curves: int = 16,
-                 smoothing: float = 0.1, recent: int = 200, history: int = 200, loss_height: int = 250):
+                 smoothing: float = 0.1, recent: int = 200, history: int = 200, loss_height: int = 250,
+                 loss_every_s: float = 1.0):
         self.t0 = t0
+        # The loss figure is redrawn at most this often: each redraw repaints all its curve slots
+        # and legend (the page's costliest paint), and a loss curve needs no 10 Hz.
+        self.loss_every_s = loss_every_s
+        self._losses_at = float("-inf")
         self.window = max(4, int(window))
         self.lanes_visible = max(1, int(lanes_visible))
         self.max_curves = max(1, int(max_curves))
@@ -160,10 +166,10 @@ class DashboardFigures:
         self.x_range = Range1d(start=0.0, end=1.0)
         self._lanes_range = Range1d(start=-0.6, end=0.95)
         tl = figure(height=self._timeline_height(1), sizing_mode="stretch_width", x_range=self.x_range,
-                    y_range=self._lanes_range, tools="", toolbar_location=None, x_axis_label="time (s)")
+                    y_range=self._lanes_range, tools="", toolbar_location=None, x_axis_location=None)
         _style(tl, "Cycle timeline: a lane per client, a band per cycle (amber: idle)")
-        # the queue-depth plot below shows the shared time axis: one axis fewer to measure and draw
-        tl.xaxis.visible = False
+        # the queue-depth plot below shows the shared time axis: no axis here (a hidden one is still
+        # measured, its every label, at every paint)
         tl.xgrid.visible = False
         self._lane_ticker = FixedTicker(ticks=[])
         tl.yaxis.ticker = self._lane_ticker
@@ -630,6 +636,14 @@ class DashboardFigures:
             curve.ema = (1 - a) * curve.ema + a * loss
             curve.ema_weight = (1 - a) * curve.ema_weight + a
             curve.series.add(curve.steps, loss, curve.ema / curve.ema_weight)
+        now = time.perf_counter()
+        if now - self._losses_at < self.loss_every_s:
+            return False
+        self._losses_at = now
+        return self._flush_curves()
+
+    def flush_losses(self) -> bool:
+        """Send every loss row not sent yet (a final picture: the dashboard closes)."""
         return self._flush_curves()
 
     def _flush_curves(self) -> bool:

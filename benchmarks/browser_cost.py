@@ -1,0 +1,181 @@
+"""What a live dashboard costs the browser that shows it, measured side by side in one run.
+
+A private JupyterLab in headless Chromium (tests/browser/lab.py) opens a notebook that builds a
+pool and a `Dashboard` on it, and Chromium's own counters (CDP `Performance.getMetrics`) are
+read over a window in each phase: the page's main-thread busy time per second (TaskDuration:
+every task it ran, JavaScript and layout and paint; ScriptDuration: the JavaScript part) and
+the kernel's comm messages the page received per second (counted on the kernel websocket).
+
+1. nothing live: the notebook, its kernel idle, no dashboard yet (the floor);
+2. idle pool: the dashboard on a pool that is not training (target: <= 0.10 s/s busy and 0
+   comm messages per second after the first second);
+3. training: the dashboard's Start (3 pipelined LoRA runs), its default tick (target <= 0.15 s/s);
+4. hidden tab: the same training with the tab hidden (the Page Visibility API, emulated: headless
+   Chromium keeps every tab visible; the page still renders as if seen, so this is an upper
+   bound) (target <= 0.02 s/s); 3 and 4 alternate `--rounds` times (medians printed): on 2
+   shared cores a task's wall time also counts its waits for a core, and training is a busy
+   neighbour; ThreadTime (the main thread's CPU time) is printed beside it;
+5. scrolled away: visible tab, the dashboard scrolled out of view (IntersectionObserver).
+
+    .venv/bin/python benchmarks/browser_cost.py             # about 3 minutes on 2 shared cores
+    .venv/bin/python benchmarks/browser_cost.py --window 5  # shorter windows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "browser"))
+
+from lab import EMULATE_HIDDEN_JS, chromium, jupyter_lab, open_notebook, write_notebook  # noqa: E402
+
+SETUP = """\
+import trio_widgets as trio
+pool = trio.LocalPool(name="bench")
+dash = trio.Dashboard(pool, runs=3, batch_size=4, rank=4)
+dash
+"""
+
+STATUS_JS = "() => (document.querySelector('.trio-dashboard .trio-status') || {innerText: ''}).innerText"
+SCROLLER = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-WindowedPanel-outer"
+ON_SCREEN_JS = """() => { const el = document.querySelector('.trio-dashboard'); if (!el) return false;
+    const r = el.getBoundingClientRect(); return r.height > 0 && r.bottom > 0 && r.top < window.innerHeight; }"""
+
+
+def metrics(cdp: Any) -> dict[str, float]:
+    return {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+
+
+VERBOSE = False
+
+
+def what(text: str) -> str:
+    """A comm message in a few words: the widget method and the start of what it carries."""
+    m = re.search(r'"data":\s*\{', text)
+    return re.sub(r"\s+", " ", text[m.start():m.start() + 110]) if m else text[-110:]
+
+
+def measure(label: str, cdp: Any, nb: Any, window: float) -> dict[str, float]:
+    """Main-thread time per second (TaskDuration: wall time of its tasks, which on a shared
+    machine also counts waits for a core; ThreadTime: its CPU time) and comm messages per second."""
+    nb.page.wait_for_timeout(100)  # Playwright hands over websocket frames only while it is called
+    nb.comm_log = []
+    kinds = dict(nb.received)
+    m0, c0, t0 = metrics(cdp), nb.comm_received, time.monotonic()
+    nb.page.wait_for_timeout(window * 1000)
+    m1, c1, t1 = metrics(cdp), nb.comm_received, time.monotonic()
+    if VERBOSE:
+        print("    kernel messages:", {k: n - kinds.get(k, 0) for k, n in nb.received.items() if n > kinds.get(k, 0)})
+        print("\n".join(f"    {what(text)}" for text in nb.comm_log[:12]))
+    dt = t1 - t0
+    out = {"busy_s_per_s": (m1["TaskDuration"] - m0["TaskDuration"]) / dt,
+           "script_s_per_s": (m1["ScriptDuration"] - m0["ScriptDuration"]) / dt,
+           "cpu_s_per_s": (m1["ThreadTime"] - m0["ThreadTime"]) / dt,
+           "style_recalcs_per_s": (m1["RecalcStyleCount"] - m0["RecalcStyleCount"]) / dt,
+           "layouts_per_s": (m1["LayoutCount"] - m0["LayoutCount"]) / dt,
+           "comm_msgs_per_s": (c1 - c0) / dt}
+    print(f"{label:<22} busy {out['busy_s_per_s']:.3f} s/s (script {out['script_s_per_s']:.3f}, "
+          f"CPU {out['cpu_s_per_s']:.3f}), {out['style_recalcs_per_s']:.0f} style recalcs/s, "
+          f"{out['layouts_per_s']:.1f} layouts/s, {out['comm_msgs_per_s']:.1f} comm messages/s", flush=True)
+    return out
+
+
+def status(page: Any) -> str:
+    return str(page.evaluate(STATUS_JS))
+
+
+def kernel_value(nb: Any, expression: str) -> Any:
+    out, _ = nb.run_cell(f"import json as _j; print(_j.dumps({expression}))", until=r"[\[{\d\"tf]", timeout=60)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--window", type=float, default=10.0, help="seconds measured in each phase")
+    ap.add_argument("--rounds", type=int, default=3, help="training phases, seen and hidden in turn")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="show the first comm messages of each phase")
+    args = ap.parse_args()
+    global VERBOSE
+    VERBOSE = args.verbose
+    w = args.window
+    figures: dict[str, Any] = {}
+    with jupyter_lab() as lab, chromium() as browser:
+        write_notebook(lab.root_dir / "cost.ipynb", [SETUP])
+        with open_notebook(browser, lab, "cost.ipynb", viewport=(1280, 900)) as nb:
+            page = nb.page
+            cdp = page.context.new_cdp_session(page)
+            cdp.send("Performance.enable")
+            time.sleep(2.0)
+            figures["nothing live"] = measure("nothing live", cdp, nb, w)
+
+            nb.run_all_cells()
+            nb.wait_cells_done(timeout=120)
+            page.locator(".trio-dashboard canvas").first.wait_for(state="visible", timeout=60_000)
+            time.sleep(3.0)  # the dashboard settles: its first second draws the idle cycles
+            figures["idle pool"] = measure("idle pool", cdp, nb, w)
+
+            page.locator(".trio-dashboard .widget-button", has_text=re.compile(r"Start")).first.click()
+            page.wait_for_function(f"() => /updates [1-9]/.test(({STATUS_JS})())", timeout=180_000)
+            time.sleep(3.0)
+            # training, seen and hidden in turn: on shared cores a task's wall time also counts its
+            # waits for a core (the training is a neighbour), so each is measured `rounds` times
+            figures["training"], figures["hidden tab"], catch_up = [], [], []
+            for i in range(args.rounds):
+                figures["training"].append(measure(f"training {i + 1}", cdp, nb, w))
+                # hidden tab (emulated: headless Chromium keeps every tab visible, see lab.py)
+                page.evaluate(EMULATE_HIDDEN_JS, True)
+                time.sleep(1.0)
+                figures["hidden tab"].append(measure(f"hidden tab {i + 1}", cdp, nb, w))
+                before = status(page)
+                t_back = time.monotonic()
+                page.evaluate(EMULATE_HIDDEN_JS, False)
+                page.wait_for_function(f"(s) => ({STATUS_JS})() !== s", arg=before, timeout=30_000)
+                catch_up.append(round(time.monotonic() - t_back, 2))
+                time.sleep(1.0)
+            figures["caught up after hidden, s"] = catch_up
+            print(f"caught up {', '.join(f'{t:.2f}' for t in catch_up)} s after the tab showed again")
+
+            # scrolled away: the dashboard out of view in a visible tab
+            nb.add_cell("# spacer\n" * 120)
+            page.evaluate(f"() => {{ const s = document.querySelector('{SCROLLER}'); s.scrollTop = s.scrollHeight; }}")
+            time.sleep(1.5)
+            off = not page.evaluate(ON_SCREEN_JS)
+            figures["scrolled away"] = measure("scrolled away" + ("" if off else " (ON SCREEN)"), cdp, nb, w)
+            page.evaluate(f"() => {{ document.querySelector('{SCROLLER}').scrollTop = 0; }}")
+            time.sleep(1.0)
+            figures["kernel"] = kernel_value(nb, "{'visibility_reports': dash.bokeh_widget.visibility_reports, "
+                                                 "'patches': dash.bokeh_widget.patches_sent, "
+                                                 "'updates': pool.telemetry.total_updates}")
+            print("kernel:", figures["kernel"])
+            nb.run_cell("dash.close(); pool.close()", timeout=60)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+    idle = figures["idle pool"]
+
+    def median(phase: str, key: str) -> float:
+        return statistics.median(m[key] for m in figures[phase])
+
+    def each(phase: str, key: str) -> str:
+        return ", ".join(f"{m[key]:.3f}" for m in figures[phase])
+
+    print(f"\nidle pool:     {idle['busy_s_per_s']:.3f} s/s busy (target <= 0.10), "
+          f"{idle['comm_msgs_per_s']:.1f} comm messages/s (target 0)")
+    print(f"training:      {median('training', 'busy_s_per_s'):.3f} s/s busy, median of "
+          f"{each('training', 'busy_s_per_s')} (target <= 0.15); CPU {median('training', 'cpu_s_per_s'):.3f} s/s")
+    print(f"hidden tab:    {median('hidden tab', 'busy_s_per_s'):.3f} s/s busy, median of "
+          f"{each('hidden tab', 'busy_s_per_s')} (target <= 0.02); CPU {median('hidden tab', 'cpu_s_per_s'):.3f} s/s; "
+          f"{max(m['comm_msgs_per_s'] for m in figures['hidden tab']):.1f} comm messages/s at most")
+    print(f"scrolled away: {figures['scrolled away']['busy_s_per_s']:.3f} s/s busy, "
+          f"{figures['scrolled away']['comm_msgs_per_s']:.1f} comm messages/s")
+
+
+if __name__ == "__main__":
+    main()
