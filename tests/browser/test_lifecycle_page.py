@@ -79,6 +79,8 @@ def test_close_replace_and_restart_say_what_happened(lab: LabServer, browser: An
         page.keyboard.press("Control+Enter")
         nb.run_cell(FOLLOWER, until=None, timeout=60)
         follower = page.locator(".trio-dashboard").last
+        # a dashboard out of view is sent nothing until it is seen (issue 24): look at it, as a user would
+        follower.scroll_into_view_if_needed()
         page.wait_for_function(f"() => /updates [1-9]\\d/.test(({STATUS_OF})("
                                "[...document.querySelectorAll('.trio-dashboard')].pop()))", timeout=120_000)
         nb.rerun_cell(pool_cell)  # the pool cell again: its old pool closes under the training run
@@ -87,6 +89,7 @@ def test_close_replace_and_restart_say_what_happened(lab: LabServer, browser: An
             " const c = nb.widgets.find(w => w.model.id === id);"
             " return c && c.model.executionCount !== null && c.model.executionCount > 4; }",
             arg=pool_cell, timeout=120_000)
+        follower.scroll_into_view_if_needed()  # (running the pool cell scrolled the notebook to it)
         page.wait_for_function(f"() => /now showing its new pool/.test(({STATUS_OF})("
                                "[...document.querySelectorAll('.trio-dashboard')].pop()))", timeout=30_000)
         page.wait_for_function(f"() => /stopped at step \\d+ of 100000: the pool was closed/.test(({STATUS_OF})("

@@ -222,27 +222,51 @@ doc.__trio_visibility = true;
 let MessageSentEvent;
 try { MessageSentEvent = Bokeh.require("document/events").MessageSentEvent; } catch (e) { return; }
 const view_id = Math.random().toString(36).slice(2);
-let on_screen = true, shown = null, timer = null, tries = 0;
-const report = () => {
+let el = null, observer = null, on_screen = true, shown = null, timer = null, tries = 0, stopped = false;
+// a closed dashboard's view leaves the page, a dead kernel's is marked disconnected: their
+// comm is gone and a report would fail; stop everything instead. A document the widget view
+// replaced (it re-renders from the whole document) says it is gone: its view no longer counts
+let widget = null;
+const alive = () => el != null && el.isConnected && el.closest(".jupyter-widgets-disconnected") == null;
+const send = (fields) => {
+  try {
+    const data = {name: "trio_visibility", view: view_id, ...fields};
+    doc._trigger_on_change(new MessageSentEvent(doc, "bokeh_event", data));
+    return true;
+  } catch (e) { return false; }
+};
+const stop = () => {
+  stopped = true;
+  if (timer != null) { clearInterval(timer); timer = null; }
+  if (observer != null) observer.disconnect();
+  document.removeEventListener("visibilitychange", report);
+};
+function report() {
+  if (stopped) return;
+  if (!alive()) {
+    if (widget != null && widget.isConnected && widget.closest(".jupyter-widgets-disconnected") == null)
+      send({visible: false, gone: true});
+    stop();
+    return;
+  }
   const visible = on_screen && document.visibilityState !== "hidden";
   if (visible !== shown || !visible) {
     shown = visible;
-    doc._trigger_on_change(new MessageSentEvent(doc, "bokeh_event",
-      {name: "trio_visibility", view: view_id, visible: visible}));
+    if (!send({visible: visible})) { stop(); return; }
   }
   if (timer != null) { clearInterval(timer); timer = null; }
   if (!visible) timer = setInterval(report, REPORT_MS);
-};
+}
 const observe = () => {
-  let el = null;
   for (const view of (Bokeh.index && Bokeh.index.roots) || [])
     if (view.model.document === doc) { el = view.el; break; }
   if (el == null) { if (++tries < 50) setTimeout(observe, 100); return; }
-  new IntersectionObserver((entries) => {
-    const entry = entries[entries.length - 1];
-    on_screen = entry.isIntersecting;
+  widget = el.parentElement && el.parentElement.parentElement;  // the widget view's element
+  observer = new IntersectionObserver((entries) => {
+    on_screen = entries[entries.length - 1].isIntersecting;
     report();
-  }).observe(el);
+  });
+  observer.observe(el);
   document.addEventListener("visibilitychange", report);
 };
 observe();
@@ -418,7 +442,8 @@ def _batched_class() -> type:
                 self.views_ready += 1
             elif name == "trio_visibility":
                 seen = {k: v for k, v in self.visibility.items() if k != data.get("view")}
-                seen[str(data.get("view"))] = (bool(data.get("visible")), time.monotonic())
+                if not data.get("gone"):  # (gone: the view re-rendered from a new document)
+                    seen[str(data.get("view"))] = (bool(data.get("visible")), time.monotonic())
                 self.visibility = dict(list(seen.items())[-_VIEWS_KEPT:])
                 self.visibility_reports += 1
             else:
