@@ -1,0 +1,670 @@
+"""Watch an unmodified official `tinker` SDK client from the user's side of the wire (issue 26).
+
+`w = trio.watch(service_or_training_client)` returns a thin proxy the user holds instead of the
+client: the same methods, called the same way (sync `.result()`, `await future`, the deprecated
+`*_async` methods), whose requests each become a record. Nothing of the SDK is changed: no class
+or instance attribute is patched, so `unwatch(w)` only stops recording and hands the client back.
+(The SDK has no public per-request hook; its public `APIFuture.future()`, a
+`concurrent.futures.Future`, is the one seam used: a done-callback on it says when the result
+became available on this machine, independent of when the user asks for it.)
+
+Records are :class:`WatchedRequest`, a `RequestRecord` of trio's telemetry filled from the
+client's side: `queued_at` = submitted, `delivered_at` = result available (the SDK's future
+resolved), `awaited_at` = when the loop first asked for it, `cycle` = None (a server's cycles
+are not visible from here), `started_at` / `finished_at` = submitted / available (the span a
+trace draws). They go into a bounded :class:`~trio_widgets.telemetry.Telemetry`
+(`watcher.telemetry`): subscribers, views and exports read them as they read a pool's.
+
+:func:`diagnose_watched` tells the loop's shape from submit / result order alone (the advisor's
+rules and Cause names: naive, together, pipelined; a client-side stall), counts round trips per
+update (the longest chain of "waited for a result, then submitted" per update) and the depth of
+requests in flight, and says what it cannot know: where a server's cycles begin and end, so no
+"cycles per update". The GIL watchdog (trio_widgets/engine/gil.py) lives in the engine, which a
+client-only install (no torch) does not have: this module does not start it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import importlib.metadata
+import itertools
+import math
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .advisor import MIN_UPDATES, STRUCTURE_PERIOD, Cause
+from .metrics import PERIOD_WINDOW, batch_weight, json_safe, record_loss
+from .ops import OPS, UPDATE_OPS
+from .telemetry import ClientInfo, RequestRecord, Telemetry
+from .trace import chrome_trace, write_metrics_jsonl
+
+__all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
+           "diagnose_watched", "in_flight_depth", "round_trip_depths", "unwatch", "watch"]
+
+#: SDK versions whose client surface this module was checked against (tests/test_watch.py).
+SUPPORTED_SDKS: dict[str, tuple[str, ...]] = {"tinker": ("0.38.0",)}
+
+#: What a client-side view cannot know, said wherever it diagnoses.
+UNKNOWN = ("not visible from the client: the server's cycle boundaries (so no cycles per update, only round "
+           "trips) and its queue; GIL starvation is not watched here (the watchdog is the engine's)")
+
+
+class UnsupportedSDKError(TypeError):
+    """`watch` was given something it does not know how to watch, or an SDK version it was not
+    checked against (pass `check_version=False` to watch it anyway)."""
+
+
+@dataclass(slots=True)
+class WatchedRequest(RequestRecord):
+    """A request seen from the client: `queued_at` submitted, `delivered_at` result available."""
+
+    #: when the loop first asked for the result (None: not yet, or never)
+    awaited_at: float | None = None
+    #: how it asked: "result" (.result()), "await" (await the future), "async" (a *_async method)
+    waited_by: str | None = None
+
+
+# -- the recorder -------------------------------------------------------------------------------
+
+class Watcher:
+    """Records what watched clients submit, into `telemetry` (bounded ring buffers)."""
+
+    def __init__(self, capacity: int = 4096, telemetry: Telemetry | None = None):
+        self.telemetry = telemetry if telemetry is not None else Telemetry(capacity)
+        self.active = True
+        self._ids = itertools.count(1)
+        self._samplers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # writers
+    def add_client(self, client_id: str, kind: str, label: str = "", parent: str | None = None,
+                   base_model: str = "") -> None:
+        if self.telemetry.client_info(client_id) is None:
+            self.telemetry.add_client(ClientInfo(client_id, "sampling" if kind == "sampling" else "training",
+                                                 base_model, label or client_id, parent=parent))
+
+    def sampler_id(self) -> str:
+        with self._lock:
+            return f"sampler-{next(self._samplers)}"
+
+    def submitted(self, client_id: str, op: str, tokens: int = 0, weight: float | None = None) -> WatchedRequest:
+        now = time.perf_counter()
+        with self._lock:
+            rid = next(self._ids)
+        record = WatchedRequest(rid, client_id, op, queued_at=now, tokens=tokens, status="running", started_at=now)
+        if weight is not None:
+            record.metrics["weight:sum"] = weight
+        self.telemetry.add_request(record)
+        return record
+
+    def resolved(self, record: WatchedRequest, result: Any = None, error: BaseException | None = None,
+                 cancelled: bool = False) -> None:
+        """The SDK's future finished (any thread; once per record)."""
+        if record.delivered_at is not None:
+            return
+        now = time.perf_counter()
+        if cancelled:
+            record.status = "cancelled"
+        elif error is not None:
+            record.status, record.error = "error", f"{type(error).__name__}: {error}"[:500]
+        else:
+            record.status = "ok"
+            record.metrics.update(_numbers(getattr(result, "metrics", None)))
+        record.finished_at = record.delivered_at = now
+        self.telemetry.request_delivered(record)
+
+    def track(self, record: WatchedRequest, future: Any) -> None:
+        """Mark `record` resolved when the SDK's concurrent future is (its public `.future()`)."""
+        def done(f: Any) -> None:
+            if f.cancelled():
+                self.resolved(record, cancelled=True)
+            elif f.exception() is not None:
+                self.resolved(record, error=f.exception())
+            else:
+                self.resolved(record, f.result())
+
+        future.add_done_callback(done)
+
+    @staticmethod
+    def asked(record: WatchedRequest, how: str) -> None:
+        if record.awaited_at is None:
+            record.awaited_at, record.waited_by = time.perf_counter(), how
+
+    # readers
+    def records(self) -> list[WatchedRequest]:
+        return [r for r in list(self.telemetry.requests) if isinstance(r, WatchedRequest)]
+
+    def diagnose(self, window: int = PERIOD_WINDOW) -> dict[str, WatchedDiagnosis]:
+        return diagnose_watched(self.records(), self.telemetry.all_clients(), window=window)
+
+    def chrome_trace(self, name: str = "tinker client (watched)") -> dict[str, Any]:
+        """The Perfetto / Chrome trace: a lane per client with a bar per request (submitted →
+        result available; args: when the loop asked, how) and an 'in flight <client>' counter."""
+        trace = chrome_trace(self.telemetry, name=name)
+        events = trace["traceEvents"]
+        records = {r.request_id: r for r in self.records()}
+        spans = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("request_id") in records]
+        if not spans:
+            return trace
+        t0 = min(r.queued_at for r in records.values())
+        for e in spans:
+            r = records[e["args"]["request_id"]]
+            e["args"].pop("queued_ms", None)
+            e["args"]["waited_by"] = r.waited_by
+            if r.awaited_at is not None:
+                e["args"]["awaited_ms"] = round((r.awaited_at - r.queued_at) * 1e3, 3)
+        clients = self.telemetry.all_clients()
+        for cid in sorted({r.client_id for r in records.values()}):
+            info = clients.get(cid)
+            for t, depth in _depth_steps([r for r in records.values() if r.client_id == cid]):
+                events.append({"ph": "C", "pid": 1, "tid": 0, "name": f"in flight {info.label if info else cid}",
+                               "ts": round((t - t0) * 1e6, 1), "args": {"in_flight": depth}})
+        trace["otherData"]["unknown"] = UNKNOWN
+        return trace
+
+    def write_chrome_trace(self, path: Any, **kwargs: Any) -> str:
+        import json
+        import os
+
+        path = os.fspath(path)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.chrome_trace(**kwargs), f)
+        return path
+
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        """One row per finished forward_backward, per client: step, loss, tokens, the round trip
+        (submitted → result available) and how long the result waited for the loop to ask."""
+        clients = self.telemetry.all_clients()
+        steps: dict[str, int] = {}
+        rows = []
+        for r in sorted(self.records(), key=lambda r: r.request_id):
+            if r.op not in UPDATE_OPS or r.status != "ok" or r.delivered_at is None:
+                continue
+            steps[r.client_id] = step = steps.get(r.client_id, 0) + 1
+            info = clients.get(r.client_id)
+            rows.append({"run": info.label if info else r.client_id, "client_id": r.client_id, "step": step,
+                         "loss": record_loss(r.metrics), "loss:sum": r.metrics.get("loss:sum", math.nan),
+                         "tokens": r.tokens, "cycle": None, "time/round_trip": r.delivered_at - r.queued_at,
+                         "time/unclaimed": (max(0.0, r.awaited_at - r.delivered_at)
+                                            if r.awaited_at is not None else None)})
+        return [json_safe(row) for row in rows]
+
+    def write_metrics_jsonl(self, path: Any) -> str:
+        return write_metrics_jsonl(self.metrics_rows(), path)
+
+
+def _numbers(metrics: Any) -> dict[str, float]:
+    if not isinstance(metrics, dict):
+        return {}
+    return {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def _batch(args: tuple, kwargs: dict) -> tuple[int, float | None]:
+    data = kwargs.get("data", args[0] if args else None)
+    try:
+        weight, tokens = batch_weight(list(data or ()))
+        return tokens, weight
+    except (AttributeError, TypeError, ValueError):
+        return 0, None
+
+
+# -- the proxies ----------------------------------------------------------------------------------
+
+class WatchedFuture:
+    """The SDK's APIFuture, as the user holds it: the same `result`, `result_async`, `future`,
+    `coroutine` and `await`, noting when the loop first asked for the result."""
+
+    __slots__ = ("_inner", "_record")
+
+    def __init__(self, inner: Any, record: WatchedRequest):
+        self._inner = inner
+        self._record = record
+
+    @property
+    def record(self) -> WatchedRequest:
+        return self._record
+
+    def result(self, timeout: float | None = None) -> Any:
+        Watcher.asked(self._record, "result")
+        return self._inner.result(timeout)
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        Watcher.asked(self._record, "await")
+        return await self._inner.result_async(timeout)
+
+    def future(self) -> Any:
+        return self._inner.future()
+
+    async def coroutine(self) -> Any:
+        return await self
+
+    def __await__(self) -> Any:
+        return self.result_async().__await__()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"<watched {self._inner!r}>"
+
+
+class _Proxy:
+    """What every watched object shares: the target, the watcher, delegation of the rest."""
+
+    _ops: tuple[str, ...] = ()
+
+    def __init__(self, target: Any, watcher: Watcher, client_id: str = ""):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_watcher", watcher)
+        object.__setattr__(self, "_client_id", client_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_target"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target, name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self._target)) | set(type(self).__dict__))
+
+    def __repr__(self) -> str:
+        return f"<watched {self._target!r}>"
+
+    def __enter__(self) -> Any:
+        self._target.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._target.__exit__(*exc)
+
+
+def _submitter(op: str) -> Callable[..., Any]:
+    """A method that submits `op` through the target and records it."""
+    def method(self: _Proxy, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(self._target, op)
+        if not self._watcher.active:
+            return call(*args, **kwargs)
+        tokens, weight = _batch(args, kwargs) if OPS.get(op, None) and OPS[op].kind == "forward" else (0, None)
+        record = self._watcher.submitted(self._client_id, op, tokens, weight)
+        try:
+            inner = call(*args, **kwargs)
+        except BaseException as exc:
+            self._watcher.resolved(record, error=exc)
+            raise
+        self._watcher.track(record, inner.future())
+        return WatchedFuture(inner, record)
+
+    method.__name__ = op
+    return method
+
+
+def _async_submitter(op: str) -> Callable[..., Awaitable[Any]]:
+    """`op_async`: awaiting it submits (and, for a sampler, waits for the result too)."""
+    async def method(self: _Proxy, *args: Any, **kwargs: Any) -> Any:
+        call = getattr(self._target, f"{op}_async")
+        if not self._watcher.active:
+            return await call(*args, **kwargs)
+        tokens, weight = _batch(args, kwargs) if OPS.get(op, None) and OPS[op].kind == "forward" else (0, None)
+        record = self._watcher.submitted(self._client_id, op, tokens, weight)
+        try:
+            out = await call(*args, **kwargs)
+        except BaseException as exc:
+            self._watcher.resolved(record, error=exc)
+            raise
+        future = getattr(out, "future", None)
+        if callable(future) and hasattr(out, "result_async"):  # an APIFuture: the training ops
+            self._watcher.track(record, future())
+            return WatchedFuture(out, record)
+        Watcher.asked(record, "async")  # a sampler's *_async returns the result itself
+        self._watcher.resolved(record, out)
+        return out
+
+    method.__name__ = f"{op}_async"
+    return method
+
+
+def _maker(name: str, wrap: Callable[[Any, Any, Watcher], Any], is_async: bool = False) -> Callable[..., Any]:
+    """A method returning a client (or a future of one), watched by the same watcher."""
+    if is_async:
+        async def amethod(self: _Proxy, *args: Any, **kwargs: Any) -> Any:
+            return wrap(await getattr(self._target, name)(*args, **kwargs), self, self._watcher)
+
+        amethod.__name__ = name
+        return amethod
+
+    def method(self: _Proxy, *args: Any, **kwargs: Any) -> Any:
+        return wrap(getattr(self._target, name)(*args, **kwargs), self, self._watcher)
+
+    method.__name__ = name
+    return method
+
+
+class WatchedClientFuture:
+    """A future of a client (the SDK's Backcompat*ClientFuture): resolves to the watched client."""
+
+    __slots__ = ("_inner", "_wrap", "_client")
+
+    def __init__(self, inner: Any, wrap: Callable[[Any], Any]):
+        self._inner = inner
+        self._wrap = wrap
+        self._client: Any = None
+
+    def _watched(self, client: Any) -> Any:
+        if self._client is None:
+            self._client = self._wrap(client)
+        return self._client
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._watched(self._inner.result(timeout))
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        return self._watched(await self._inner.result_async(timeout))
+
+    def future(self) -> Any:
+        return self._inner.future()
+
+    def __await__(self) -> Any:
+        return self.result_async().__await__()
+
+    def __getattr__(self, name: str) -> Any:  # the SDK's deprecated "use the future as the client"
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.result(), name)
+
+    def __repr__(self) -> str:
+        return f"<watched {self._inner!r}>"
+
+
+def _training(client: Any, watcher: Watcher) -> WatchedTrainingClient:
+    client_id = str(getattr(client, "model_id", "") or f"training-{id(client):x}")
+    watcher.add_client(client_id, "training", label=client_id.split(":")[0][:13] or client_id)
+    return WatchedTrainingClient(client, watcher, client_id)
+
+
+def _sampling(client: Any, watcher: Watcher, parent: str | None = None) -> WatchedSamplingClient:
+    client_id = watcher.sampler_id()
+    watcher.add_client(client_id, "sampling", parent=parent)
+    return WatchedSamplingClient(client, watcher, client_id)
+
+
+def _wrap_training(out: Any, owner: _Proxy, watcher: Watcher) -> Any:
+    if hasattr(out, "forward_backward") and not hasattr(out, "_awaited_client"):
+        return _training(out, watcher)
+    return WatchedClientFuture(out, lambda c: _training(c, watcher))
+
+
+def _wrap_sampling(out: Any, owner: _Proxy, watcher: Watcher) -> Any:
+    parent = owner._client_id or None
+    if hasattr(out, "sample") and not hasattr(out, "_awaited_client"):
+        return _sampling(out, watcher, parent)
+    return WatchedClientFuture(out, lambda c: _sampling(c, watcher, parent))
+
+
+class WatchedTrainingClient(_Proxy):
+    """A tinker TrainingClient whose requests are recorded."""
+
+    _ops = ("forward", "forward_backward", "forward_backward_custom", "optim_step", "save_state", "load_state",
+            "load_state_with_optimizer", "save_weights_for_sampler", "save_weights_external")
+
+
+class WatchedSamplingClient(_Proxy):
+    """A tinker SamplingClient whose requests are recorded."""
+
+    _ops = ("sample", "compute_logprobs")
+
+
+class WatchedServiceClient(_Proxy):
+    """A tinker ServiceClient whose clients are watched."""
+
+
+for _cls in (WatchedTrainingClient, WatchedSamplingClient):
+    for _op in _cls._ops:
+        setattr(_cls, _op, _submitter(_op))
+        setattr(_cls, f"{_op}_async", _async_submitter(_op))
+for _name in ("create_sampling_client", "save_weights_and_get_sampling_client"):
+    setattr(WatchedTrainingClient, _name, _maker(_name, _wrap_sampling))
+    setattr(WatchedTrainingClient, f"{_name}_async", _maker(f"{_name}_async", _wrap_sampling, True))
+for _name in ("create_lora_training_client", "create_training_client_from_state",
+              "create_training_client_from_state_with_optimizer"):
+    setattr(WatchedServiceClient, _name, _maker(_name, _wrap_training))
+    setattr(WatchedServiceClient, f"{_name}_async", _maker(f"{_name}_async", _wrap_training, True))
+for _name in ("create_sampling_client",):
+    setattr(WatchedServiceClient, _name, _maker(_name, _wrap_sampling))
+    setattr(WatchedServiceClient, f"{_name}_async", _maker(f"{_name}_async", _wrap_sampling, True))
+
+
+def _check_sdk(client: Any, check_version: bool) -> None:
+    package = type(client).__module__.split(".")[0]
+    if package not in SUPPORTED_SDKS:
+        raise UnsupportedSDKError(
+            f"trio.watch watches the official SDKs' clients ({', '.join(SUPPORTED_SDKS)}); "
+            f"got {type(client).__module__}.{type(client).__qualname__}")
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - imported, so installed
+        version = "unknown"
+    if check_version and version not in SUPPORTED_SDKS[package]:
+        raise UnsupportedSDKError(
+            f"trio.watch was checked against {package} {', '.join(SUPPORTED_SDKS[package])}, not the installed "
+            f"{version}: its client methods may differ. Pass check_version=False to watch it anyway.")
+
+
+def watch(client: Any, *, watcher: Watcher | None = None, check_version: bool = True) -> Any:
+    """Watch a tinker ServiceClient, TrainingClient or SamplingClient (or a future of one): returns
+    a proxy to use in its place, the same methods called the same way, every request recorded in
+    `proxy.watcher.telemetry` (a new :class:`Watcher` unless one is given: clients watched with
+    the same watcher share its telemetry). Nothing of the SDK is modified."""
+    if isinstance(client, (_Proxy, WatchedClientFuture)):
+        raise UnsupportedSDKError("this client is already watched")
+    _check_sdk(client, check_version)
+    watcher = watcher if watcher is not None else Watcher()
+    if hasattr(client, "_awaited_client"):  # a future of a client: watch what it resolves to
+        sampling = hasattr(client, "sample")
+        return WatchedClientFuture(client, lambda c: (_sampling(c, watcher) if sampling else _training(c, watcher)))
+    if hasattr(client, "forward_backward"):
+        return _training(client, watcher)
+    if hasattr(client, "sample"):
+        return _sampling(client, watcher)
+    if hasattr(client, "create_lora_training_client"):
+        return WatchedServiceClient(client, watcher)
+    raise UnsupportedSDKError(f"trio.watch does not know how to watch a {type(client).__qualname__}")
+
+
+def watcher_of(watched: Any) -> Watcher:
+    """The Watcher recording a watched client."""
+    return object.__getattribute__(watched, "_watcher")
+
+
+def unwatch(watched: Any) -> Any:
+    """Stop recording through `watched` and every client watched with the same watcher (requests
+    already submitted still get their result time); returns the client it watched. The SDK was
+    never modified, so nothing needs restoring."""
+    if not isinstance(watched, _Proxy):
+        raise TypeError(f"not a watched client: {watched!r}")
+    watcher_of(watched).active = False
+    return object.__getattribute__(watched, "_target")
+
+
+# -- the diagnosis --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WatchedDiagnosis:
+    """The advisor's diagnosis, from the client's side: the same Cause names, in round trips
+    (a result waited for, then the next request) instead of a server's cycles."""
+
+    client_id: str
+    label: str
+    cause: Cause
+    message: str
+    #: the loop's round trips per update: 2 naive, 1 together, 0.5 pipelined with one update ahead
+    round_trips_per_update: float | None = None
+    #: the most requests this client had in flight (submitted, result not yet available)
+    in_flight: int = 0
+    #: median seconds from submit to result available, and from a result to the next request
+    round_trip_s: float | None = None
+    stall_s: float | None = None
+    updates: int = 0
+    evidence: str = ""
+    unknown: str = UNKNOWN
+
+    @property
+    def wasted(self) -> bool:
+        return self.cause in ("naive", "together", "stall", "slow")
+
+
+def _done(r: RequestRecord) -> float:
+    return r.delivered_at if r.delivered_at is not None else math.inf
+
+
+def _updates_of(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, RequestRecord | None]]:
+    """(forward_backward, the optim_step after it) in submission order, both finished."""
+    pairs: list[list[Any]] = []
+    for r in records:
+        if r.op in UPDATE_OPS:
+            pairs.append([r, None])
+        elif OPS.get(r.op) is not None and OPS[r.op].is_step and pairs and pairs[-1][1] is None:
+            pairs[-1][1] = r
+    return [(fb, opt) for fb, opt in pairs
+            if fb.status == "ok" and fb.delivered_at is not None and (opt is None or opt.delivered_at is not None)]
+
+
+def round_trip_depths(records: Sequence[RequestRecord]) -> dict[int, int]:
+    """request_id -> the longest chain of round trips behind it: 1 + the most of any request of
+    the same records whose result was available before it was submitted (the loop may have
+    waited for it). One client's records."""
+    ordered = sorted(records, key=lambda r: r.queued_at)
+    finished = sorted((r for r in ordered if r.delivered_at is not None), key=_done)
+    depth: dict[int, int] = {}
+    best, k = 0, 0
+    for r in ordered:
+        while k < len(finished) and _done(finished[k]) <= r.queued_at:
+            best = max(best, depth.get(finished[k].request_id, 0))
+            k += 1
+        depth[r.request_id] = best + 1
+    return depth
+
+
+def _depth_steps(records: Iterable[RequestRecord]) -> list[tuple[float, int]]:
+    """(time, requests in flight) after each submit and each result, in time order."""
+    events = sorted([(r.queued_at, 1) for r in records] + [(r.delivered_at, -1) for r in records
+                                                           if r.delivered_at is not None],
+                    key=lambda e: (e[0], e[1]))
+    steps, depth = [], 0
+    for t, change in events:
+        depth += change
+        steps.append((t, depth))
+    return steps
+
+
+def in_flight_depth(records: Iterable[RequestRecord], ops: Iterable[str] | None = None) -> int:
+    """The most requests submitted and not yet delivered at once (of these records: one client's,
+    from either side of the wire; `ops`: only those ops)."""
+    chosen = [r for r in records if ops is None or r.op in set(ops)]
+    return max((d for _, d in _depth_steps(chosen)), default=0)
+
+
+def _step_kinds(updates: Sequence[tuple[RequestRecord, RequestRecord | None]]) -> list[str]:
+    """The advisor's rule, per step from one update to the next."""
+    kinds = []
+    for (fb, opt), (nxt, _) in zip(updates, updates[1:]):
+        if opt is not None and opt.queued_at > _done(fb):
+            kinds.append("naive")
+        else:
+            last = max(_done(fb), _done(opt) if opt is not None else _done(fb))
+            kinds.append("together" if nxt.queued_at >= last else "pipelined")
+    return kinds
+
+
+def _current_segment(kinds: Sequence[str]) -> int:
+    """Where the loop's current mode began: the last run of equal step kinds, when it is at least
+    two long and most earlier steps were of another kind (as the advisor segments)."""
+    tail = len(kinds) - 1
+    while tail > 0 and kinds[tail - 1] == kinds[-1]:
+        tail -= 1
+    run, earlier = len(kinds) - tail, list(kinds[:tail])
+    if run >= 2 and earlier and statistics.mode(earlier) != kinds[-1]:
+        return tail
+    return 0
+
+
+def diagnose_watched(records: Iterable[RequestRecord], clients: dict[str, ClientInfo] | None = None, *,
+                     window: int = PERIOD_WINDOW) -> dict[str, WatchedDiagnosis]:
+    """One diagnosis per client that sent forward_backward, from client-side records alone."""
+    by_client: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        by_client.setdefault(r.client_id, []).append(r)
+    out = {}
+    for cid, mine in by_client.items():
+        if any(r.op in UPDATE_OPS for r in mine):
+            info = (clients or {}).get(cid)
+            out[cid] = _diagnose_client(sorted(mine, key=lambda r: r.request_id), cid,
+                                        info.label if info else cid, window)
+    return out
+
+
+def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window: int) -> WatchedDiagnosis:
+    updates = _updates_of(records)[-(window + 1):]
+    if len(updates) < MIN_UPDATES:
+        return WatchedDiagnosis(cid, label, "warming-up", "measuring: waiting for a few updates",
+                                updates=len(updates), evidence=f"{len(updates)} of {MIN_UPDATES} updates measured")
+    kinds = _step_kinds(updates)
+    start = _current_segment(kinds)
+    updates, kinds = updates[start:], kinds[start:]
+    structure = max(STRUCTURE_PERIOD, key=lambda k: (kinds.count(k), -STRUCTURE_PERIOD[k]))
+
+    # round trips: the chain depth of each update's forward_backward, over two updates (a loop one
+    # update ahead waits for a result every other update)
+    t0, t1 = updates[0][0].queued_at, _done(updates[-1][1] or updates[-1][0])
+    span = [r for r in records if t0 <= r.queued_at <= t1]
+    depth = round_trip_depths([r for r in records if r.queued_at <= t1])
+    chain = [depth[fb.request_id] for fb, _ in updates]
+    step = 2 if len(chain) > 2 else 1
+    trips = float(statistics.median((b - a) / step for a, b in zip(chain, chain[step:])))
+    in_flight = in_flight_depth(span)
+    round_trip = statistics.median(_done(fb) - fb.queued_at for fb, _ in updates)
+
+    # client-side stall: from the first result after the loop's previous request to its next one
+    deliveries = sorted(_done(r) for r in records if r.delivered_at is not None)
+    submissions = sorted(r.queued_at for r in span)
+    gaps: dict[int, float] = {}
+    starts = [fb.queued_at for fb, _ in updates]
+    for prev, sub in zip(submissions, submissions[1:]):
+        k = bisect.bisect_right(deliveries, prev)
+        if k < len(deliveries) and deliveries[k] <= sub:
+            u = bisect.bisect_right(starts, sub) - 1
+            gaps[u] = gaps.get(u, 0.0) + sub - deliveries[k]
+    stall = float(statistics.median(gaps.get(u, 0.0) for u in range(1, len(updates))))
+
+    n = len(updates)
+    trips_text = f"{trips:g} round trip{'' if trips == 1 else 's'} per update"
+    counts = "/".join(str(kinds.count(k)) for k in STRUCTURE_PERIOD)
+    evidence = (f"{n} updates; steps naive/together/pipelined: {counts}; {trips_text}; up to {in_flight} requests "
+                f"in flight; round trip {round_trip * 1e3:.0f} ms "
+                f"(submit → result), next request {stall * 1e3:.0f} ms after a result (stall from half a round "
+                f"trip); {UNKNOWN}")
+    made = functools.partial(WatchedDiagnosis, round_trips_per_update=trips, in_flight=in_flight,
+                             round_trip_s=round_trip, stall_s=stall, updates=n, evidence=evidence)
+    if stall >= 0.5 * round_trip and (structure == "pipelined" or stall >= round_trip):
+        return made(
+            cid, label, "stall",
+            f"client-side stall: results were ready but your next request came {stall * 1e3:.0f} ms later (a round "
+            f"trip takes {round_trip * 1e3:.0f} ms) — your loop was busy elsewhere meanwhile (computing, or waiting "
+            f"for data): make that cheaper, or overlap it with training (queue the next request first, read ahead "
+            f"in a thread)")
+    if structure == "naive":
+        return made(
+            cid, label, "naive",
+            f"optim_step was submitted after awaiting forward_backward: {trips_text} instead of one every other "
+            f"update — submit optim_step right after forward_backward, before awaiting")
+    if structure == "together":
+        return made(
+            cid, label, "together",
+            f"the next batch was submitted only after the previous update finished: {trips_text} — queue the next "
+            f"batch before awaiting the current one (pipeline)")
+    return made(cid, label, "pipelined", f"{trips_text}: pipelined, the next update is queued while one is in "
+                f"flight (whether the server runs one every cycle is not visible from here)")
