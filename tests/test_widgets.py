@@ -474,6 +474,8 @@ def test_a_dashboard_without_a_pool_follows_the_newest():
                 text_a = dash.status_text
                 with trio.LocalPool(min_cycle_s=0.02, name="follow-b") as b:
                     await until(lambda: dash.pool is b, "the newer pool")
+                    await until(lambda: any("now showing the newest pool 'follow-b'" in n for n in dash.notices),
+                                "the switch said")
                 await until(lambda: dash.pool is a and "was closed" in dash.status_text, "back to the open one")
             await until(lambda: dash.pool_state in ("closed", "waiting") or dash.pool is not a, "a's end")
             return first, text_a, dash.notices
@@ -482,7 +484,9 @@ def test_a_dashboard_without_a_pool_follows_the_newest():
 
     first, text_a, notices = asyncio.run(main())
     assert "follow-a" in text_a
-    assert any("now showing the newest pool 'follow-b'" in n for n in notices), notices
+    # which pool is shown is said once, as it stands now: each switch's line replaced the one before
+    shown = [n for n in notices if "showing" in n or "was closed" in n]
+    assert len(shown) == 1 and "'follow-a'" in shown[0], notices
 
 
 def test_a_pool_closed_by_its_cells_rerun_reads_waiting_then_the_new_pool(monkeypatch):
@@ -612,3 +616,32 @@ def test_visibility_reports_are_bounded_and_a_stale_hidden_is_not_trusted():
     finally:
         dash.close()
         pool.close()
+
+
+def test_a_wait_stopped_in_this_kernel_is_said_in_the_dashboard():
+    """Kernel → Interrupt (SIGINT, as the kernel gets it) of `.result()`: the cell's one line, and
+    the dashboard's status says whose wait stopped and what became of the request."""
+    import os
+    import signal
+
+    from trio_widgets.futures import WaitInterrupted
+
+    with trio.LocalPool(min_cycle_s=0.02, name="wait-stop") as pool:
+        dash = trio.Dashboard(pool)
+        try:
+            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4,
+                                                                      user_metadata={"name": "mine"})
+            batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8]})]
+            with pool.hold():  # it stays queued: the wait stops, the request stays
+                future = tc.forward_backward(batch)
+                timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+                timer.start()
+                with pytest.raises(WaitInterrupted, match="it is still queued and will run"):
+                    future.result(timeout=60)
+                timer.join()
+            asyncio.run(until(lambda: any(n.startswith("mine: the wait for forward_backward stopped (interrupted); "
+                                                       "it is still queued and will run") for n in dash.notices),
+                              "the dashboard to say so", 30))
+            assert future.result(timeout=60).metrics  # it ran once the hold ended
+        finally:
+            dash.close()

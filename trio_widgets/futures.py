@@ -118,6 +118,8 @@ class WaitInterrupted(KeyboardInterrupt, asyncio.CancelledError):
             state = "it had not run and was withdrawn"
         elif future.done():
             state = "its result had arrived and stays in its future"
+        elif future.cycle is None:  # a `.result()` wait withdraws nothing
+            state = "it is still queued and will run; its future gets the result"
         else:
             state = "it was already in a cycle and runs to its end; its future gets the result"
         self.state = state

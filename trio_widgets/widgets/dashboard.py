@@ -48,6 +48,7 @@ from .. import pools
 from .._notebook import CellRegistry
 from ..advisor import Diagnosis, diagnose_telemetry
 from ..connect import DEFAULT_MODEL
+from ..futures import WaitInterrupted, on_wait_interrupted
 from ..loop import MODES, TrainingRun, run_endings
 from ..metrics import cycles_per_update, format_cycles, period_history
 from ..ops import OPS, UPDATE_OPS
@@ -229,6 +230,11 @@ class Dashboard(W.VBox):
         self._rates: deque[tuple[float, int]] = deque(maxlen=64)
         self._diagnoses: dict[str, Diagnosis] = {}
         self._notices: deque[tuple[str, bool]] = deque(maxlen=3)  # (html, bad): what just happened, one line each
+        # the line of each kind that says how things stand (which pool is shown): a newer one replaces it
+        self._notice_of_kind: dict[str, tuple[str, bool]] = {}
+        # waits for results that stopped in this process (Kernel → Interrupt), heard on their thread
+        self._interrupts: deque[WaitInterrupted] = deque(maxlen=8)
+        self._stop_hearing = on_wait_interrupted(self._interrupts.append)
         self._endings_seen = run_endings()[-1].seq if run_endings() else 0
         # every client this dashboard has drawn (bounded): a run on them ending is reported
         self._shown_ids: deque[str] = deque(maxlen=512)
@@ -365,9 +371,27 @@ class Dashboard(W.VBox):
                 log.exception("dashboard command %s failed", command)
                 self._error = f"{command}: {exc}"
 
-    def _notice(self, text: str, bad: bool = False) -> None:
-        """One line in the status where the user looks (plain text)."""
-        self._notices.append((text, bad))
+    def _notice(self, text: str, bad: bool = False, kind: str | None = None) -> None:
+        """One line in the status where the user looks (plain text). A line of a `kind` replaces
+        the previous line of that kind: it says how things stand now, not what happened."""
+        entry = (text, bad)
+        if kind is not None:
+            old = self._notice_of_kind.get(kind)
+            if old is not None and old in self._notices:
+                self._notices.remove(old)
+            self._notice_of_kind[kind] = entry
+        self._notices.append(entry)
+
+    def _hear_interrupts(self) -> None:
+        while self._interrupts:
+            exc = self._interrupts.popleft()
+            who = "your loop"
+            if exc.client_id is not None and self.pool is not None:
+                info = self.pool.telemetry.all_clients().get(exc.client_id)
+                if info is None:
+                    continue  # a client of another pool
+                who = self._label_of(exc.client_id, info.label)
+            self._notice(f"{who}: the wait for {exc.op} stopped (interrupted); {exc.state}", kind="interrupt")
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
@@ -510,6 +534,7 @@ class Dashboard(W.VBox):
             if not hidden:
                 self.controls.show_lanes(self._figs.first_lane, self._figs.lane_count, self._figs.lanes_visible)
         self._watch_runs()
+        self._hear_interrupts()
         now = time.perf_counter()
         if self.pool is not None and not self._pool_closed:
             self._rates.append((now, self.pool.telemetry.total_tokens))
@@ -611,7 +636,7 @@ class Dashboard(W.VBox):
             if successor is not None:
                 self._switch(successor)
                 self._notice(f"the cell that built pool {pool.name!r} ran again: now showing its new pool "
-                             f"{successor.name!r}")
+                             f"{successor.name!r}", kind="pool")
                 return
         if self.follow:
             newest = _newest_pool()
@@ -619,11 +644,11 @@ class Dashboard(W.VBox):
                     pool is None or pool.closed or getattr(newest, "serial", 0) > getattr(pool, "serial", 0)):
                 self._switch(newest)
                 if pool is None:
-                    self._notice(f"showing pool {newest.name!r}")
+                    self._notice(f"showing pool {newest.name!r}", kind="pool")
                 elif pool.closed:
-                    self._notice(f"pool {pool.name!r} was closed: now showing {newest.name!r}")
+                    self._notice(f"pool {pool.name!r} was closed: now showing {newest.name!r}", kind="pool")
                 else:
-                    self._notice(f"now showing the newest pool {newest.name!r} (was {pool.name!r})")
+                    self._notice(f"now showing the newest pool {newest.name!r} (was {pool.name!r})", kind="pool")
                 return
         if pool is not None and pool.closed and not self._pool_closed:
             self._on_pool_closed()
@@ -643,7 +668,12 @@ class Dashboard(W.VBox):
         if self._feed is not None:
             self._feed.close()
         assert self.pool is not None
-        self._notice(f"pool {self.pool.name!r} was closed" + (": waiting for a new one" if self.follow else ""))
+        if not threading.main_thread().is_alive():  # the interpreter is exiting (Kernel → Shut Down)
+            self._notice(f"pool {self.pool.name!r} was closed: the kernel shut down; this is its last picture",
+                         kind="pool")
+        else:
+            self._notice(f"pool {self.pool.name!r} was closed" + (": waiting for a new one" if self.follow else ""),
+                         kind="pool")
 
     def _update_header(self) -> None:
         title = f"{_CSS}<div class='trio-title'>{html.escape(self._title)}"
@@ -747,7 +777,9 @@ class Dashboard(W.VBox):
             label = view.label if view is not None else d.label
             badge = ("ok", "pipelined") if d.cause == "pipelined" else (
                 ("wait", "measuring") if d.cause == "warming-up" else ("waste" if d.wasted else "wait", d.cause))
-            rows.append(f"<div class='trio-adv-row'><span class='trio-dot' style='background:{color}'></span>"
+            # the evidence (what was measured, against which threshold) on hover
+            rows.append(f"<div class='trio-adv-row' title='{html.escape(d.evidence)}'>"
+                        f"<span class='trio-dot' style='background:{color}'></span>"
                         f"<b>{html.escape(label)}</b><span class='trio-badge {badge[0]}'>{badge[1]}</span>"
                         f"{html.escape(d.message)}</div>")
         body = "".join(rows) or "<i>waiting for training requests…</i>"
@@ -851,6 +883,7 @@ class Dashboard(W.VBox):
         if getattr(self, "_closed", True):  # closed, or its __init__ refused its arguments
             return
         self._stopping = True
+        self._stop_hearing()
         try:
             self._loop.call_soon_threadsafe(lambda: None)  # wake the pump
         except RuntimeError:
