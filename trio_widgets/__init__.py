@@ -86,6 +86,9 @@ from .types import (
     TensorDtype,
 )
 
+# It shadows the submodule: use `from trio_widgets.watch import ...`.
+from .watch import unwatch, watch
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -170,6 +173,8 @@ __all__ = [
     "TrainingRun",
     "run_sync",
     "train",
+    "unwatch",
+    "watch",
 ]
 
 

@@ -641,15 +641,18 @@ def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window:
     stall = float(statistics.median(gaps.get(u, 0.0) for u in range(1, len(updates))))
 
     n = len(updates)
+    # As the advisor: a stall from one cycle, and for naive / together loops from the cycles their
+    # shape wastes anyway; a cycle taken as half a round trip (the least one takes on a clock pool)
+    threshold = max(0.5, (STRUCTURE_PERIOD[structure] - 1) / 2)
     trips_text = f"{trips:g} round trip{'' if trips == 1 else 's'} per update"
     counts = "/".join(str(kinds.count(k)) for k in STRUCTURE_PERIOD)
     evidence = (f"{n} updates; steps naive/together/pipelined: {counts}; {trips_text}; up to {in_flight} requests "
                 f"in flight; round trip {round_trip * 1e3:.0f} ms "
-                f"(submit → result), next request {stall * 1e3:.0f} ms after a result (stall from half a round "
-                f"trip); {UNKNOWN}")
+                f"(submit → result), next request {stall * 1e3:.0f} ms after a result (stall from {threshold:g} "
+                f"round trips); {UNKNOWN}")
     made = functools.partial(WatchedDiagnosis, round_trips_per_update=trips, in_flight=in_flight,
                              round_trip_s=round_trip, stall_s=stall, updates=n, evidence=evidence)
-    if stall >= 0.5 * round_trip and (structure == "pipelined" or stall >= round_trip):
+    if stall >= threshold * round_trip:
         return made(
             cid, label, "stall",
             f"client-side stall: results were ready but your next request came {stall * 1e3:.0f} ms later (a round "
