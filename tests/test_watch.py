@@ -253,3 +253,19 @@ def test_shapes_from_records_alone(shape, trips, depth):
     for r in late:
         r.finished_at = r.delivered_at = r.queued_at + 1.0
     assert diagnose_watched(_loop("together") + late)["c"].cause == "pipelined"
+
+
+def test_a_future_of_a_client_is_watched_as_the_client_it_becomes(sdk, fast):
+    future = sdk.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=10)
+    watched = watch(future)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # watching it reads nothing deprecated
+        tc = watched.result(timeout=60)
+    assert unwatch(tc) is future.result()
+    watched = watch(future)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the SDK's deprecated "future as the client"
+        watched.forward_backward([datum(4)], "cross_entropy").result(timeout=60)
+    sampler = watched.result().save_weights_and_get_sampling_client()
+    sampler.sample(tt.ModelInput.from_ints([5, 6]), 1, tt.SamplingParams(max_tokens=2, seed=0)).result(timeout=60)
+    assert [r.op for r in watcher_of(watched.result()).records()] == ["forward_backward", "sample"]

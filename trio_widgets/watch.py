@@ -44,7 +44,7 @@ from .telemetry import ClientInfo, RequestRecord, Telemetry
 from .trace import chrome_trace, write_metrics_jsonl
 
 __all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
-           "diagnose_watched", "in_flight_depth", "round_trip_depths", "unwatch", "watch"]
+           "diagnose_watched", "in_flight_depth", "round_trip_depths", "unwatch", "watch", "watcher_of"]
 
 #: SDK versions whose client surface this module was checked against (tests/test_watch.py).
 SUPPORTED_SDKS: dict[str, tuple[str, ...]] = {"tinker": ("0.38.0",)}
@@ -316,9 +316,8 @@ def _async_submitter(op: str) -> Callable[..., Awaitable[Any]]:
         except BaseException as exc:
             self._watcher.resolved(record, error=exc)
             raise
-        future = getattr(out, "future", None)
-        if callable(future) and hasattr(out, "result_async"):  # an APIFuture: the training ops
-            self._watcher.track(record, future())
+        if _has(out, "future") and _has(out, "result_async"):  # an APIFuture: the training ops
+            self._watcher.track(record, out.future())
             return WatchedFuture(out, record)
         Watcher.asked(record, "async")  # a sampler's *_async returns the result itself
         self._watcher.resolved(record, out)
@@ -380,6 +379,12 @@ class WatchedClientFuture:
         return f"<watched {self._inner!r}>"
 
 
+def _has(obj: Any, name: str) -> bool:
+    """Whether `obj`'s class defines `name`: asked of the class, as the SDK's futures of clients
+    answer any other attribute by waiting for the client (deprecated, with a warning)."""
+    return hasattr(type(obj), name)
+
+
 def _training(client: Any, watcher: Watcher) -> WatchedTrainingClient:
     client_id = str(getattr(client, "model_id", "") or f"training-{id(client):x}")
     watcher.add_client(client_id, "training", label=client_id.split(":")[0][:13] or client_id)
@@ -393,14 +398,14 @@ def _sampling(client: Any, watcher: Watcher, parent: str | None = None) -> Watch
 
 
 def _wrap_training(out: Any, owner: _Proxy, watcher: Watcher) -> Any:
-    if hasattr(out, "forward_backward") and not hasattr(out, "_awaited_client"):
+    if _has(out, "forward_backward") and not _has(out, "result"):
         return _training(out, watcher)
     return WatchedClientFuture(out, lambda c: _training(c, watcher))
 
 
 def _wrap_sampling(out: Any, owner: _Proxy, watcher: Watcher) -> Any:
     parent = owner._client_id or None
-    if hasattr(out, "sample") and not hasattr(out, "_awaited_client"):
+    if _has(out, "sample") and not _has(out, "result"):
         return _sampling(out, watcher, parent)
     return WatchedClientFuture(out, lambda c: _sampling(c, watcher, parent))
 
@@ -457,20 +462,20 @@ def _check_sdk(client: Any, check_version: bool) -> None:
 def watch(client: Any, *, watcher: Watcher | None = None, check_version: bool = True) -> Any:
     """Watch a tinker ServiceClient, TrainingClient or SamplingClient (or a future of one): returns
     a proxy to use in its place, the same methods called the same way, every request recorded in
-    `proxy.watcher.telemetry` (a new :class:`Watcher` unless one is given: clients watched with
+    `watcher_of(proxy).telemetry` (a new :class:`Watcher` unless one is given: clients watched with
     the same watcher share its telemetry). Nothing of the SDK is modified."""
     if isinstance(client, (_Proxy, WatchedClientFuture)):
         raise UnsupportedSDKError("this client is already watched")
     _check_sdk(client, check_version)
     watcher = watcher if watcher is not None else Watcher()
-    if hasattr(client, "_awaited_client"):  # a future of a client: watch what it resolves to
-        sampling = hasattr(client, "sample")
+    if _has(client, "result"):  # a future of a client: watch what it resolves to
+        sampling = _has(client, "sample")
         return WatchedClientFuture(client, lambda c: (_sampling(c, watcher) if sampling else _training(c, watcher)))
-    if hasattr(client, "forward_backward"):
+    if _has(client, "forward_backward"):
         return _training(client, watcher)
-    if hasattr(client, "sample"):
+    if _has(client, "sample"):
         return _sampling(client, watcher)
-    if hasattr(client, "create_lora_training_client"):
+    if _has(client, "create_lora_training_client"):
         return WatchedServiceClient(client, watcher)
     raise UnsupportedSDKError(f"trio.watch does not know how to watch a {type(client).__qualname__}")
 
