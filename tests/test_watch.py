@@ -156,7 +156,8 @@ def test_sync_await_and_async_styles_and_samplers_are_recorded(sdk, fast):
     records = watcher.records()
     assert [(r.op, r.waited_by, r.status) for r in records] == [
         ("forward_backward", "result", "ok"), ("optim_step", "result", "ok"), ("forward_backward", "await", "ok"),
-        ("optim_step", "await", "ok"), ("sample", "await", "ok"), ("compute_logprobs", "await", "ok"),
+        ("optim_step", "await", "ok"), ("save_weights_for_sampler", "await", "ok"), ("sample", "await", "ok"),
+        ("compute_logprobs", "await", "ok"),
         ("sample", "async", "ok")]
     sampler_info = watcher.telemetry.client_info(records[-1].client_id)
     assert sampler_info.kind == "sampling" and sampler_info.parent == tc.model_id
@@ -268,4 +269,5 @@ def test_a_future_of_a_client_is_watched_as_the_client_it_becomes(sdk, fast):
         watched.forward_backward([datum(4)], "cross_entropy").result(timeout=60)
     sampler = watched.result().save_weights_and_get_sampling_client()
     sampler.sample(tt.ModelInput.from_ints([5, 6]), 1, tt.SamplingParams(max_tokens=2, seed=0)).result(timeout=60)
-    assert [r.op for r in watcher_of(watched.result()).records()] == ["forward_backward", "sample"]
+    assert [r.op for r in watcher_of(watched.result()).records()] == ["forward_backward", "save_weights_for_sampler",
+                                                                    "sample"]

@@ -327,17 +327,44 @@ def _async_submitter(op: str) -> Callable[..., Awaitable[Any]]:
     return method
 
 
-def _maker(name: str, wrap: Callable[[Any, Any, Watcher], Any], is_async: bool = False) -> Callable[..., Any]:
-    """A method returning a client (or a future of one), watched by the same watcher."""
+def _maker(name: str, wrap: Callable[[Any, Any, Watcher], Any], is_async: bool = False,
+           op: str | None = None) -> Callable[..., Any]:
+    """A method returning a client (or a future of one), watched by the same watcher; `op`: the
+    request it sends first (recorded until the client is ready)."""
+    def record(self: _Proxy) -> WatchedRequest | None:
+        return self._watcher.submitted(self._client_id, op) if op and self._watcher.active else None
+
     if is_async:
         async def amethod(self: _Proxy, *args: Any, **kwargs: Any) -> Any:
-            return wrap(await getattr(self._target, name)(*args, **kwargs), self, self._watcher)
+            sent = record(self)
+            try:
+                out = await getattr(self._target, name)(*args, **kwargs)
+            except BaseException as exc:
+                if sent is not None:
+                    self._watcher.resolved(sent, error=exc)
+                raise
+            if sent is not None:
+                Watcher.asked(sent, "async")
+                self._watcher.resolved(sent)
+            return wrap(out, self, self._watcher)
 
         amethod.__name__ = name
         return amethod
 
     def method(self: _Proxy, *args: Any, **kwargs: Any) -> Any:
-        return wrap(getattr(self._target, name)(*args, **kwargs), self, self._watcher)
+        sent = record(self)
+        try:
+            out = getattr(self._target, name)(*args, **kwargs)
+        except BaseException as exc:
+            if sent is not None:
+                self._watcher.resolved(sent, error=exc)
+            raise
+        watched = wrap(out, self, self._watcher)
+        if sent is not None:
+            self._watcher.track(sent, out.future())
+            if isinstance(watched, WatchedClientFuture):
+                watched.record = sent
+        return watched
 
     method.__name__ = name
     return method
@@ -346,12 +373,14 @@ def _maker(name: str, wrap: Callable[[Any, Any, Watcher], Any], is_async: bool =
 class WatchedClientFuture:
     """A future of a client (the SDK's Backcompat*ClientFuture): resolves to the watched client."""
 
-    __slots__ = ("_inner", "_wrap", "_client")
+    __slots__ = ("_inner", "_wrap", "_client", "record")
 
     def __init__(self, inner: Any, wrap: Callable[[Any], Any]):
         self._inner = inner
         self._wrap = wrap
         self._client: Any = None
+        #: the request the client waits for (a save_weights_and_get_sampling_client's save), if any
+        self.record: WatchedRequest | None = None
 
     def _watched(self, client: Any) -> Any:
         if self._client is None:
@@ -359,9 +388,13 @@ class WatchedClientFuture:
         return self._client
 
     def result(self, timeout: float | None = None) -> Any:
+        if self.record is not None:
+            Watcher.asked(self.record, "result")
         return self._watched(self._inner.result(timeout))
 
     async def result_async(self, timeout: float | None = None) -> Any:
+        if self.record is not None:
+            Watcher.asked(self.record, "await")
         return self._watched(await self._inner.result_async(timeout))
 
     def future(self) -> Any:
@@ -431,9 +464,10 @@ for _cls in (WatchedTrainingClient, WatchedSamplingClient):
     for _op in _cls._ops:
         setattr(_cls, _op, _submitter(_op))
         setattr(_cls, f"{_op}_async", _async_submitter(_op))
-for _name in ("create_sampling_client", "save_weights_and_get_sampling_client"):
-    setattr(WatchedTrainingClient, _name, _maker(_name, _wrap_sampling))
-    setattr(WatchedTrainingClient, f"{_name}_async", _maker(f"{_name}_async", _wrap_sampling, True))
+for _name, _sent in (("create_sampling_client", None), ("save_weights_and_get_sampling_client",
+                                                      "save_weights_for_sampler")):
+    setattr(WatchedTrainingClient, _name, _maker(_name, _wrap_sampling, op=_sent))
+    setattr(WatchedTrainingClient, f"{_name}_async", _maker(f"{_name}_async", _wrap_sampling, True, _sent))
 for _name in ("create_lora_training_client", "create_training_client_from_state",
               "create_training_client_from_state_with_optimizer"):
     setattr(WatchedServiceClient, _name, _maker(_name, _wrap_training))
