@@ -639,9 +639,9 @@ def test_a_wait_stopped_in_this_kernel_is_said_in_the_dashboard():
                 with pytest.raises(WaitInterrupted, match="it is still queued and will run"):
                     future.result(timeout=60)
                 timer.join()
-            asyncio.run(until(lambda: any(n.startswith("mine: the wait for forward_backward stopped (interrupted); "
-                                                       "it is still queued and will run") for n in dash.notices),
-                              "the dashboard to say so", 30))
+            said = re.compile(r"mine: the wait for forward_backward \(request #\d+\) stopped \(interrupted\); "
+                              r"it is still queued and will run")
+            asyncio.run(until(lambda: any(said.match(n) for n in dash.notices), "the dashboard to say so", 30))
             assert future.result(timeout=60).metrics  # it ran once the hold ended
         finally:
             dash.close()

@@ -112,6 +112,7 @@ class WaitInterrupted(KeyboardInterrupt, asyncio.CancelledError):
 
     def __init__(self, future: APIFuture) -> None:
         self.op = future.op
+        self.request_id = future.request_id
         self.client_id: str | None = getattr(future._scheduled, "client_id", None)
         what = f"{future.op} (request #{future.request_id})" if future.request_id is not None else future.op
         if future.cancelled():

@@ -391,7 +391,8 @@ class Dashboard(W.VBox):
                 if info is None:
                     continue  # a client of another pool
                 who = self._label_of(exc.client_id, info.label)
-            self._notice(f"{who}: the wait for {exc.op} stopped (interrupted); {exc.state}", kind="interrupt")
+            what = f"{exc.op} (request #{exc.request_id})" if exc.request_id is not None else exc.op
+            self._notice(f"{who}: the wait for {what} stopped (interrupted); {exc.state}", kind="interrupt")
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
@@ -797,6 +798,10 @@ class Dashboard(W.VBox):
         self._expect_views += 1
         self._displayed_at = time.perf_counter()
         self._bokeh.live = False
+        # A new view is in the output of the cell that runs now, where the notebook looks: it
+        # counts as seen (a busy kernel may not hear it say so until the cell ends) until the
+        # page reports again, whatever the other views said (scrolled away: Run All moved on).
+        self._bokeh.visibility = {}
         return super()._repr_mimebundle_(**kwargs)
 
     def _ipython_display_(self) -> None:
