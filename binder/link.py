@@ -104,6 +104,10 @@ def repository_url(root: Path = ROOT) -> tuple[str, str]:
             return url, f"pyproject.toml [project.urls] {label}"
     url = _git(root, "remote", "get-url", "origin")
     if url:
+        try:
+            binder_url(url)
+        except ValueError:  # a clone of a local path (a CI checkout): nothing Binder can build
+            raise NotPublished from None
         return url, "git remote origin"
     raise NotPublished
 
