@@ -645,3 +645,33 @@ def test_a_wait_stopped_in_this_kernel_is_said_in_the_dashboard():
             assert future.result(timeout=60).metrics  # it ran once the hold ended
         finally:
             dash.close()
+
+
+def test_a_message_crossing_a_dashboards_close_is_dropped_without_a_warning():
+    """The page may send to a widget in the instant after the kernel closed it (the two cross on
+    the wire). For the dashboard's own comms the kernel says nothing; any other comm still gets
+    the comm manager's "No such comm" (which JupyterLab shows in red)."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        _execute(kc, KERNEL_SETUP, "setup")
+        text, _ = _execute(kc, "print(json.dumps([w.model_id for w in [dash, *dash.widgets]]))", "ids")
+        ids = json.loads(text.strip().splitlines()[-1])
+        _execute(kc, "dash.close(); pool.close()", "close")
+        stranger = "f" * 32
+
+        def said_after(comm_id: str) -> list[str]:
+            kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {
+                "method": "custom", "content": {"event": "late"}}}))
+            # a cell after it: its idle says the kernel has handled the comm message before it
+            _, seen = _execute(kc, "pass", "after")
+            return [m["content"]["text"] for m in seen if m["msg_type"] == "stream"
+                    and "No such comm" in m["content"]["text"]]
+
+        assert any(stranger in t for t in said_after(stranger))  # the kernel does say it
+        for comm_id in ids:
+            assert said_after(comm_id) == [], comm_id
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -316,10 +316,14 @@ class LabPage:
     #: ("jupyter.widget.control"): before ipywidgets is imported the kernel answers "No such
     #: comm" to those, in any notebook. Not the dashboard's doing: see `own_comm_errors`.
     probe_comms: set[str] = field(default_factory=set)
+    #: comm id -> the start of the last comm message the page sent to it (to say who sent late)
+    last_sent: dict[str, str] = field(default_factory=dict)
 
     def own_comm_errors(self) -> list[str]:
-        """Comm errors other than the widget manager's probe of a kernel without ipywidgets."""
-        return [e for e in self.comm_errors if "jupyter.widget.control" not in e
+        """Comm errors other than the widget manager's probe of a kernel without ipywidgets,
+        each with what the page last sent to that comm."""
+        return [f"{e} (the page last sent it: {self.last_sent.get(e.rsplit(' ', 1)[-1], '?')})"
+                for e in self.comm_errors if "jupyter.widget.control" not in e
                 and not any(c in e for c in self.probe_comms)]
 
     def messages(self) -> list[str]:
@@ -526,6 +530,11 @@ def open_notebook(
         text = payload.decode("utf-8", "replace") if isinstance(payload, bytes) else payload
         if "jupyter.widget.control" in text:
             lp.probe_comms.update(re.findall(r'"comm_id":\s*"([^"]+)"', text))
+        for comm_id in re.findall(r'"comm_id":\s*"([^"]+)"', text)[:1]:
+            lp.last_sent.pop(comm_id, None)
+            lp.last_sent[comm_id] = text[:600]
+            while len(lp.last_sent) > 256:
+                del lp.last_sent[next(iter(lp.last_sent))]
 
     def on_ws(ws: Any) -> None:
         ws.on("framereceived", on_frame)

@@ -54,6 +54,7 @@ from ..metrics import cycles_per_update, format_cycles, period_history
 from ..ops import OPS, UPDATE_OPS
 from ..trace import metrics_rows, write_chrome_trace, write_metrics_jsonl
 from ._bokeh_setup import batched_bokeh_widget
+from ._comms import closing
 from .controls import INT_RANGES, Controls, check_setting
 from .feed import TelemetryFeed
 from .figures import CLIENT_COLORS, DashboardFigures
@@ -910,6 +911,7 @@ class Dashboard(W.VBox):
             except Exception:
                 log.exception("could not leave a snapshot of the dashboard")
         owned, self._owned = self._owned, []
+        closing([self, *owned])
         super().close()
         for w in owned:
             w.close()
