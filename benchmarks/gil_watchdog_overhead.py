@@ -32,7 +32,7 @@ import time
 
 import trio_widgets as trio
 from trio_widgets.data import addition_batches
-from trio_widgets.engine.gil import GilWatchdog, RunMeter
+from trio_widgets.gil import GilWatchdog, RunMeter
 
 
 async def throughput(phase_s: float, rounds: int, interval_s: float | None

@@ -20,7 +20,7 @@ import weakref
 from conftest import random_batch
 
 import trio_widgets as trio
-from trio_widgets.engine.gil import GilWatchdog, RunMeter, is_user_file, user_frames
+from trio_widgets.gil import GilWatchdog, RunMeter, is_user_file, user_frames
 from trio_widgets.telemetry import GilStall, Telemetry, UserFrame
 from trio_widgets.trace import chrome_trace, metrics_rows
 
@@ -192,7 +192,7 @@ def test_user_code_is_told_from_libraries():
 def test_a_stretch_is_blamed_on_user_code_over_the_library_it_calls():
     """Notebook 06's case: the loop's thread spent more samples in trio's validation (its batch being
     checked, no user frame on the stack) than in the user's loader; the loader is named."""
-    from trio_widgets.engine.gil import _as_stall, _Stretch
+    from trio_widgets.gil import _as_stall, _Stretch
     from trio_widgets.telemetry import UserFrame
 
     stretch = _Stretch(0.0)

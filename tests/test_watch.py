@@ -44,6 +44,23 @@ pool, server, sdk, fast = serve_tests.pool, serve_tests.server, serve_tests.sdk,
 ADAM, datum = serve_tests.ADAM, serve_tests.datum
 
 
+@pytest.fixture
+def watching():
+    """`watch`, with every watcher it made closed (its GIL watchdog stopped) after the test."""
+    made = []
+
+    def watch_(client, **kwargs):
+        w = watch(client, **kwargs)
+        made.append(w)
+        return w
+
+    yield watch_
+    for w in made:
+        watcher = watcher_of(w.result() if hasattr(type(w), "result") else w)
+        watcher.close()
+        assert watcher.watchdog is None or not watcher.watchdog.thread.is_alive()
+
+
 # The loop shapes of tests/served.py, one client each, written as a user would.
 def naive(tc, n=5):
     for i in range(n):
@@ -82,11 +99,11 @@ def stalled(tc):
 SHAPES = {"naive": (naive, 1), "together": (together, 2), "pipelined": (pipelined, 4), "stall": (stalled, None)}
 
 
-def test_the_watchers_diagnosis_is_the_pools_for_each_loop_shape(sdk, server, pool):
-    """Three runs of the three shapes and a stalled loop at once (a client each): the cause, round trips
+def test_the_watchers_diagnosis_is_the_pools_for_each_loop_shape(sdk, server, pool, watching):
+    """Ten runs of the three shapes and a stalled loop at once (a client each): the cause, round trips
     per update and in-flight depth from the client's side equal what the pool's telemetry says, every time."""
-    watched = watch(sdk)
-    for run in range(3):
+    watched = watching(sdk)
+    for run in range(10):
         clients = {name: watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=run).result()
                    for name in SHAPES}
         errors: list[BaseException] = []
@@ -119,8 +136,47 @@ def test_the_watchers_diagnosis_is_the_pools_for_each_loop_shape(sdk, server, po
             assert d.cause == "pipelined" or d.wasted
 
 
-def test_sync_await_and_async_styles_and_samplers_are_recorded(sdk, fast):
-    watched = watch(sdk)
+def busy_loop_batches(n: int, cpu_s: float):
+    """A loader whose Python holds the interpreter `cpu_s` seconds per batch (in the loop's thread)."""
+    for i in range(n):
+        start, x = time.perf_counter(), 0
+        while time.perf_counter() - start < cpu_s:
+            x += 1
+        yield [datum(i)]
+
+
+def test_a_gil_heavy_loader_is_named_gil_by_the_watcher_and_the_pool_every_time(sdk, server, pool, watching):
+    """The pool is served from this process (a notebook serving its room, training there too): a
+    loader's Python starves the pool's clock and the SDK's threads alike. Ten runs: the watcher says
+    gil, naming the loader, from its own watchdog and the client-side records; the pool says the same
+    from its cycles."""
+    watched = watching(sdk)
+    pool.min_cycle_s = 0.1
+    try:
+        outcomes = []
+        for run in range(10):
+            tc = watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=run).result()
+            previous = None
+            for batch in busy_loop_batches(12, cpu_s=0.1):
+                current = (tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM))
+                if previous is not None:
+                    previous[0].result(timeout=120)
+                    previous[1].result(timeout=120)
+                previous = current
+            previous[1].result(timeout=120)
+            mine = watcher_of(watched).diagnose()[tc.model_id]
+            theirs = diagnose_telemetry(pool.telemetry, pool.min_cycle_s)[server.clients()[tc.model_id]]
+            outcomes.append((mine.cause, mine.gil_frames[0].function if mine.gil_frames else None,
+                             theirs.cause, theirs.gil_frames[0].function if theirs.gil_frames else None,
+                             mine.evidence, mine.message))
+    finally:
+        pool.min_cycle_s = serve_tests.CYCLE_S
+    assert [o[:4] for o in outcomes] == [("gil", "busy_loop_batches") * 2] * 10, outcomes
+    assert all("your Python held the interpreter" in o[5] and "busy_loop_batches" in o[5] for o in outcomes)
+
+
+def test_sync_await_and_async_styles_and_samplers_are_recorded(sdk, fast, watching):
+    watched = watching(sdk)
     watcher = watcher_of(watched)
     tc = watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=7).result()
     # sync: the result is available (the SDK's future resolved) before the loop asks for it
@@ -194,6 +250,7 @@ def test_watching_changes_nothing_of_the_sdk_and_unwatch_hands_the_client_back(s
     w.optim_step(ADAM).result(timeout=60)
     assert w.model_id == tc.model_id and len(watcher_of(w).records()) == 2
     assert unwatch(w) is tc
+    assert not watcher_of(w).watchdog.thread.is_alive()  # its GIL watchdog stopped with it
     w.forward_backward([datum(3)], "cross_entropy").result(timeout=60)  # passes through, unrecorded
     assert len(watcher_of(w).records()) == 2
     after = {cls: dict(vars(cls)) for cls in classes}
@@ -204,7 +261,7 @@ def test_watching_changes_nothing_of_the_sdk_and_unwatch_hands_the_client_back(s
                                                      if k != "_request_id_counter" and k != "_turn_counter")
 
 
-def test_what_it_cannot_watch_is_refused_clearly(sdk, monkeypatch):
+def test_what_it_cannot_watch_is_refused_clearly(sdk, monkeypatch, watching):
     with pytest.raises(UnsupportedSDKError, match="official SDKs' clients"):
         watch(object())
     with pytest.raises(UnsupportedSDKError, match="official SDKs' clients"):
@@ -213,9 +270,9 @@ def test_what_it_cannot_watch_is_refused_clearly(sdk, monkeypatch):
     with pytest.raises(UnsupportedSDKError, match=r"checked against tinker 0\.0\.1, not the installed 0\.38\.0.*"
                                                   r"check_version=False"):
         watch(sdk)
-    assert watch(sdk, check_version=False) is not None
+    watched = watching(sdk, check_version=False)
     with pytest.raises(UnsupportedSDKError, match="already watched"):
-        watch(watch(sdk, check_version=False))
+        watch(watched)
 
 
 def _loop(shape: str, n: int = 8, rt: float = 1.0) -> list[WatchedRequest]:
@@ -256,14 +313,14 @@ def test_shapes_from_records_alone(shape, trips, depth):
     assert diagnose_watched(_loop("together") + late)["c"].cause == "pipelined"
 
 
-def test_a_future_of_a_client_is_watched_as_the_client_it_becomes(sdk, fast):
+def test_a_future_of_a_client_is_watched_as_the_client_it_becomes(sdk, fast, watching):
     future = sdk.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=10)
-    watched = watch(future)
+    watched = watching(future)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # watching it reads nothing deprecated
         tc = watched.result(timeout=60)
     assert unwatch(tc) is future.result()
-    watched = watch(future)
+    watched = watching(future)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the SDK's deprecated "future as the client"
         watched.forward_backward([datum(4)], "cross_entropy").result(timeout=60)

@@ -40,7 +40,8 @@ from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cy
 from .ops import OPS, UPDATE_OPS
 from .telemetry import ClientInfo, CycleRecord, GilStall, RequestRecord, Telemetry, UserFrame
 
-__all__ = ["Diagnosis", "cycle_seconds", "diagnose", "diagnose_client", "diagnose_telemetry", "recent_records"]
+__all__ = ["Diagnosis", "cycle_seconds", "diagnose", "diagnose_client", "diagnose_telemetry", "gil_held", "gil_where",
+           "recent_records", "recent_stalls", "segment_start", "step_kinds", "update_pairs"]
 
 Cause = Literal["pipelined", "naive", "together", "stall", "gil", "sampling", "warming-up", "slow"]
 
@@ -97,17 +98,20 @@ def cycle_seconds(cycles: Iterable[CycleRecord], default: float | None = None) -
     return cycle_duration((c.ended_at - c.started_at for c in cycles), default=default)
 
 
-def _delivered(record: RequestRecord) -> bool:
-    return record.delivered_at is not None and record.status in ("ok", "error") and record.cycle is not None
+def _delivered(record: RequestRecord, need_cycle: bool) -> bool:
+    return (record.delivered_at is not None and record.status in ("ok", "error")
+            and (record.cycle is not None or not need_cycle))
 
 
 def _delivered_at(record: RequestRecord) -> float:
-    """When a record `_updates` kept was delivered (always set for those)."""
+    """When a record `update_pairs` kept was delivered (always set for those)."""
     return record.delivered_at if record.delivered_at is not None else float("inf")
 
 
-def _updates(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, RequestRecord | None]]:
-    """(forward_backward, its optim_step or None) in submission order, delivered ones only."""
+def update_pairs(records: Sequence[RequestRecord], *, need_cycle: bool = True
+                 ) -> list[tuple[RequestRecord, RequestRecord | None]]:
+    """(forward_backward, its optim_step or None) in submission order, delivered ones only
+    (`need_cycle`: that a pool ran, as a pool's records say; records seen from a client have none)."""
     updates: list[list] = []
     for record in records:
         if record.op in UPDATE_OPS:
@@ -115,10 +119,25 @@ def _updates(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, Requ
         elif _is_step(record.op) and updates and updates[-1][1] is None:
             updates[-1][1] = record
     return [(fb, opt) for fb, opt in updates
-            if _delivered(fb) and fb.status == "ok" and (opt is None or _delivered(opt))]
+            if _delivered(fb, need_cycle) and fb.status == "ok" and (opt is None or _delivered(opt, need_cycle))]
 
 
-def _segment_start(kinds: Sequence[str]) -> int:
+def step_kinds(updates: Sequence[tuple[RequestRecord, RequestRecord | None]]) -> list[str]:
+    """The loop's structure at each step from one update to the next (the STRUCTURE_PERIOD names):
+    naive when optim_step came after forward_backward's result, together when the next batch came
+    after both results, else pipelined. From submit and delivery times alone."""
+    kinds: list[str] = []
+    for (fb, opt), (nxt, _) in zip(updates, updates[1:]):
+        fb_done = _delivered_at(fb)
+        if opt is not None and opt.queued_at > fb_done:
+            kinds.append("naive")
+        else:
+            last = max(fb_done, _delivered_at(opt) if opt is not None else fb_done)
+            kinds.append("together" if nxt.queued_at >= last else "pipelined")
+    return kinds
+
+
+def segment_start(kinds: Sequence[str]) -> int:
     """The first update of the current segment. kinds[i] is the structure of the step from
     update i to i+1; when the last two or more agree and differ from most of those before
     (the loop changed mode), the segment starts at that run's first update."""
@@ -171,13 +190,26 @@ def _gil(updates: Sequence[tuple[RequestRecord, RequestRecord | None]], cycles: 
     if share < GIL_SHARE:
         return None
     t0, t1 = min(c.started_at for c in mine), max(c.ended_at for c in mine)
+    held = gil_held(stalls, t0, t1)
+    if held is None or held[0] < GIL_COVERAGE:
+        return None
+    coverage, culprit = held
+    wait = statistics.median(c.gil_wait_s for c in mine)
+    compute = statistics.median(c.cpu_s for c in mine)
+    cycle = statistics.median(c.ended_at - c.started_at for c in mine)
+    return share, coverage, wait, compute, cycle, culprit
+
+
+def gil_held(stalls: Sequence[GilStall], t0: float, t1: float) -> tuple[float, GilStall] | None:
+    """(the share of [t0, t1] other threads' Python held the interpreter, by the GIL watchdog's
+    stalls; the culprit's latest stall), or None without stalls then. The culprit: the function
+    whose stalls covered the most of that time; user code first (a library's frame names it only
+    when no stall had user code)."""
     inside = [s for s in stalls if s.ended_at > t0 and s.started_at < t1]
+    if not inside or t1 <= t0:
+        return None
     held = _union((max(s.started_at, t0), min(s.ended_at, t1)) for s in inside)
     coverage = sum(b - a for a, b in held) / (t1 - t0)
-    if coverage < GIL_COVERAGE:
-        return None
-    # The culprit: the function whose stalls covered the most of that time; its latest frames.
-    # User code first: a library's frame names the culprit only when no stall had user code.
     named = [s for s in inside if s.frames and s.frames[0].user] or inside
     weight: dict[tuple[str, str], float] = {}
     latest: dict[tuple[str, str], GilStall] = {}
@@ -185,23 +217,24 @@ def _gil(updates: Sequence[tuple[RequestRecord, RequestRecord | None]], cycles: 
         key = (stall.frames[0].file, stall.frames[0].function) if stall.frames else (stall.thread, "")
         weight[key] = weight.get(key, 0.0) + min(stall.ended_at, t1) - max(stall.started_at, t0)
         latest[key] = stall
-    culprit = latest[max(weight, key=lambda k: weight[k])]
-    wait = statistics.median(c.gil_wait_s for c in mine)
-    compute = statistics.median(c.cpu_s for c in mine)
-    cycle = statistics.median(c.ended_at - c.started_at for c in mine)
-    return share, coverage, wait, compute, cycle, culprit
+    return coverage, latest[max(weight, key=lambda k: weight[k])]
+
+
+def gil_where(culprit: GilStall) -> str:
+    """Where the culprit's Python ran, in words: its function, cell line and caller."""
+    frames = culprit.frames
+    if not frames:
+        return f"in thread {culprit.thread!r}"
+    top = frames[0]
+    where = top.where if top.function == "<module>" else f"in `{top.function}`, {top.where}"
+    caller = next((f for f in frames[1:] if f.function not in (top.function, "<module>")), None)
+    if caller is not None:
+        where += f", called from `{caller.function}`"
+    return where
 
 
 def _gil_message(wait: float, compute: float, cycle: float, culprit: GilStall) -> str:
-    frames = culprit.frames
-    if frames:
-        top = frames[0]
-        where = top.where if top.function == "<module>" else f"in `{top.function}`, {top.where}"
-        caller = next((f for f in frames[1:] if f.function not in (top.function, "<module>")), None)
-        if caller is not None:
-            where += f", called from `{caller.function}`"
-    else:
-        where = f"in thread {culprit.thread!r}"
+    where = gil_where(culprit)
     ratio = (compute + wait) / max(compute, 1e-3)
     return (f"your Python held the interpreter for ~{wait * 1e3:.0f} ms of each {cycle * 1e3:.0f} ms cycle "
             f"({where}); the pool shares this process, so its cycles ran {_ratio(ratio)} longer than their "
@@ -219,21 +252,14 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     records = sorted(records, key=lambda r: r.request_id)
     client_id = client_id or (records[0].client_id if records else "")
     label = label or client_id
-    updates = _updates(records)[-(window + 1):]
+    updates = update_pairs(records)[-(window + 1):]
     if len(updates) < MIN_UPDATES:
         return Diagnosis(client_id, label, "warming-up", "measuring: waiting for a few updates",
                          updates=len(updates), evidence=f"{len(updates)} of {MIN_UPDATES} updates measured")
 
     # Loop structure of each step from one update to the next; then the current segment only.
-    kinds: list[str] = []
-    for (fb, opt), (nxt, _) in zip(updates, updates[1:]):
-        fb_done = _delivered_at(fb)
-        if opt is not None and opt.queued_at > fb_done:
-            kinds.append("naive")
-        else:
-            last = max(fb_done, _delivered_at(opt) if opt is not None else fb_done)
-            kinds.append("together" if nxt.queued_at >= last else "pipelined")
-    start = _segment_start(kinds)
+    kinds = step_kinds(updates)
+    start = segment_start(kinds)
     # The GIL is judged over the whole window, not the loop's current segment: a loader's
     # Python stretches cycles whatever the loop's shape, and a heavy loader makes a loop
     # flip between shapes (the last updates, after it yielded its last batch, run clean).
@@ -374,10 +400,10 @@ def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
     return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),
-                    window=window, cycles=cycles, stalls=_stalls(telemetry))
+                    window=window, cycles=cycles, stalls=recent_stalls(telemetry))
 
 
-def _stalls(telemetry: Telemetry) -> list[GilStall]:
+def recent_stalls(telemetry: Telemetry) -> list[GilStall]:
     """The recent GIL stalls and the one going on now (the latest cycles' evidence)."""
     stalls = list(telemetry.gil)[-RECENT_STALLS:]
     ongoing = telemetry.gil_ongoing

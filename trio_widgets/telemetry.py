@@ -48,7 +48,7 @@ class CycleRecord:
     cpu_s: float = 0.0
     # Seconds the clock thread waited to run beyond what it asked for: off a CPU and out of
     # the OS run queue while it worked (for the GIL, or a disk write), plus how late its
-    # end-of-cycle sleep woke. See trio_widgets/engine/gil.py.
+    # end-of-cycle sleep woke. See trio_widgets/gil.py.
     gil_wait_s: float = 0.0
 
 
@@ -106,7 +106,7 @@ class UserFrame:
 @dataclass(slots=True)
 class GilStall:
     """A stretch in which another thread's Python held the interpreter (GIL) while the pool's
-    threads waited: the watchdog's heartbeats woke late throughout (trio_widgets/engine/gil.py)."""
+    threads waited: the watchdog's heartbeats woke late throughout (trio_widgets/gil.py)."""
 
     started_at: float
     ended_at: float

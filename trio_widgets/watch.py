@@ -19,8 +19,9 @@ trace draws). They go into a bounded :class:`~trio_widgets.telemetry.Telemetry`
 rules and Cause names: naive, together, pipelined; a client-side stall), counts round trips per
 update (the longest chain of "waited for a result, then submitted" per update) and the depth of
 requests in flight, and says what it cannot know: where a server's cycles begin and end, so no
-"cycles per update". The GIL watchdog (trio_widgets/engine/gil.py) lives in the engine, which a
-client-only install (no torch) does not have: this module does not start it.
+"cycles per update". A Watcher runs the GIL watchdog (trio_widgets/gil.py) in this process: when
+the user's own Python holds the interpreter, the SDK's threads (sending requests, reading results)
+wait for it, and its stalls name the function and cell line, as the pool's advisor does.
 """
 
 from __future__ import annotations
@@ -33,14 +34,27 @@ import math
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .advisor import MIN_UPDATES, STRUCTURE_PERIOD, Cause
+from .advisor import (
+    GIL_COVERAGE,
+    MIN_UPDATES,
+    STRUCTURE_PERIOD,
+    Cause,
+    gil_held,
+    gil_where,
+    recent_stalls,
+    segment_start,
+    step_kinds,
+    update_pairs,
+)
+from .gil import GilWatchdog
 from .metrics import PERIOD_WINDOW, batch_weight, json_safe, record_loss
 from .ops import OPS, UPDATE_OPS
-from .telemetry import ClientInfo, RequestRecord, Telemetry
+from .telemetry import ClientInfo, GilStall, RequestRecord, Telemetry, UserFrame
 from .trace import chrome_trace, write_metrics_jsonl
 
 __all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
@@ -51,7 +65,7 @@ SUPPORTED_SDKS: dict[str, tuple[str, ...]] = {"tinker": ("0.38.0",)}
 
 #: What a client-side view cannot know, said wherever it diagnoses.
 UNKNOWN = ("not visible from the client: the server's cycle boundaries (so no cycles per update, only round "
-           "trips) and its queue; GIL starvation is not watched here (the watchdog is the engine's)")
+           "trips) and its queue")
 
 
 class UnsupportedSDKError(TypeError):
@@ -71,15 +85,30 @@ class WatchedRequest(RequestRecord):
 
 # -- the recorder -------------------------------------------------------------------------------
 
-class Watcher:
-    """Records what watched clients submit, into `telemetry` (bounded ring buffers)."""
+_WATCHERS = itertools.count(1)
 
-    def __init__(self, capacity: int = 4096, telemetry: Telemetry | None = None):
+
+class Watcher:
+    """Records what watched clients submit, into `telemetry` (bounded ring buffers), and runs the
+    GIL watchdog (thread ``trio-gil-watch-N``; `gil=False`: none) until `close()` (or `unwatch`,
+    or the watcher is dropped)."""
+
+    def __init__(self, capacity: int = 4096, telemetry: Telemetry | None = None, *, gil: bool = True):
         self.telemetry = telemetry if telemetry is not None else Telemetry(capacity)
         self.active = True
         self._ids = itertools.count(1)
         self._samplers = itertools.count(1)
         self._lock = threading.Lock()
+        self.watchdog: GilWatchdog | None = None
+        if gil:
+            self.watchdog = GilWatchdog(self.telemetry, f"watch-{next(_WATCHERS)}").start()
+            weakref.finalize(self, self.watchdog.stop, 0)
+
+    def close(self) -> None:
+        """Stop recording (requests already submitted still get their result time) and the watchdog."""
+        self.active = False
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     # writers
     def add_client(self, client_id: str, kind: str, label: str = "", parent: str | None = None,
@@ -140,7 +169,8 @@ class Watcher:
         return [r for r in list(self.telemetry.requests) if isinstance(r, WatchedRequest)]
 
     def diagnose(self, window: int = PERIOD_WINDOW) -> dict[str, WatchedDiagnosis]:
-        return diagnose_watched(self.records(), self.telemetry.all_clients(), window=window)
+        return diagnose_watched(self.records(), self.telemetry.all_clients(), window=window,
+                                stalls=recent_stalls(self.telemetry))
 
     def chrome_trace(self, name: str = "tinker client (watched)") -> dict[str, Any]:
         """The Perfetto / Chrome trace: a lane per client with a bar per request (submitted →
@@ -525,7 +555,7 @@ def unwatch(watched: Any) -> Any:
     never modified, so nothing needs restoring."""
     if not isinstance(watched, _Proxy):
         raise TypeError(f"not a watched client: {watched!r}")
-    watcher_of(watched).active = False
+    watcher_of(watched).close()
     return object.__getattribute__(watched, "_target")
 
 
@@ -548,28 +578,19 @@ class WatchedDiagnosis:
     round_trip_s: float | None = None
     stall_s: float | None = None
     updates: int = 0
+    #: gil: the share of the loop's time the user's Python held the interpreter, and where it ran
+    gil_share: float | None = None
+    gil_frames: tuple[UserFrame, ...] = ()
     evidence: str = ""
     unknown: str = UNKNOWN
 
     @property
     def wasted(self) -> bool:
-        return self.cause in ("naive", "together", "stall", "slow")
+        return self.cause in ("naive", "together", "stall", "slow", "gil")
 
 
 def _done(r: RequestRecord) -> float:
     return r.delivered_at if r.delivered_at is not None else math.inf
-
-
-def _updates_of(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, RequestRecord | None]]:
-    """(forward_backward, the optim_step after it) in submission order, both finished."""
-    pairs: list[list[Any]] = []
-    for r in records:
-        if r.op in UPDATE_OPS:
-            pairs.append([r, None])
-        elif OPS.get(r.op) is not None and OPS[r.op].is_step and pairs and pairs[-1][1] is None:
-            pairs[-1][1] = r
-    return [(fb, opt) for fb, opt in pairs
-            if fb.status == "ok" and fb.delivered_at is not None and (opt is None or opt.delivered_at is not None)]
 
 
 def round_trip_depths(records: Sequence[RequestRecord]) -> dict[int, int]:
@@ -607,52 +628,35 @@ def in_flight_depth(records: Iterable[RequestRecord], ops: Iterable[str] | None 
     return max((d for _, d in _depth_steps(chosen)), default=0)
 
 
-def _step_kinds(updates: Sequence[tuple[RequestRecord, RequestRecord | None]]) -> list[str]:
-    """The advisor's rule, per step from one update to the next."""
-    kinds = []
-    for (fb, opt), (nxt, _) in zip(updates, updates[1:]):
-        if opt is not None and opt.queued_at > _done(fb):
-            kinds.append("naive")
-        else:
-            last = max(_done(fb), _done(opt) if opt is not None else _done(fb))
-            kinds.append("together" if nxt.queued_at >= last else "pipelined")
-    return kinds
-
-
-def _current_segment(kinds: Sequence[str]) -> int:
-    """Where the loop's current mode began: the last run of equal step kinds, when it is at least
-    two long and most earlier steps were of another kind (as the advisor segments)."""
-    tail = len(kinds) - 1
-    while tail > 0 and kinds[tail - 1] == kinds[-1]:
-        tail -= 1
-    run, earlier = len(kinds) - tail, list(kinds[:tail])
-    if run >= 2 and earlier and statistics.mode(earlier) != kinds[-1]:
-        return tail
-    return 0
-
-
 def diagnose_watched(records: Iterable[RequestRecord], clients: dict[str, ClientInfo] | None = None, *,
-                     window: int = PERIOD_WINDOW) -> dict[str, WatchedDiagnosis]:
-    """One diagnosis per client that sent forward_backward, from client-side records alone."""
+                     window: int = PERIOD_WINDOW, stalls: Sequence[GilStall] = ()) -> dict[str, WatchedDiagnosis]:
+    """One diagnosis per client that sent forward_backward, from client-side records alone
+    (`stalls`: the GIL watchdog's, of this process, to tell the user's Python starving the SDK)."""
     by_client: dict[str, list[RequestRecord]] = {}
     for r in records:
         by_client.setdefault(r.client_id, []).append(r)
+    # only the user's own Python: the SDK's and trio's threads run Python for the requests themselves
+    mine_held = [s for s in stalls if s.frames and s.frames[0].user]
     out = {}
     for cid, mine in by_client.items():
         if any(r.op in UPDATE_OPS for r in mine):
             info = (clients or {}).get(cid)
             out[cid] = _diagnose_client(sorted(mine, key=lambda r: r.request_id), cid,
-                                        info.label if info else cid, window)
+                                        info.label if info else cid, window, mine_held)
     return out
 
 
-def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window: int) -> WatchedDiagnosis:
-    updates = _updates_of(records)[-(window + 1):]
+def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window: int,
+                     stalls: Sequence[GilStall]) -> WatchedDiagnosis:
+    updates = update_pairs(records, need_cycle=False)[-(window + 1):]
     if len(updates) < MIN_UPDATES:
         return WatchedDiagnosis(cid, label, "warming-up", "measuring: waiting for a few updates",
                                 updates=len(updates), evidence=f"{len(updates)} of {MIN_UPDATES} updates measured")
-    kinds = _step_kinds(updates)
-    start = _current_segment(kinds)
+    kinds = step_kinds(updates)
+    start = segment_start(kinds)
+    # the GIL over the whole window, as the advisor judges it (a heavy loader makes a loop flip shapes)
+    w0, w1 = updates[0][0].queued_at, _done(updates[-1][1] or updates[-1][0])
+    held = gil_held(stalls, w0, w1)
     updates, kinds = updates[start:], kinds[start:]
     structure = max(STRUCTURE_PERIOD, key=lambda k: (kinds.count(k), -STRUCTURE_PERIOD[k]))
 
@@ -685,12 +689,21 @@ def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window:
     threshold = max(0.5, (STRUCTURE_PERIOD[structure] - 1) / 2)
     trips_text = f"{trips:g} round trip{'' if trips == 1 else 's'} per update"
     counts = "/".join(str(kinds.count(k)) for k in STRUCTURE_PERIOD)
+    gil_text = f"your Python held the interpreter {held[0]:.0%} of the time (gil from {GIL_COVERAGE:.0%}); " \
+        if held is not None else ""
     evidence = (f"{n} updates; steps naive/together/pipelined: {counts}; {trips_text}; up to {in_flight} requests "
                 f"in flight; round trip {round_trip * 1e3:.0f} ms "
                 f"(submit → result), next request {stall * 1e3:.0f} ms after a result (stall from {threshold:g} "
-                f"round trips); {UNKNOWN}")
+                f"round trips); {gil_text}{UNKNOWN}")
     made = functools.partial(WatchedDiagnosis, round_trips_per_update=trips, in_flight=in_flight,
                              round_trip_s=round_trip, stall_s=stall, updates=n, evidence=evidence)
+    if held is not None and held[0] >= GIL_COVERAGE:
+        share, culprit = held
+        return made(
+            cid, label, "gil",
+            f"your Python held the interpreter {share:.0%} of the loop's time ({gil_where(culprit)}); the SDK's "
+            f"threads share this process and wait for it to send requests and read results — move that work out "
+            f"of the loop, precompute it, or run it in a subprocess", gil_share=share, gil_frames=culprit.frames)
     if stall >= threshold * round_trip:
         return made(
             cid, label, "stall",

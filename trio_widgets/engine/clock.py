@@ -37,11 +37,11 @@ from .. import pools
 from .._numbers import is_int, is_number
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError, RequestFailedError
 from ..futures import APIFuture, PoolFuture, mark_delivery_thread
+from ..gil import GilWatchdog, RunMeter
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from ..validation import RequestLimits
 from .checkpoints import checkpoint_root, recover_checkpoints
-from .gil import GilWatchdog, RunMeter
 from .handlers import HANDLERS
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 from .sampling import StepBudget
@@ -195,7 +195,7 @@ class LocalPool:
     What it does to the process, all named here: it starts one daemon thread (the clock,
     "trio-clock-<name>") and, with `gil_watchdog=True` (default), a second one
     ("trio-gil-<name>": a heartbeat every 20 ms that measures how long other Python held the
-    interpreter, and where; trio_widgets/engine/gil.py), both stopped by `close()`, by leaving
+    interpreter, and where; trio_widgets/gil.py), both stopped by `close()`, by leaving
     a `with` block, when the pool is garbage-collected, or at interpreter exit; on CPU,
     `torch_threads` sets torch's process-wide thread count ("auto": $TRIO_TORCH_THREADS, else
     half the usable CPUs; None leaves it alone); and with
@@ -738,7 +738,7 @@ def _run_clock(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
 
 def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
     last: CycleRecord | None = None
-    meter = RunMeter()  # how long this thread waits for the GIL (engine/gil.py)
+    meter = RunMeter()  # how long this thread waits for the GIL (trio_widgets/gil.py)
     while True:
         pool = pool_ref()
         if pool is None:  # dropped: what already ran is reported, not lost

@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from types import FrameType
 
-from ..telemetry import GilStall, Telemetry, UserFrame
+from .telemetry import GilStall, Telemetry, UserFrame
 
 __all__ = ["GilWatchdog", "RunMeter", "user_frames"]
 
@@ -114,7 +114,7 @@ def _library_roots() -> tuple[str, ...]:
     """The standard library, this environment's packages, and trio_widgets itself."""
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    roots.add(os.path.dirname(os.path.abspath(__file__)))  # this package
     return tuple(sorted(os.path.join(os.path.abspath(r), "") for r in roots))
 
 
