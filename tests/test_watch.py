@@ -9,6 +9,7 @@ is two cycles on a clock pool) and the same depth of requests in flight.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import sys
 import threading
@@ -151,7 +152,7 @@ def test_a_gil_heavy_loader_is_named_gil_by_the_watcher_and_the_pool_every_time(
     gil, naming the loader, from its own watchdog and the client-side records; the pool says the same
     from its cycles."""
     watched = watching(sdk)
-    pool.min_cycle_s = 0.1
+    pool.min_cycle_s = 0.03  # as test_advisor's GIL runs: the loader's batch spans cycles
     try:
         outcomes = []
         for run in range(10):
@@ -222,7 +223,7 @@ def test_sync_await_and_async_styles_and_samplers_are_recorded(sdk, fast, watchi
     # exports: a bar per request (submitted -> result) with when the loop asked; in-flight counters;
     # metrics rows with the loss per weighted token
     trace = watcher.chrome_trace()
-    bars = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    bars = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "gil"]
     assert [e["name"] for e in bars] == [r.op for r in records]
     assert all("awaited_ms" in e["args"] and e["args"]["cycle"] is None for e in bars)
     assert any(e.get("ph") == "C" and e["name"].startswith("in flight ") for e in trace["traceEvents"])
@@ -328,3 +329,39 @@ def test_a_future_of_a_client_is_watched_as_the_client_it_becomes(sdk, fast, wat
     sampler.sample(tt.ModelInput.from_ints([5, 6]), 1, tt.SamplingParams(max_tokens=2, seed=0)).result(timeout=60)
     assert [r.op for r in watcher_of(watched.result()).records()] == ["forward_backward", "save_weights_for_sampler",
                                                                     "sample"]
+
+
+def test_a_dashboard_watches_the_sdk_loop_from_its_side(sdk, fast, watching, tmp_path):
+    """trio.Dashboard(watch=...): a lane per client with a bar per request, requests in flight, the
+    watcher's diagnosis with what it cannot know, its exports; no Start runs; unwatch ends it."""
+    watched = watching(sdk)
+    dash = trio.Dashboard(watch=watched, export_dir=tmp_path)
+    try:
+        assert dash.state == "watching" and "seen from this process" in dash._header.value
+        tc = watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=11).result()
+        pipelined(tc, n=8)
+        wait_for(lambda: tc.model_id in dash.diagnoses and dash.diagnoses[tc.model_id].cause == "pipelined",
+                 "the dashboard's diagnosis", timeout=30)
+        # (the line is rewritten at most every second while its state stays the same)
+        wait_for(lambda: "in flight <b>0</b> · updates <b>8</b>" in dash.status_text, "the status line", timeout=10)
+        assert "0.5</b> round trips/update" in dash.status_text, dash.status_text
+        assert "server&#x27;s cycle boundaries" in dash._advisor_w.value
+        figs = dash._figs
+        assert tc.model_id in figs.clients and figs.timeline.title.text.startswith("Requests seen from the client")
+        wait_for(lambda: len(figs.bars.data["op"]) == 16, "a bar per request", timeout=10)
+        assert max(max(figs.queue.data[k], default=0) for k in figs.queue.data if k != "t") == 4  # in flight
+        dash.start()
+        wait_for(lambda: any("your loop trains" in n for n in dash.notices), "Start's notice", timeout=10)
+        trace = json.loads(open(dash.export_trace()).read())
+        assert any(e.get("ph") == "C" and e["name"].startswith("in flight ") for e in trace["traceEvents"])
+        assert [r["step"] for r in map(json.loads, open(dash.export_metrics()).read().splitlines())] == list(
+            range(1, 9))
+        unwatch(watched)
+        wait_for(lambda: any("watching stopped" in n for n in dash.notices), "its notice once unwatched", timeout=10)
+        assert dash.pool_state == "closed" and "closed" in dash.status_text
+    finally:
+        dash.close()
+    with pytest.raises(ValueError, match="not both"):
+        trio.Dashboard("http://127.0.0.1:9", watch=watched)
+    with pytest.raises(TypeError, match=r"watch= takes what trio.watch\(client\) returned"):
+        trio.Dashboard(watch=sdk)

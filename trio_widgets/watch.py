@@ -54,7 +54,7 @@ from .advisor import (
 from .gil import GilWatchdog
 from .metrics import PERIOD_WINDOW, batch_weight, json_safe, record_loss
 from .ops import OPS, UPDATE_OPS
-from .telemetry import ClientInfo, GilStall, RequestRecord, Telemetry, UserFrame
+from .telemetry import ClientInfo, GilStall, QueueDepthRecord, RequestRecord, Telemetry, UserFrame
 from .trace import chrome_trace, write_metrics_jsonl
 
 __all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
@@ -91,13 +91,26 @@ _WATCHERS = itertools.count(1)
 class Watcher:
     """Records what watched clients submit, into `telemetry` (bounded ring buffers), and runs the
     GIL watchdog (thread ``trio-gil-watch-N``; `gil=False`: none) until `close()` (or `unwatch`,
-    or the watcher is dropped)."""
+    or the watcher is dropped).
 
-    def __init__(self, capacity: int = 4096, telemetry: Telemetry | None = None, *, gil: bool = True):
+    It is also what `trio.Dashboard(watch=...)` shows, read as a pool is (a
+    :class:`~trio_widgets.pools.PoolView` without cycles): each submit and result adds a
+    `QueueDepthRecord` of the requests in flight per client (its `cycle`: a running count)."""
+
+    #: what a PoolView has; a client's side has no cycles
+    min_cycle_s = 0.0
+    cycle_index = 0
+    device_type = "client side"
+
+    def __init__(self, capacity: int = 4096, telemetry: Telemetry | None = None, *, gil: bool = True,
+                 name: str = "tinker client (watched)"):
         self.telemetry = telemetry if telemetry is not None else Telemetry(capacity)
+        self.name = name
         self.active = True
         self._ids = itertools.count(1)
         self._samplers = itertools.count(1)
+        self._marks = itertools.count(1)
+        self._in_flight: dict[str, int] = {}
         self._lock = threading.Lock()
         self.watchdog: GilWatchdog | None = None
         if gil:
@@ -109,6 +122,21 @@ class Watcher:
         self.active = False
         if self.watchdog is not None:
             self.watchdog.stop()
+
+    @property
+    def closed(self) -> bool:
+        return not self.active
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests submitted and not yet answered, per client, now."""
+        with self._lock:
+            return {cid: n for cid, n in self._in_flight.items() if n}
+
+    def _mark(self, client_id: str, change: int, now: float) -> None:
+        with self._lock:
+            self._in_flight[client_id] = max(0, self._in_flight.get(client_id, 0) + change)
+            mark = QueueDepthRecord(next(self._marks), now, dict(self._in_flight))
+        self.telemetry.add_boundary(mark)
 
     # writers
     def add_client(self, client_id: str, kind: str, label: str = "", parent: str | None = None,
@@ -129,6 +157,7 @@ class Watcher:
         if weight is not None:
             record.metrics["weight:sum"] = weight
         self.telemetry.add_request(record)
+        self._mark(client_id, 1, now)
         return record
 
     def resolved(self, record: WatchedRequest, result: Any = None, error: BaseException | None = None,
@@ -146,6 +175,7 @@ class Watcher:
             record.metrics.update(_numbers(getattr(result, "metrics", None)))
         record.finished_at = record.delivered_at = now
         self.telemetry.request_delivered(record)
+        self._mark(record.client_id, -1, now)
 
     def track(self, record: WatchedRequest, future: Any) -> None:
         """Mark `record` resolved when the SDK's concurrent future is (its public `.future()`)."""
@@ -172,28 +202,24 @@ class Watcher:
         return diagnose_watched(self.records(), self.telemetry.all_clients(), window=window,
                                 stalls=recent_stalls(self.telemetry))
 
-    def chrome_trace(self, name: str = "tinker client (watched)") -> dict[str, Any]:
+    def chrome_trace(self, name: str | None = None) -> dict[str, Any]:
         """The Perfetto / Chrome trace: a lane per client with a bar per request (submitted →
         result available; args: when the loop asked, how) and an 'in flight <client>' counter."""
-        trace = chrome_trace(self.telemetry, name=name)
+        trace = chrome_trace(self.telemetry, name=name or self.name)
         events = trace["traceEvents"]
         records = {r.request_id: r for r in self.records()}
         spans = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("request_id") in records]
         if not spans:
             return trace
-        t0 = min(r.queued_at for r in records.values())
         for e in spans:
             r = records[e["args"]["request_id"]]
             e["args"].pop("queued_ms", None)
             e["args"]["waited_by"] = r.waited_by
             if r.awaited_at is not None:
                 e["args"]["awaited_ms"] = round((r.awaited_at - r.queued_at) * 1e3, 3)
-        clients = self.telemetry.all_clients()
-        for cid in sorted({r.client_id for r in records.values()}):
-            info = clients.get(cid)
-            for t, depth in _depth_steps([r for r in records.values() if r.client_id == cid]):
-                events.append({"ph": "C", "pid": 1, "tid": 0, "name": f"in flight {info.label if info else cid}",
-                               "ts": round((t - t0) * 1e6, 1), "args": {"in_flight": depth}})
+        for e in events:  # the marks of requests in flight, kept as a pool keeps its queue depths
+            if e.get("ph") == "C" and e["name"].startswith("queue "):
+                e["name"], e["args"] = "in flight " + e["name"][len("queue "):], {"in_flight": e["args"]["queued"]}
         trace["otherData"]["unknown"] = UNKNOWN
         return trace
 

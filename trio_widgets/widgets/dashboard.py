@@ -62,6 +62,7 @@ from .sweep import SweepLauncher, lr_multipliers
 
 if TYPE_CHECKING:  # the dashboard drives in-process pools; it reads any pool as pools.PoolView
     from ..engine import LocalPool
+    from ..watch import WatchedDiagnosis
 
 __all__ = ["Dashboard", "lr_multipliers"]  # lr_multipliers: the sweep's, kept importable from here
 
@@ -157,7 +158,7 @@ class Dashboard(W.VBox):
                  refresh_hz: float = 5.0, lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8,
                  learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
                  lookahead: int = 1, export_dir: str | os.PathLike = "trio-exports",
-                 title: str = "trio · live training", max_clients: int | None = None):
+                 title: str = "trio · live training", max_clients: int | None = None, watch: Any = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not (0 < refresh_hz <= 10):
@@ -177,6 +178,9 @@ class Dashboard(W.VBox):
                 raise ValueError(f"{key} must be a whole number from {low} to {high}; got {value!r}")
             if verdict == "confirm":
                 far_lr = text.split(". Apply")[0]
+        if watch is not None and pool is not None:
+            raise ValueError("a dashboard shows a pool or watches clients: give Dashboard(pool) or "
+                             "Dashboard(watch=...), not both")
         remote = None
         if isinstance(pool, str):  # a served pool's URL: its telemetry streams in (trio_widgets/http/remote.py)
             from ..http.remote import RemotePool
@@ -188,6 +192,16 @@ class Dashboard(W.VBox):
                 self._closed = True
                 raise
             pool = cast("LocalPool", remote)  # it has what the views read of a pool
+        watcher = None
+        if watch is not None:  # a loop of the official SDK, seen from this process (trio_widgets/watch.py)
+            from ..watch import Watcher, watcher_of
+
+            try:
+                watcher = watch if isinstance(watch, Watcher) else watcher_of(watch)
+            except AttributeError:
+                raise TypeError(f"watch= takes what trio.watch(client) returned (or its Watcher); got a "
+                                f"{type(watch).__qualname__}") from None
+            pool = cast("LocalPool", watcher)  # it has what the views read of a pool, without cycles
         self.follow = pool is None  # (a served pool is watched until it stops; never replaced)
         if pool is None:
             pool = _newest_pool()
@@ -211,6 +225,9 @@ class Dashboard(W.VBox):
 
         self.pool: LocalPool | None = pool
         self._remote = remote  # watched, not driven: Start trains in-process only
+        self._watcher = watcher  # the same, for the SDK's clients in this process
+        if watcher is not None:
+            figs.client_side()
         self.controls = controls
         self.sweep = SweepLauncher(pool, base_model, rank, settings)  # type: ignore[arg-type]
         self._settings = settings
@@ -229,7 +246,8 @@ class Dashboard(W.VBox):
         self._commands: deque[tuple[str, Any]] = deque(maxlen=256)
         self._update_cycles: dict[str, deque[int]] = {}
         self._rates: deque[tuple[float, int]] = deque(maxlen=64)
-        self._diagnoses: dict[str, Diagnosis] = {}
+        # the advisor's (a WatchedDiagnosis for watched clients: the same fields the page shows)
+        self._diagnoses: dict[str, Diagnosis | WatchedDiagnosis] = {}
         self._notices: deque[tuple[str, bool]] = deque(maxlen=3)  # (html, bad): what just happened, one line each
         # the line of each kind that says how things stand (which pool is shown): a newer one replaces it
         self._notice_of_kind: dict[str, tuple[str, bool]] = {}
@@ -299,7 +317,7 @@ class Dashboard(W.VBox):
         "watching" for a served pool's dashboard (it has no Start runs)."""
         if self._pool_closed:
             return "closed"
-        return "watching" if self._remote is not None else self.sweep.state
+        return "watching" if self._remote is not None or self._watcher is not None else self.sweep.state
 
     @property
     def pool_state(self) -> str:
@@ -330,7 +348,8 @@ class Dashboard(W.VBox):
         return self._thread.is_alive()
 
     @property
-    def diagnoses(self) -> dict[str, Diagnosis]:
+    def diagnoses(self) -> dict[str, Diagnosis | WatchedDiagnosis]:
+        """The advisor's, by client id (what `trio.watch` diagnoses, for a dashboard that watches)."""
         return dict(self._diagnoses)
 
     @property
@@ -400,6 +419,10 @@ class Dashboard(W.VBox):
             if self._remote is not None:
                 self._notice("this dashboard watches a served pool: its participants train; Start trains "
                              "in-process only (trio.Dashboard(pool))", True)
+                return
+            if self._watcher is not None:
+                self._notice("this dashboard watches your tinker clients: your loop trains; Start trains on a "
+                             "local pool (trio.Dashboard(pool))", True)
                 return
             if self.pool is None or self._pool_closed:
                 self._notice("Start needs a pool: build one (trio.LocalPool(...)) and press Start again", True)
@@ -670,7 +693,9 @@ class Dashboard(W.VBox):
         if self._feed is not None:
             self._feed.close()
         assert self.pool is not None
-        if not threading.main_thread().is_alive():  # the interpreter is exiting (Kernel → Shut Down)
+        if self._watcher is not None:
+            self._notice("watching stopped (unwatch): this is the last picture", kind="pool")
+        elif not threading.main_thread().is_alive():  # the interpreter is exiting (Kernel → Shut Down)
             self._notice(f"pool {self.pool.name!r} was closed: the kernel shut down; this is its last picture",
                          kind="pool")
         else:
@@ -682,6 +707,9 @@ class Dashboard(W.VBox):
         pool = self.pool
         if pool is None:
             sub = "waiting for a pool: build one (trio.LocalPool) in any cell"
+        elif self._watcher is not None:
+            sub = (f"{pool.name} · seen from this process: a bar per request from submit to result; the "
+                   f"server's cycles are not visible here")
         else:
             sub = f"{pool.name} · min cycle {pool.min_cycle_s * 1e3:.0f} ms · {pool.device_type}"
         value = f"{title}<span class='trio-sub'>{html.escape(sub)}</span></div>"
@@ -735,8 +763,11 @@ class Dashboard(W.VBox):
         if pool is not None:
             t = pool.telemetry
             # while an idle timeline stands still, so does its count (the page is sent nothing)
-            cycle = self._drawn_cycles if self._idle_since is not None and self._drawn_cycles else pool.cycle_index
-            head += f"cycle <b>{cycle}</b> · updates <b>{t.total_updates}</b>"
+            if self._watcher is not None:
+                head += f"in flight <b>{sum(self._watcher.in_flight().values())}</b> · updates <b>{t.total_updates}</b>"
+            else:
+                cycle = self._drawn_cycles if self._idle_since is not None and self._drawn_cycles else pool.cycle_index
+                head += f"cycle <b>{cycle}</b> · updates <b>{t.total_updates}</b>"
             if state not in ("closed", "snapshot"):
                 head += f"<span class='trio-rate'> · <b>{_si(self._tokens_per_s())}</b> tokens/s</span>"
         runs = self.sweep.state
@@ -749,13 +780,17 @@ class Dashboard(W.VBox):
         for cid, view in self._figs.clients.items():
             if view.retired:
                 continue
-            p = cycles_per_update(self._update_cycles.get(cid, ()))
-            if p is None:
+            if self._watcher is not None:  # round trips, as the watcher counts them (no cycles here)
+                trips = getattr(self._diagnoses.get(cid), "round_trips_per_update", None)
+                text, unit = (f"{trips:g}", "round trip" if trips == 1 else "round trips") if trips else ("", "")
+            else:
+                p = cycles_per_update(self._update_cycles.get(cid, ()))
+                text = format_cycles(p) if p is not None else ""
+                unit = "cycle" if text == "1" else "cycles"
+            if not text:
                 continue
-            text = format_cycles(p)
             per_client.append(f"<span class='trio-cpu'><span class='trio-dot' style='background:{view.color}'>"
-                              f"</span>{html.escape(view.label)}: <b>{text}</b> "
-                              f"{'cycle' if text == '1' else 'cycles'}/update</span>")
+                              f"</span>{html.escape(view.label)}: <b>{text}</b> {unit}/update</span>")
         if per_client:
             parts.append("<br>" + "".join(per_client))
         for error in (self._error, self.sweep.error):
@@ -768,7 +803,10 @@ class Dashboard(W.VBox):
     def _update_advisor(self) -> None:
         if self.pool is None:
             return
-        self._diagnoses = diagnose_telemetry(self.pool.telemetry, self.pool.min_cycle_s or None)
+        if self._watcher is not None:
+            self._diagnoses = dict(self._watcher.diagnose())
+        else:
+            self._diagnoses = dict(diagnose_telemetry(self.pool.telemetry, self.pool.min_cycle_s or None))
         rows = []
         order = {cid: i for i, cid in enumerate(self._figs.clients)}  # as the lanes and the status list them
         for cid, d in sorted(self._diagnoses.items(), key=lambda item: order.get(item[0], len(order))):
@@ -785,6 +823,10 @@ class Dashboard(W.VBox):
                         f"<b>{html.escape(label)}</b><span class='trio-badge {badge[0]}'>{badge[1]}</span>"
                         f"{html.escape(d.message)}</div>")
         body = "".join(rows) or "<i>waiting for training requests…</i>"
+        if self._watcher is not None and rows:
+            from ..watch import UNKNOWN
+
+            body += f"<div class='trio-adv-row'><i>{html.escape(UNKNOWN[0].upper() + UNKNOWN[1:])}.</i></div>"
         text = f"<div class='trio-advisor'><div class='trio-adv-title'>Advisor</div>{body}</div>"
         if text != self._advisor_text:
             self._advisor_text = text
@@ -854,13 +896,17 @@ class Dashboard(W.VBox):
         """Chrome / Perfetto trace JSON of what the pool's buffers hold (open in ui.perfetto.dev)."""
         if self.pool is None:
             raise RuntimeError("no pool to export yet")
+        if self._watcher is not None:  # bars from submit to result, when the loop asked, in flight
+            return self._watcher.write_chrome_trace(self._path(path, "trio-trace.json"))
         return write_chrome_trace(self.pool.telemetry, self._path(path, "trio-trace.json"), name=self.pool.name)
 
     def export_metrics(self, path: str | os.PathLike | None = None) -> str:
         """metrics.jsonl: the Start runs' per-step metrics, plus telemetry rows for other clients."""
         rows = [{"run": run.name, **row} for run in self.runs for row in list(run.metrics)]
         mine = {run.client.client_id for run in self.runs}
-        if self.pool is not None:
+        if self._watcher is not None:
+            rows += self._watcher.metrics_rows()
+        elif self.pool is not None:
             rows += [row for row in metrics_rows(self.pool.telemetry) if row["client_id"] not in mine]
         return write_metrics_jsonl(rows, self._path(path, "metrics.jsonl"))
 

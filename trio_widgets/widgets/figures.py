@@ -186,10 +186,11 @@ class DashboardFigures:
             "cycle": [], "wait_ms": [], "waited": [], "run_ms": [], "status": []})
         self._bar_glyphs = tl.quad(left="left", right="right", bottom="bottom", top="top", source=self.bars,
                                    fill_color="color", line_color="color", fill_alpha=0.9)
-        tl.add_tools(HoverTool(renderers=[self._bar_glyphs], tooltips=[
+        self._bar_hover = HoverTool(renderers=[self._bar_glyphs], tooltips=[
             ("request", "#@rid @op"), ("client", "@client"), ("cycle", "@cycle"),
             ("waited in queue", "@wait_ms{0.0} ms (@waited cycles)"), ("ran", "@run_ms{0.00} ms"),
-            ("status", "@status")]))
+            ("status", "@status")])
+        tl.add_tools(self._bar_hover)
         # a fixed legend item per op (an empty glyph of its colour), shown once the op is seen
         self._op_items: dict[str, LegendItem] = {}
         for name, color in [*((op, op_color(op)) for op in OPS), (_FAILED, "#991b1b")]:
@@ -219,6 +220,7 @@ class DashboardFigures:
             self._queue_steps.append(step)
         self._queue_hover = HoverTool(renderers=list(self._queue_steps), tooltips=[("queued", "$y{0}")],
                                       mode="vline")
+        self._queue_axis = qd.yaxis[0]
         qd.add_tools(self._queue_hover)
         self.queue_fig = qd
 
@@ -262,6 +264,16 @@ class DashboardFigures:
         self.layout = column(tl, qd, *self.loss_figs, sizing_mode="stretch_width", spacing=4)
 
     # -- lanes and clients ------------------------------------------------------------------
+    def client_side(self) -> None:
+        """Titles for requests seen from the client (trio.watch): a bar from submit to result, the
+        requests in flight instead of a queue at each boundary; there are no cycle bands."""
+        _style(self.timeline, "Requests seen from the client: a lane per client, a bar from submit to result")
+        _style(self.queue_fig, "Requests in flight (submitted, result not yet back)")
+        self._queue_axis.axis_label = "in flight"
+        self._queue_hover.tooltips = [("in flight", "$y{0}")]
+        self._bar_hover.tooltips = [("request", "#@rid @op"), ("client", "@client"),
+                                    ("submit → result", "@run_ms{0.0} ms"), ("status", "@status")]
+
     @staticmethod
     def _timeline_height(lanes: int) -> int:
         return 96 + 30 * max(2, lanes)
