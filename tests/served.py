@@ -61,6 +61,26 @@ def last_request_id(pool: trio.LocalPool) -> int:
     return max((r.request_id for r in list(pool.telemetry.requests)), default=0)
 
 
+def in_threads(calls: dict[str, Callable[[], Any]], timeout: float = 300.0) -> None:
+    """Run each call in its own thread, all at once (loops of several clients on one pool);
+    raises if any raised, or did not end within `timeout`."""
+    errors: list[tuple[str, BaseException]] = []
+
+    def run(name: str) -> None:
+        try:
+            calls[name]()
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append((name, exc))
+
+    threads = [threading.Thread(target=run, args=(name,), name=f"loop-{name}") for name in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), f"loops still running after {timeout} s"
+
+
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     """Bounded wait for a condition (behaviour, not a timing assertion)."""
     deadline = time.monotonic() + timeout

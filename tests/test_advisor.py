@@ -7,14 +7,15 @@ pool at once: nothing is instrumented, the advisor reads RequestRecords only.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import statistics
-import threading
 import time
 
 import pytest
 from conftest import random_batch
+from served import in_threads
 
 import trio_widgets as trio
 from trio_widgets.advisor import diagnose_client, diagnose_telemetry
@@ -64,21 +65,8 @@ def test_each_cause_is_diagnosed_with_its_fix():
         clients = {name: sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=i,
                                                         user_metadata={"name": name})
                    for i, name in enumerate(loops)}
-        errors = []
-
-        def run(name):
-            try:
-                fn, n = loops[name]
-                fn(clients[name], batch, n)
-            except Exception as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(name,)) for name in loops]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        in_threads({name: functools.partial(loops[name][0], clients[name], batch, loops[name][1])
+                    for name in loops}, timeout=120)
         found = diagnose_telemetry(pool.telemetry, pool.min_cycle_s)
 
     d = {name: found[tc.client_id] for name, tc in clients.items()}

@@ -9,15 +9,15 @@ is two cycles on a clock pool) and the same depth of requests in flight.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import sys
-import threading
 import time
 import warnings
 
 import pytest
-from served import wait_for
+from served import in_threads, wait_for
 
 import trio_widgets as trio
 from trio_widgets.advisor import diagnose_telemetry
@@ -107,20 +107,7 @@ def test_the_watchers_diagnosis_is_the_pools_for_each_loop_shape(sdk, server, po
     for run in range(10):
         clients = {name: watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=run).result()
                    for name in SHAPES}
-        errors: list[BaseException] = []
-
-        def go(name, clients=clients, errors=errors):
-            try:
-                SHAPES[name][0](clients[name])
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=go, args=(name,)) for name in SHAPES]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        in_threads({name: functools.partial(SHAPES[name][0], clients[name]) for name in SHAPES})
         mine = watcher_of(watched).diagnose()
         theirs = diagnose_telemetry(pool.telemetry, pool.min_cycle_s)
         for name, tc in clients.items():
