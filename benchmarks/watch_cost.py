@@ -2,7 +2,9 @@
 by side in one run.
 
 A LocalPool with short cycles (min_cycle_s=0.01, so that the client side matters) is served over
-HTTP from this process (`trio.serve`, as tests/test_serve_tinker.py does), and the unmodified
+HTTP by a real `python -m trio_widgets serve` process (as a hosted service is: the pool's clock and
+its GIL watchdog are not in the watched process; `--server thread` serves it from this process
+instead, `trio.serve` as tests/test_serve_tinker.py does), and the unmodified
 official tinker SDK trains one LoRA client on it: the pipelined loop of tests/test_watch.py
 (forward_backward + optim_step, one update ahead), a block of N updates at a time, each block a
 whole loop (its first submit to its last result). Blocks alternate between the plain SDK
@@ -23,11 +25,16 @@ direct costs the machine's noise hardly touches: the CPU time per update of the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # as tests/served.py's tinker_env: no telemetry,
@@ -66,18 +73,44 @@ def pipelined(tc: Any, n: int, adam: Any) -> dict[str, float]:
             "cpu": time.process_time() - cpu0}
 
 
-def run(updates: int, rounds: int, cycle_s: float, verbose: bool) -> tuple[dict[str, list[dict[str, float]]],
-                                                                            list[float], list[WatchedRequest]]:
+@contextlib.contextmanager
+def served(cycle_s: float, where: str) -> Iterator[str]:
+    """The URL of a served pool: a `serve` process (`where="process"`) or this process's thread."""
+    with tempfile.TemporaryDirectory() as ckpt:
+        if where == "thread":
+            with trio.LocalPool(min_cycle_s=cycle_s, checkpoint_dir=ckpt, name="bench-watch") as pool, \
+                    trio.serve(pool, port=0) as server:
+                yield server.url
+            return
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "TRIO_API_KEYS": KEY, "TRIO_TORCH_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
+                                 "--checkpoint-dir", ckpt, "--min-cycle-s", str(cycle_s)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if "serving" not in line:
+                raise RuntimeError(f"the server did not start: {line}{proc.stdout.read()}")
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain its log
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def run(updates: int, rounds: int, cycle_s: float, verbose: bool, where: str = "process"
+        ) -> tuple[dict[str, list[dict[str, float]]], list[float], list[WatchedRequest]]:
     import tinker
 
     blocks: dict[str, list[dict[str, float]]] = {"plain": [], "watched": []}
     ratios: list[float] = []
     records: list[WatchedRequest] = []
     adam = tinker.types.AdamParams(learning_rate=1e-2, weight_decay=0.01)
-    with tempfile.TemporaryDirectory() as ckpt, \
-            trio.LocalPool(min_cycle_s=cycle_s, checkpoint_dir=ckpt, name="bench-watch") as pool, \
-            trio.serve(pool, port=0) as server:
-        sc = tinker.ServiceClient(base_url=server.url, api_key=KEY)
+    with served(cycle_s, where) as url:
+        sc = tinker.ServiceClient(base_url=url, api_key=KEY)
         tc = sc.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=0).result(timeout=120)
 
         def block(kind: str) -> dict[str, float]:
@@ -115,6 +148,8 @@ def main() -> int:
     parser.add_argument("--updates", type=int, default=30, help="updates per block")
     parser.add_argument("--cycle-s", type=float, default=0.01, help="the pool's min_cycle_s")
     parser.add_argument("--verbose", action="store_true", help="print every round")
+    parser.add_argument("--server", choices=("process", "thread"), default="process",
+                        help="serve the pool from a `serve` process (as hosted) or from this process")
     args = parser.parse_args()
     if sys.version_info < (3, 11):
         print("the tinker SDK needs Python >= 3.11")
@@ -123,10 +158,11 @@ def main() -> int:
 
     load = os.getloadavg()
     started = time.perf_counter()
-    blocks, ratios, records = run(args.updates, rounds, args.cycle_s, args.verbose)
+    blocks, ratios, records = run(args.updates, rounds, args.cycle_s, args.verbose, args.server)
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs; "
           f"{time.perf_counter() - started:.0f} s")
-    print(f"pipelined tinker SDK loop on a served pool (min_cycle_s={args.cycle_s:g}), {args.updates} updates "
+    print(f"pipelined tinker SDK loop on a pool served from a {args.server} (min_cycle_s={args.cycle_s:g}), "
+          f"{args.updates} updates "
           f"per block, {rounds} rounds of plain, watched, watched, plain")
     rate = {k: [args.updates / b["wall"] for b in v] for k, v in blocks.items()}
     pooled = {k: len(v) * args.updates / sum(b["wall"] for b in v) for k, v in blocks.items()}
