@@ -337,6 +337,7 @@ def test_a_dashboard_watches_the_sdk_loop_from_its_side(sdk, fast, watching, tmp
         assert tc.model_id in figs.clients and figs.timeline.title.text.startswith("Requests seen from the client")
         wait_for(lambda: len(figs.bars.data["op"]) == 16, "a bar per request", timeout=10)
         assert max(max(figs.queue.data[k], default=0) for k in figs.queue.data if k != "t") == 4  # in flight
+        assert figs.loss_points(tc.model_id) == 8  # a loss per update, from the returned metrics
         dash.start()
         wait_for(lambda: any("your loop trains" in n for n in dash.notices), "Start's notice", timeout=10)
         trace = json.loads(open(dash.export_trace()).read())
