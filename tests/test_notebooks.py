@@ -10,7 +10,9 @@ For each notebook in notebooks/:
 * its key printed outputs are asserted (CHECKS below, e.g. notebook 02's measured
   span 3 / 1 / 1 and cycles per update 4 / 2 / 1);
 * when its last cell ends, no trio clock thread, no other new thread and no asyncio task
-  it started is left in the kernel (an extra cell, run after the last one, checks).
+  it started is left in the kernel (an extra cell, run after the last one, checks; the tinker
+  SDK's own event-loop thread and its executor's, one per process for its lifetime, excepted);
+* it needs no network: TINKER_API_KEY is not passed to its kernel (notebook 07's hosted cell skips).
 
 And the committed notebooks carry no outputs (nor widget state, nor execution counts).
 """
@@ -36,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
 EXPECTED = ["01_quickstart.ipynb", "02_clock_cycles.ipynb", "03_shared_pool_sweep.ipynb",
-            "04_debugging_slow_loops.ipynb", "05_sampling_and_rl.ipynb", "06_shared_pool_over_http.ipynb"]
+            "04_debugging_slow_loops.ipynb", "05_sampling_and_rl.ipynb", "06_shared_pool_over_http.ipynb",
+            "07_watch_the_official_sdk.ipynb"]
 MAX_SECONDS = 180              # per notebook, on 2 CPU cores
 MAX_PEAK_BYTES = 1.5 * 2**30  # kernel + server; Binder gives 2 GB
 SAMPLE_EVERY_S = 0.1
@@ -55,13 +58,19 @@ _trio_base_tasks = {_trio_q(t) for t in _trio_a.all_tasks()}
 # Run after the notebook's last cell: what it left behind.
 LEFTOVER_CELL = """\
 await _trio_a.sleep(0.05)  # one turn of the loop: a task cancelled by close() ends here
-import json as _trio_j
+import json as _trio_j, sys as _trio_s
+# the tinker SDK runs one event loop per process on its own thread, for the process's lifetime (not
+# stoppable through its API), with that loop's default executor: the SDK's, not the notebook's
+_trio_sdk = getattr(_trio_s.modules.get("tinker.lib.internal_client_holder"),
+                    "_internal_client_holder_thread_singleton", None)
+_trio_sdk_threads = {getattr(_trio_sdk, "_thread", None),
+                     *getattr(getattr(getattr(_trio_sdk, "_loop", None), "_default_executor", None), "_threads", ())}
 _trio_tasks = [repr(t) for t in _trio_a.all_tasks()
                if t is not _trio_a.current_task() and _trio_q(t) not in _trio_base_tasks]
 # (pyzmq's garbage-collector thread starts with the first large zero-copy message: the kernel's)
 _trio_threads = [t.name for t in _trio_t.enumerate()
                  if t.is_alive() and (t.ident not in _trio_base_threads or t.name.startswith("trio-"))
-                 and not type(t).__module__.startswith("zmq.")]
+                 and not type(t).__module__.startswith("zmq.") and t not in _trio_sdk_threads]
 print("TRIO-LEFTOVERS " + _trio_j.dumps({"tasks": _trio_tasks, "threads": _trio_threads}))
 """
 
@@ -162,6 +171,37 @@ def check_06(text: str) -> None:
     assert far_ms < 150 and far_cycles >= 2, (far_ms, far_cycles)
 
 
+def check_07(text: str) -> None:
+    # the loop shapes, from the client's side: 2 round trips per update naive, 0.5 pipelined
+    m = re.search(r"advisor on naive: naive: (.*)", text)
+    assert m and "2 round trips per update" in m.group(1), text
+    assert re.search(r"advisor on pipelined: pipelined: 0\.5 round trips per update", text), text
+    first, last = _floats(r"loss per answer token: ([\d.]+) -> ([\d.]+)", text)
+    assert last < first, f"the watched loop's loss did not fall: {first} -> {last}"
+    for loop, trips, depth in (("naive", 2, 1), ("pipelined", 0.5, 4)):
+        got = _floats(rf"\n{loop}\s+([\d.]+)\s+(\d+)\s+\d+\n", text)
+        assert got == (trips, depth), f"{loop}: round trips per update, in flight {got}; want {trips}, {depth}"
+    # the GIL-heavy loader, named from the watcher's own watchdog: function and cell line
+    m = re.search(r"advisor on loader: gil: (.*)", text)
+    assert m and "in `busy_batches`, cell In[" in m.group(1), text
+    # the same loops seen from the pool's side (its own telemetry): the same causes
+    for loop in ("naive", "pipelined"):
+        m = re.search(rf"\n{loop}\s+([a-z-]+)\s+[\d.]+\s+([a-z-]+)\s+[\d.]+\n", text)
+        assert m, text
+        mine, theirs = m.groups()
+        assert mine == theirs == loop, (loop, mine, theirs)
+    assert "client side cannot know: not visible from the client: the server's cycle boundaries" in text
+    events, bars, counters = _floats(r"trace: (\d+) events, (\d+) request bars in trio-exports/trio-trace\.json; "
+                                     r"in-flight counters: (\d+)", text)
+    # (counters are named by client label: the watched training clients of one ServiceClient share
+    # theirs, the session id, so one counter track stands for all three; 3 once labels differ)
+    assert bars >= 2 * (8 + 20 + 12) and counters >= 1, (events, bars, counters)
+    (rows,) = _floats(r"metrics: (\d+) rows in trio-exports/metrics\.jsonl", text)
+    assert rows == 8 + 20 + 12
+    assert "TINKER_API_KEY is not set: skipping the hosted service" in text
+    assert "recording: False" in text and "a request after unwatch is not recorded: 0 new records" in text
+
+
 CHECKS: dict[str, Callable[[str], None]] = {
     "01_quickstart.ipynb": check_01,
     "02_clock_cycles.ipynb": check_02,
@@ -169,12 +209,15 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "04_debugging_slow_loops.ipynb": check_04,
     "05_sampling_and_rl.ipynb": check_05,
     "06_shared_pool_over_http.ipynb": check_06,
+    "07_watch_the_official_sdk.ipynb": check_07,
 }
+#: notebooks that train with the official tinker SDK in their own kernel (it needs Python >= 3.11)
+NEEDS_SDK = {"07_watch_the_official_sdk.ipynb"}
 
 
 # -- committed notebooks -----------------------------------------------------------
 
-def test_the_six_notebooks_exist() -> None:
+def test_the_seven_notebooks_exist() -> None:
     assert NAMES == EXPECTED
 
 
@@ -293,6 +336,7 @@ def _kernel_env(tmp: Path) -> dict[str, str]:
         env[key] = str(path)
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
+    env.pop("TINKER_API_KEY", None)  # no notebook needs the network (07's hosted cell skips without a key)
     return env
 
 
@@ -311,6 +355,8 @@ def _text(cell: nbformat.NotebookNode, stream: str = "stdout") -> str:
 def test_notebook_runs_top_to_bottom(name: str, tmp_path: Path, lab_server) -> None:
     from nbclient import NotebookClient
 
+    if name in NEEDS_SDK and sys.version_info < (3, 11):
+        pytest.skip("the tinker SDK needs Python >= 3.11")
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nb.cells.insert(0, nbformat.v4.new_code_cell(BASELINE_CELL))
     nb.cells.append(nbformat.v4.new_code_cell(LEFTOVER_CELL))
