@@ -193,9 +193,8 @@ def check_07(text: str) -> None:
     assert "client side cannot know: not visible from the client: the server's cycle boundaries" in text
     events, bars, counters = _floats(r"trace: (\d+) events, (\d+) request bars in trio-exports/trio-trace\.json; "
                                      r"in-flight counters: (\d+)", text)
-    # (counters are named by client label: the watched training clients of one ServiceClient share
-    # theirs, the session id, so one counter track stands for all three; 3 once labels differ)
-    assert bars >= 2 * (8 + 20 + 12) and counters >= 1, (events, bars, counters)
+    # a counter track per watched training client (they are named by label: one each)
+    assert bars >= 2 * (8 + 20 + 12) and counters == 3, (events, bars, counters)
     (rows,) = _floats(r"metrics: (\d+) rows in trio-exports/metrics\.jsonl", text)
     assert rows == 8 + 20 + 12
     assert "TINKER_API_KEY is not set: skipping the hosted service" in text

@@ -108,6 +108,9 @@ def test_the_watchers_diagnosis_is_the_pools_for_each_loop_shape(sdk, server, po
         clients = {name: watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=run).result()
                    for name in SHAPES}
         in_threads({name: functools.partial(SHAPES[name][0], clients[name]) for name in SHAPES})
+        # a lane each: the clients of one ServiceClient share a session, not a label
+        infos = watcher_of(watched).telemetry.all_clients()
+        assert len({infos[tc.model_id].label for tc in clients.values()}) == len(clients), infos
         mine = watcher_of(watched).diagnose()
         theirs = diagnose_telemetry(pool.telemetry, pool.min_cycle_s)
         for name, tc in clients.items():

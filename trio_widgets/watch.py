@@ -476,8 +476,17 @@ def _has(obj: Any, name: str) -> bool:
 
 def _training(client: Any, watcher: Watcher) -> WatchedTrainingClient:
     client_id = str(getattr(client, "model_id", "") or f"training-{id(client):x}")
-    watcher.add_client(client_id, "training", label=client_id.split(":")[0][:13] or client_id)
+    watcher.add_client(client_id, "training", label=_label(client_id))
     return WatchedTrainingClient(client, watcher, client_id)
+
+
+def _label(model_id: str) -> str:
+    """A lane's name: the session's start, and which of its clients after the first (the clients of one
+    ServiceClient share a session: "sess-aa1a4f58", "sess-aa1a4f58:train:1"), as a served pool names them."""
+    head, _, tail = model_id.partition(":")
+    if not head:
+        return model_id
+    return head[:13] if tail in ("", "train:0") else f"{head[:13]}:{tail}"
 
 
 def _sampling(client: Any, watcher: Watcher, parent: str | None = None) -> WatchedSamplingClient:
