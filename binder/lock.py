@@ -30,7 +30,7 @@ from packaging.utils import canonicalize_name
 HERE = Path(__file__).resolve().parent
 TARGET = HERE / "constraints.txt"
 PROJECT, EXTRAS = "trio-widgets", ("engine", "lab", "serve")
-SDK = "tinker"  # notebook 06 trains with the official SDK (Python >= 3.11)
+SDK = "tinker"  # notebooks 06 and 07 train with the official SDK (Python >= 3.11)
 COOKBOOK = "tinker-cookbook"  # tests/test_cookbook.py (Python >= 3.11)
 COOKBOOK_TARGET = HERE.parent / "requirements-cookbook.txt"
 LEFT_OUT = frozenset({"tml-renderers"})  # the cookbook's requirement PyPI lacks (see above)
