@@ -26,6 +26,7 @@ wait for it, and its stalls name the function and cell line, as the pool's advis
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import functools
 import importlib.metadata
@@ -60,8 +61,9 @@ from .trace import chrome_trace, write_metrics_jsonl
 __all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
            "diagnose_watched", "in_flight_depth", "round_trip_depths", "unwatch", "watch", "watcher_of"]
 
-#: SDK versions whose client surface this module was checked against (tests/test_watch.py).
-SUPPORTED_SDKS: dict[str, tuple[str, ...]] = {"tinker": ("0.38.0",)}
+#: SDK versions whose client surface this module was checked against (tests/test_watch.py); trio's
+#: own client (in-process or over HTTP, any of its API styles: tinker's or pytrio's) at any version.
+SUPPORTED_SDKS: dict[str, tuple[str, ...] | None] = {"tinker": ("0.38.0",), "trio_widgets": None}
 
 #: What a client-side view cannot know, said wherever it diagnoses.
 UNKNOWN = ("not visible from the client: the server's cycle boundaries (so no cycles per update, only round "
@@ -320,7 +322,14 @@ class _Proxy:
         object.__setattr__(self, "_client_id", client_id)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_target"), name)
+        value = getattr(object.__getattribute__(self, "_target"), name)
+        if name in ("result", "result_async") and callable(value):
+            # trio's clients are also futures of themselves: resolved, they are this proxy
+            return _resolving_to(self, value)
+        return value
+
+    def __await__(self) -> Any:  # (trio's clients are awaitable: the client itself)
+        return _resolving_to(self, object.__getattribute__(self, "_target").result_async)().__await__()
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._target, name, value)
@@ -337,6 +346,23 @@ class _Proxy:
 
     def __exit__(self, *exc: Any) -> Any:
         return self._target.__exit__(*exc)
+
+
+def _resolving_to(proxy: _Proxy, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (a result getter of the proxy's target), answering the proxy where it answers the target."""
+    target = object.__getattribute__(proxy, "_target")
+    if asyncio.iscoroutinefunction(method):
+        async def aresolved(*args: Any, **kwargs: Any) -> Any:
+            out = await method(*args, **kwargs)
+            return proxy if out is target else out
+
+        return aresolved
+
+    def resolved(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        return proxy if out is target else out
+
+    return resolved
 
 
 def _submitter(op: str) -> Callable[..., Any]:
@@ -427,13 +453,15 @@ def _maker(name: str, wrap: Callable[[Any, Any, Watcher], Any], is_async: bool =
 
 
 class WatchedClientFuture:
-    """A future of a client (the SDK's Backcompat*ClientFuture): resolves to the watched client."""
+    """A future of a client (the SDK's Backcompat*ClientFuture; trio's clients, futures of
+    themselves): resolves to the watched client."""
 
-    __slots__ = ("_inner", "_wrap", "_client", "record")
+    __slots__ = ("_inner", "_wrap", "_watcher", "_client", "record")
 
-    def __init__(self, inner: Any, wrap: Callable[[Any], Any]):
+    def __init__(self, inner: Any, wrap: Callable[[Any], Any], watcher: Watcher):
         self._inner = inner
         self._wrap = wrap
+        self._watcher = watcher
         self._client: Any = None
         #: the request the client waits for (a save_weights_and_get_sampling_client's save), if any
         self.record: WatchedRequest | None = None
@@ -498,14 +526,14 @@ def _sampling(client: Any, watcher: Watcher, parent: str | None = None) -> Watch
 def _wrap_training(out: Any, owner: _Proxy, watcher: Watcher) -> Any:
     if _has(out, "forward_backward") and not _has(out, "result"):
         return _training(out, watcher)
-    return WatchedClientFuture(out, lambda c: _training(c, watcher))
+    return WatchedClientFuture(out, lambda c: _training(c, watcher), watcher)
 
 
 def _wrap_sampling(out: Any, owner: _Proxy, watcher: Watcher) -> Any:
     parent = owner._client_id or None
     if _has(out, "sample") and not _has(out, "result"):
         return _sampling(out, watcher, parent)
-    return WatchedClientFuture(out, lambda c: _sampling(c, watcher, parent))
+    return WatchedClientFuture(out, lambda c: _sampling(c, watcher, parent), watcher)
 
 
 class WatchedTrainingClient(_Proxy):
@@ -552,9 +580,10 @@ def _check_sdk(client: Any, check_version: bool) -> None:
         version = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - imported, so installed
         version = "unknown"
-    if check_version and version not in SUPPORTED_SDKS[package]:
+    checked = SUPPORTED_SDKS[package]
+    if check_version and checked is not None and version not in checked:
         raise UnsupportedSDKError(
-            f"trio.watch was checked against {package} {', '.join(SUPPORTED_SDKS[package])}, not the installed "
+            f"trio.watch was checked against {package} {', '.join(checked)}, not the installed "
             f"{version}: its client methods may differ. Pass check_version=False to watch it anyway.")
 
 
@@ -566,17 +595,24 @@ def watch(client: Any, *, watcher: Watcher | None = None, check_version: bool = 
     if isinstance(client, (_Proxy, WatchedClientFuture)):
         raise UnsupportedSDKError("this client is already watched")
     _check_sdk(client, check_version)
-    watcher = watcher if watcher is not None else Watcher()
-    if _has(client, "result"):  # a future of a client: watch what it resolves to
-        sampling = _has(client, "sample")
-        return WatchedClientFuture(client, lambda c: (_sampling(c, watcher) if sampling else _training(c, watcher)))
-    if _has(client, "forward_backward"):
-        return _training(client, watcher)
-    if _has(client, "sample"):
-        return _sampling(client, watcher)
-    if _has(client, "create_lora_training_client"):
-        return WatchedServiceClient(client, watcher)
-    raise UnsupportedSDKError(f"trio.watch does not know how to watch a {type(client).__qualname__}")
+    # A future of a client: watch what it resolves to. (The SDK's futures of clients have the client's
+    # methods too; trio's clients are futures that resolve to themselves: the same path.)
+    sampling = _has(client, "sample")
+    if _has(client, "result") and (sampling or _has(client, "forward_backward")):
+        kind = "future"
+    elif _has(client, "forward_backward") or sampling:
+        kind = "client"
+    elif _has(client, "create_lora_training_client"):
+        kind = "service"
+    else:  # (before a watcher, and its watchdog thread, is made)
+        raise UnsupportedSDKError(f"trio.watch watches the official SDKs' clients and trio's own; "
+                                  f"a {type(client).__module__}.{type(client).__qualname__} is none of them")
+    w = watcher if watcher is not None else Watcher()
+    if kind == "future":
+        return WatchedClientFuture(client, lambda c: (_sampling(c, w) if sampling else _training(c, w)), w)
+    if kind == "client":
+        return _sampling(client, w) if sampling else _training(client, w)
+    return WatchedServiceClient(client, w)
 
 
 def watcher_of(watched: Any) -> Watcher:
@@ -588,6 +624,9 @@ def unwatch(watched: Any) -> Any:
     """Stop recording through `watched` and every client watched with the same watcher (requests
     already submitted still get their result time); returns the client it watched. The SDK was
     never modified, so nothing needs restoring."""
+    if isinstance(watched, WatchedClientFuture):
+        watcher_of(watched).close()
+        return object.__getattribute__(watched, "_inner")
     if not isinstance(watched, _Proxy):
         raise TypeError(f"not a watched client: {watched!r}")
     watcher_of(watched).close()
