@@ -25,6 +25,7 @@ from trio_widgets.watch import (
     SUPPORTED_SDKS,
     UnsupportedSDKError,
     WatchedRequest,
+    Watcher,
     diagnose_watched,
     in_flight_depth,
     unwatch,
@@ -360,3 +361,90 @@ def test_a_dashboard_watches_the_sdk_loop_from_its_side(sdk, fast, watching, tmp
         trio.Dashboard("http://127.0.0.1:9", watch=watched)
     with pytest.raises(TypeError, match=r"watch= takes what trio.watch\(client\) returned"):
         trio.Dashboard(watch=sdk)
+
+
+OBSERVER = "tml-watch-observer"
+
+
+@pytest.fixture(scope="module")
+def serve_process(tmp_path_factory):
+    """A real `python -m trio_widgets serve` (the pool in another process, as a room's or a hosted
+    service's is), with the served pool's cycle of these tests; yields its URL."""
+    import os
+    import socket
+    import subprocess
+
+    where = tmp_path_factory.mktemp("watch-serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_"))}
+    env.update(TRIO_API_KEYS=serve_tests.KEY, TRIO_TORCH_THREADS="1")
+    log = where / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
+                                 "--checkpoint-dir", str(where / "ckpt"), "--min-cycle-s", str(serve_tests.CYCLE_S),
+                                 "--observer-key", OBSERVER],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "serving" in log.read_text() or proc.poll() is not None, "the server to start", 120)
+        assert proc.poll() is None, log.read_text()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_against_a_serve_process_the_watchers_diagnosis_is_the_pools(serve_process, monkeypatch):
+    """The pool in its own process: the oracle is its telemetry as a remote dashboard mirrors it
+    (trio.Dashboard(url)). Ten runs of the three shapes and a stalled loop, a session each (its
+    lane is labelled by the session): cause, round trips per update and requests in flight agree."""
+    from served import tinker_env
+
+    from trio_widgets.http.remote import RemotePool
+
+    tinker_env(monkeypatch)
+    remote = RemotePool(serve_process, api_key=OBSERVER)  # (a participant's key may not watch the pool)
+    services = {name: tinker.ServiceClient(base_url=serve_process, api_key=serve_tests.KEY) for name in SHAPES}
+    watcher = Watcher()
+    try:
+        for run in range(10):
+            clients = {name: watch(services[name], watcher=watcher).create_lora_training_client(
+                base_model=trio.DEFAULT_MODEL, rank=4, seed=run).result() for name in SHAPES}
+            in_threads({name: functools.partial(SHAPES[name][0], clients[name]) for name in SHAPES})
+            mine = watcher.diagnose()
+
+            def mirrored(clients=clients) -> bool:  # every request of the run, as the pool delivered it
+                lanes = _lanes(remote, clients)
+                return len(lanes) == len(clients) and all(
+                    sum(r.delivered_at is not None for r in remote.telemetry.requests_of(lanes[name]))
+                    == sum(r.client_id == tc.model_id for r in watcher.records()) for name, tc in clients.items())
+
+            wait_for(mirrored, "the mirror to hold the run", 30)
+            theirs = diagnose_telemetry(remote.telemetry, remote.min_cycle_s)
+            lanes = _lanes(remote, clients)
+            for name, tc in clients.items():
+                d, p = mine[tc.model_id], theirs[lanes[name]]
+                assert (d.cause, p.cause) == (name, name), (run, name, d.evidence, p.evidence)
+                records = [r for r in watcher.records() if r.client_id == tc.model_id]
+                depth = in_flight_depth(remote.telemetry.requests_of(lanes[name]))
+                assert in_flight_depth(records) == depth == (SHAPES[name][1] or depth), (run, name)
+                if name != "stall":
+                    assert d.round_trips_per_update == p.cycles_per_update / 2, (run, name, d, p)
+    finally:
+        watcher.close()
+        remote.close()
+        for sc in services.values():
+            sc.close("success").result(timeout=60)
+
+
+def _lanes(remote, clients) -> dict[str, str]:
+    """Each shape's client -> its lane in the served pool: the newest training lane of its session."""
+    infos = remote.telemetry.all_clients()
+    out = {}
+    for name, tc in clients.items():
+        session = tc.model_id.split(":")[0][:13]
+        mine = [cid for cid, info in infos.items() if info.kind == "training" and info.label.startswith(session)]
+        if mine:
+            out[name] = mine[-1]
+    return out
