@@ -61,9 +61,11 @@ from .trace import chrome_trace, write_metrics_jsonl
 __all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
            "diagnose_watched", "in_flight_depth", "round_trip_depths", "unwatch", "watch", "watcher_of"]
 
-#: SDK versions whose client surface this module was checked against (tests/test_watch.py); trio's
-#: own client (in-process or over HTTP, any of its API styles: tinker's or pytrio's) at any version.
-SUPPORTED_SDKS: dict[str, tuple[str, ...] | None] = {"tinker": ("0.38.0",), "trio_widgets": None}
+#: SDK versions whose client surface this module was checked against (tinker: tests/test_watch.py;
+#: pytrio: tests/test_watch_clients.py, its client classes and APIFuture); trio's own client
+#: (in-process or over HTTP, any of its API styles: tinker's or pytrio's) at any version.
+SUPPORTED_SDKS: dict[str, tuple[str, ...] | None] = {"tinker": ("0.38.0",), "pytrio": ("0.2.9",),
+                                                     "trio_widgets": None}
 
 #: What a client-side view cannot know, said wherever it diagnoses.
 UNKNOWN = ("not visible from the client: the server's cycle boundaries (so no cycles per update, only round "
@@ -275,13 +277,18 @@ def _batch(args: tuple, kwargs: dict) -> tuple[int, float | None]:
 
 class WatchedFuture:
     """The SDK's APIFuture, as the user holds it: the same `result`, `result_async`, `future`,
-    `coroutine` and `await`, noting when the loop first asked for the result."""
+    `coroutine` and `await` (pytrio's: `result`, `await`, `done`, `exception`, `cancel`, `map`),
+    noting when the loop first asked for the result.
 
-    __slots__ = ("_inner", "_record")
+    `failures`: the watcher to tell of a failure or cancellation when the loop meets it (pytrio's
+    futures, whose public surface signals only a success as it happens: see `_track`)."""
 
-    def __init__(self, inner: Any, record: WatchedRequest):
+    __slots__ = ("_inner", "_record", "_failures")
+
+    def __init__(self, inner: Any, record: WatchedRequest, failures: Watcher | None = None):
         self._inner = inner
         self._record = record
+        self._failures = failures
 
     @property
     def record(self) -> WatchedRequest:
@@ -289,11 +296,38 @@ class WatchedFuture:
 
     def result(self, timeout: float | None = None) -> Any:
         Watcher.asked(self._record, "result")
-        return self._inner.result(timeout)
+        try:
+            return self._inner.result(timeout)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
 
     async def result_async(self, timeout: float | None = None) -> Any:
         Watcher.asked(self._record, "await")
-        return await self._inner.result_async(timeout)
+        try:
+            return await self._inner.result_async(timeout)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+
+    async def _awaited(self) -> Any:
+        """`await` on a future without `result_async` (pytrio's: awaitable itself)."""
+        Watcher.asked(self._record, "await")
+        try:
+            return await self._inner
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+
+    def _failed(self, exc: BaseException) -> None:
+        if self._failures is None or self._record.delivered_at is not None or not self._inner.done():
+            return  # (tracked by a done-callback, already recorded, or only a wait that timed out)
+        from concurrent.futures import CancelledError
+
+        if isinstance(exc, (asyncio.CancelledError, CancelledError)):
+            self._failures.resolved(self._record, cancelled=True)
+        else:
+            self._failures.resolved(self._record, error=exc)
 
     def future(self) -> Any:
         return self._inner.future()
@@ -302,7 +336,9 @@ class WatchedFuture:
         return await self
 
     def __await__(self) -> Any:
-        return self.result_async().__await__()
+        if _has(self._inner, "result_async"):
+            return self.result_async().__await__()
+        return self._awaited().__await__()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -378,11 +414,42 @@ def _submitter(op: str) -> Callable[..., Any]:
         except BaseException as exc:
             self._watcher.resolved(record, error=exc)
             raise
-        self._watcher.track(record, inner.future())
-        return WatchedFuture(inner, record)
+        watched = _track(self._watcher, record, inner)
+        if watched is None:  # (not a future: the call returned the result itself)
+            Watcher.asked(record, "result")
+            self._watcher.resolved(record, inner)
+            return inner
+        return watched
 
     method.__name__ = op
     return method
+
+
+def _is_future(out: Any) -> bool:
+    """Whether `out` is an SDK's future of a request: tinker's and trio's APIFuture (`.future()`,
+    `result_async`) or pytrio's (`result`, `map`, awaitable; no `.future()`)."""
+    return (_has(out, "future") and _has(out, "result_async")) or \
+        (_has(out, "result") and _has(out, "map") and _has(out, "__await__"))
+
+
+def _track(watcher: Watcher, record: WatchedRequest, inner: Any) -> WatchedFuture | None:
+    """`inner`, the SDK's future of `record`'s request, as the user gets it, the time its result
+    became available recorded; None if it is no future."""
+    if _has(inner, "future"):  # tinker's and trio's: a concurrent.futures.Future
+        watcher.track(record, inner.future())
+        return WatchedFuture(inner, record)
+    if not _is_future(inner):
+        return None
+
+    # pytrio's APIFuture has no `.future()` and no add_done_callback. Its public `map(transform)` runs
+    # `transform` from its concurrent future's done-callback, on the thread that delivers the result,
+    # whether or not the loop asks: the same moment tinker's `.future().add_done_callback` gives. A
+    # failure or cancellation skips `transform`; the WatchedFuture records it when the loop meets it.
+    def arrived(result: Any) -> None:  # (None: the mapped future, dropped, holds no second reference)
+        watcher.resolved(record, result)
+
+    inner.map(arrived)
+    return WatchedFuture(inner, record, failures=watcher)
 
 
 def _async_submitter(op: str) -> Callable[..., Awaitable[Any]]:
@@ -398,9 +465,9 @@ def _async_submitter(op: str) -> Callable[..., Awaitable[Any]]:
         except BaseException as exc:
             self._watcher.resolved(record, error=exc)
             raise
-        if _has(out, "future") and _has(out, "result_async"):  # an APIFuture: the training ops
-            self._watcher.track(record, out.future())
-            return WatchedFuture(out, record)
+        watched = _track(self._watcher, record, out)  # an APIFuture: the training ops
+        if watched is not None:
+            return watched
         Watcher.asked(record, "async")  # a sampler's *_async returns the result itself
         self._watcher.resolved(record, out)
         return out
@@ -442,10 +509,13 @@ def _maker(name: str, wrap: Callable[[Any, Any, Watcher], Any], is_async: bool =
                 self._watcher.resolved(sent, error=exc)
             raise
         watched = wrap(out, self, self._watcher)
-        if sent is not None:
+        if sent is not None and _has(out, "future"):
             self._watcher.track(sent, out.future())
             if isinstance(watched, WatchedClientFuture):
                 watched.record = sent
+        elif sent is not None:  # the client itself (pytrio's): returned once the save was done
+            Watcher.asked(sent, "result")
+            self._watcher.resolved(sent)
         return watched
 
     method.__name__ = name
@@ -503,7 +573,10 @@ def _has(obj: Any, name: str) -> bool:
 
 
 def _training(client: Any, watcher: Watcher) -> WatchedTrainingClient:
-    client_id = str(getattr(client, "model_id", "") or f"training-{id(client):x}")
+    # the run's id: pytrio's training_run_cuid (its model_id names the base model; trio's is the
+    # same as its model_id), else tinker's model_id
+    run_id = getattr(client, "training_run_cuid", None) or getattr(client, "model_id", "")
+    client_id = str(run_id or f"training-{id(client):x}")
     watcher.add_client(client_id, "training", label=_label(client_id))
     return WatchedTrainingClient(client, watcher, client_id)
 
