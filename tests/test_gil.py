@@ -210,6 +210,39 @@ def test_a_stretch_is_blamed_on_user_code_over_the_library_it_calls():
     assert _as_stall(stretch).frames == validation
 
 
+def test_a_stretch_begun_by_one_late_heartbeat_goes_on_while_its_holder_runs():
+    """A loader that hands the GIL to the clock's torch calls lets most heartbeats through on time:
+    a stretch begun by one late heartbeat (which only takes the threads' CPU baseline) goes on
+    while the holder keeps running, and is recorded. (CI caught a loop whose stretches were all
+    one late heartbeat then on-time ones: none was recorded, and the advisor missed `gil`.)"""
+    telemetry = Telemetry()
+    watchdog = GilWatchdog(telemetry, "convoy")
+    stop = threading.Event()
+
+    def loader():
+        while not stop.is_set():
+            hog(0.005)
+
+    thread = threading.Thread(target=loader, name="data-loader")
+    thread.start()
+    try:
+        time.sleep(0.05)
+        now = time.perf_counter()
+        watchdog._late(now - 0.005, now, 0.005)
+        assert watchdog._stretch is not None and not watchdog._stretch.samples
+        for _ in range(3):
+            time.sleep(0.05)  # the loader runs meanwhile, as it does between the clock's torch calls
+            assert watchdog._convoy(watchdog._stretch, time.perf_counter())
+    finally:
+        stop.set()
+        thread.join()
+    time.sleep(0.05)  # now the loader has ended: an on-time heartbeat is no convoy
+    assert not watchdog._convoy(watchdog._stretch, time.perf_counter())
+    watchdog._close_stretch()
+    (stall,) = telemetry.gil
+    assert stall.thread == "data-loader" and stall.frames[0].function == "hog", stall
+
+
 def test_the_watchdog_feeds_the_trace_metrics_and_dashboard():
     telemetry = Telemetry()
     frames = (UserFrame("/tmp/ipykernel_1/abc.py", "heavy_batches", 7, 3), UserFrame("/x/main.py", "main", 2))

@@ -312,12 +312,16 @@ class GilWatchdog:
             self.telemetry.gil_ongoing = _as_stall(stretch)
 
     def _convoy(self, stretch: _Stretch, woke: float) -> bool:
-        """An on-time heartbeat while the stretch's holder still runs: the stretch goes on."""
-        if not stretch.samples:
+        """An on-time heartbeat while the stretch's holder still runs: the stretch goes on.
+
+        A stretch's first late heartbeat only takes the threads' CPU baseline; in a convoy the
+        next ones are often on time, so this look is the first that can name the holder (else
+        isolated late heartbeats, each followed by on-time ones, would never be recorded)."""
+        if not stretch.cpu:
             return False
         holder = self._holder(stretch, woke - self._last_sample, CONVOY_SHARE)
         self._last_sample = woke
-        if holder is None or holder[0] != _leading_thread(stretch):
+        if holder is None or (stretch.samples and holder[0] != _leading_thread(stretch)):
             return False
         stretch.ended_at = woke
         stretch.on_time = 0
