@@ -85,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
                             "localhost and this machine's names (a page rebinding any other name is refused)")
     serve.add_argument("--allowed-origins", default="",
                        help="comma-separated web origins whose pages may call this server (default: none)")
+    serve.add_argument("--ray", action="store_true",
+                       help="serve a fleet of pools behind this one URL on Ray Serve (the cluster extra); "
+                            "sessions are placed on the pool with the most headroom")
+    serve.add_argument("--pools", type=int, default=2, help="with --ray: how many pools (default 2)")
+    serve.add_argument("--gpus-per-pool", type=float, default=None,
+                       help="with --ray: GPUs per pool (default: 1 where the cluster has GPUs, else CPU pools)")
+    serve.add_argument("--cpus-per-pool", type=float, default=1.0,
+                       help="with --ray: CPUs (and torch threads) per CPU pool (default 1)")
+    serve.add_argument("--address", default=None,
+                       help="with --ray: the Ray cluster (auto, or ray://head:10001; default: start a local one)")
     pull = sub.add_parser("pull-tokenizer", help="store a served model's tokenizer in this machine's Hugging Face "
                                                  "cache under the model's name (what a workshop participant runs "
                                                  "once: then AutoTokenizer.from_pretrained(MODEL) works offline)")
@@ -151,15 +161,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"trio serve: {exc}", file=sys.stderr)
         return 2
     models = args.model or [DEFAULT_MODEL]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ray:
+        return _serve_fleet(args, keys, models, stop)
     from .engine import LocalPool
 
     pool = LocalPool(min_cycle_s=args.min_cycle_s, device=args.device, checkpoint_dir=args.checkpoint_dir,
                      name="served", owned_by_cell=False)
     for name in models:
         pool.get_base_model(name)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     server = Server(pool, host=args.host, port=args.port, api_keys=keys, observer_keys=args.observer_key,
                     models=models, session_timeout_s=args.session_timeout_s, owns_pool=True,
                     allowed_hosts=[h for h in args.allowed_hosts.split(",") if h.strip()],
@@ -174,6 +186,30 @@ def _serve(args: argparse.Namespace) -> int:
           f"{server.url} - models: {', '.join(models)}; keys: {len(keys) or 'none (loopback only)'}", flush=True)
     stop.wait()
     server.stop()  # answers pending futures, releases every client, closes the pool
+    print("trio: stopped", flush=True)
+    return 0
+
+
+def _serve_fleet(args: argparse.Namespace, keys: list[str], models: list[str], stop: threading.Event) -> int:
+    try:
+        from .http.ray_fleet import serve_fleet
+    except ImportError as exc:
+        print(f"trio serve --ray: needs Ray Serve (pip install 'trio-widgets[cluster]'): {exc}", file=sys.stderr)
+        return 2
+    try:
+        fleet = serve_fleet(args.pools, host=args.host, port=args.port, address=args.address,
+                            gpus_per_pool=args.gpus_per_pool, cpus_per_pool=args.cpus_per_pool, models=models,
+                            checkpoint_dir=args.checkpoint_dir, api_keys=keys, observer_keys=args.observer_key,
+                            min_cycle_s=args.min_cycle_s, device=args.device,
+                            session_timeout_s=args.session_timeout_s)
+    except (ValueError, OSError) as exc:
+        print(f"trio serve --ray: {exc}", file=sys.stderr)
+        return 1
+    pools = f"{fleet.pools} pool{'s' if fleet.pools != 1 else ''}"
+    print(f"trio: serving a fleet of {pools} on {fleet.url} (Ray Serve) - models: {', '.join(models)}; "
+          f"checkpoints in {fleet.checkpoint_dir}; keys: {len(keys) or 'none (loopback only)'}", flush=True)
+    stop.wait()
+    fleet.stop()
     print("trio: stopped", flush=True)
     return 0
 

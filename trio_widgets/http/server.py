@@ -97,8 +97,12 @@ __all__ = ["Server", "check_bind", "serve"]
 
 log = logging.getLogger(__name__)
 
-_SESSION_RE = re.compile(r"^sess-[0-9a-f]{16}$")
-_MODEL_RE = re.compile(r"^(?P<session>sess-[0-9a-f]{16}):train:(?P<n>\d{1,9})$")
+#: A fleet's pools tag the ids they make (sessions, hence their models, samplers and checkpoint
+#: paths; and requests), so that its ingress routes every request to its pool without a table
+#: (trio_widgets/http/fleet.py): sess-<tag>-<hex>, req-<tag>-<n>.
+ID_TAG_RE = re.compile(r"^[a-z0-9]{1,24}$")
+_TAG = r"(?:[a-z0-9]{1,24}-)?"
+_MODEL_RE = re.compile(rf"^(?P<session>sess-{_TAG}[0-9a-f]{{16}}):train:(?P<n>\d{{1,9}})$")
 _SEEN_PER_SAMPLER = 4096
 _MAX_TOKENIZER_BYTES = 64 << 20
 # How long an answered result stays retrievable: the tinker SDK reads a retrieve for up to 45 s and then
@@ -253,8 +257,9 @@ class Service:
                  body_timeout_s: float = 30.0, max_inflight_bytes_per_key: int = 64 << 20,
                  max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
                  max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
-                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0):
+                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, id_tag: str = ""):
         self.pool = pool
+        self.id_tag = f"{id_tag}-" if id_tag else ""
         self.backend = LocalBackend(pool)
         self.api_keys = [k for k in (api_keys or ())]
         self.observer_keys = [k for k in (observer_keys or ())]
@@ -320,12 +325,13 @@ class Service:
         if mine >= self.max_sessions_per_key:
             raise _HttpError(400, f"this API key has {mine} live sessions, the server's limit "
                                   f"(max_sessions_per_key); close some ServiceClients")
-        session_id = f"sess-{secrets.token_hex(8)}"
+        random = secrets.token_hex(8)
+        session_id = f"sess-{self.id_tag}{random}"
         meta = body.get("user_metadata")
         # a person's name for the lanes: the SDKs' "name", a tinker-cookbook recipe's "recipe_name"
         named = [meta.get(k) for k in ("name", "run_name", "recipe_name")] if isinstance(meta, dict) else []
         name = next((n for n in named if isinstance(n, str) and n.strip()), None) or body.get("display_name")
-        label = str(name)[:40] if name else session_id[:13]
+        label = str(name)[:40] if name else f"sess-{random[:8]}"
         self.sessions[session_id] = _Session(session_id, owner, label, named=bool(name))
         # the pool's one session table lists it, with the runs and samplers it makes
         self.backend.open_session(session_id, meta if isinstance(meta, dict) else None,
@@ -377,7 +383,7 @@ class Service:
         if pending >= self.max_futures_per_key:
             raise _HttpError(400, f"this API key has {pending} results not yet retrieved, the server's limit "
                                   f"(max_futures_per_key): retrieve (await) some before submitting more")
-        entry = _Entry(f"req-{next(self._ids)}", owner, session, kind)
+        entry = _Entry(f"req-{self.id_tag}{next(self._ids)}", owner, session, kind)
         self.entries[entry.request_id] = entry
         self.unretrieved[owner] = pending + 1
         return entry
@@ -1129,9 +1135,12 @@ class Server:
                  max_connections_per_address: int = 512, max_inflight_bytes_per_key: int = 64 << 20,
                  max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
                  max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
-                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, owns_pool: bool = False):
+                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, owns_pool: bool = False,
+                 id_tag: str = ""):
         if not isinstance(pool, LocalPool):
             raise TypeError(f"serve() takes a LocalPool, got {type(pool).__name__}")
+        if id_tag and not (isinstance(id_tag, str) and ID_TAG_RE.match(id_tag)):
+            raise ValueError(f"id_tag must be 1 to 24 lowercase letters and digits, got {id_tag!r:.40}")
         check_bind(host, [*(api_keys or ()), *(observer_keys or ())])
         for name, value, low, high in (("session_timeout_s", session_timeout_s, 1.0, 86400.0),
                                        ("long_poll_s", long_poll_s, 0.01, 40.0),
@@ -1165,7 +1174,8 @@ class Server:
                                  max_inflight_bytes_per_key=max_inflight_bytes_per_key,
                                  max_inflight_bytes=max_inflight_bytes, max_clients_per_key=max_clients_per_key,
                                  max_state_bytes_per_key=max_state_bytes_per_key, max_export_bytes=max_export_bytes,
-                                 export_url_ttl_s=export_url_ttl_s, export_timeout_s=export_timeout_s)
+                                 export_url_ttl_s=export_url_ttl_s, export_timeout_s=export_timeout_s,
+                                 id_tag=id_tag)
         self._policy = Policy.of([host, *(allowed_hosts or ())], allowed_origins)
         self._connections = Connections(header_timeout_s=float(header_timeout_s),
                                         max_waiting=int(max_waiting_connections),

@@ -38,6 +38,7 @@ from ..types import (
 
 __all__ = [
     "PROTO", "adam_from_json", "adam_to_json", "decode_forward_request", "decode_forward_output",
+    "forward_request_model_id",
     "decode_sample_response", "encode_forward_output", "encode_forward_request", "encode_sample_response",
     "model_input_from_json", "model_input_to_json", "sampling_params_from_json", "sampling_params_to_json",
     "tensor_from_json", "tensor_to_json", "tinker_metric_keys",
@@ -223,6 +224,11 @@ def _tensor_to_proto(td: TensorData, msg: Any) -> None:
 
 
 # -- forward / forward_backward requests -------------------------------------------------------
+
+def forward_request_model_id(body: bytes) -> str:
+    """The model_id of a ForwardBackwardRequest (a fleet's ingress routes by it); "" if it has none."""
+    return str(_parse(PROTO.ForwardBackwardRequest, body, "ForwardBackwardRequest").model_id)
+
 
 def decode_forward_request(body: bytes, max_values: int) -> tuple[str, int, list[Datum], str, dict[str, Any], bool]:
     """(model_id, seq_id, data, loss_fn, loss_fn_config, forward_only) of a ForwardBackwardRequest.

@@ -60,7 +60,9 @@ ERRORS: tuple[ErrorRow, ...] = (
 )
 
 #: Codes that name a reason as well as a class (the message says the rest).
-_ALIASES: dict[str, str] = {"session_expired": "client_closed", "server_shutdown": "pool_closed"}
+# (pool_failed: a fleet's pool whose replica died or restarted: trio_widgets/http/fleet.py)
+_ALIASES: dict[str, str] = {"session_expired": "client_closed", "server_shutdown": "pool_closed",
+                            "pool_failed": "pool_closed"}
 _BY_CODE: dict[str, ErrorRow] = {row.code: row for row in ERRORS}
 _INTERNAL = ErrorRow(Exception, 500, "internal", "server")
 

@@ -1,0 +1,437 @@
+"""Many served pools behind one URL: the fleet's ingress.
+
+Each pool of a fleet is a plain served pool (trio_widgets/http/server.py) whose ids carry its
+tag, ``p<index>r<epoch>``: sessions ``sess-p1r3fa9c1-…`` (hence their models
+``…:train:N``, samplers ``…:sample:N`` and checkpoint paths ``tinker://sess-p1r…/…``) and
+requests ``req-p1r3fa9c1-N``. The epoch is new each time a pool's process starts. So the
+ingress routes every request by the id it names, with no table to lose:
+
+* ``create_session`` is placed on the live pool with the most headroom (fewest live sessions,
+  then clients, then tokens per cycle), one placement at a time; everything of that session
+  then goes to that pool (the id in the path, or in the body: session_id, model_id,
+  sampling_session_id, request_id, then a tinker:// path; forward_backward's protobuf body
+  names its model).
+* A request naming a pool that died, or whose process restarted since (another epoch), is
+  answered at once, naming the pool: a future fails (category ``server``, code
+  ``pool_failed``), anything else is a 410. Checkpoints live in one shared directory, so a
+  new session (on a live pool) resumes from them.
+* Capabilities are the union of the pools' models (a session's models must be its pool's: the
+  refusal names the pools that serve one); the REST listings (``training_runs``,
+  ``checkpoints``) merge every pool's; ``/api/v1/trio/info`` sums them; ``/api/v1/trio/fleet``
+  lists the pools; ``/trio/pools/<k>/…`` is pool k itself (a dashboard of one pool:
+  ``trio.Dashboard(url + "/trio/pools/1")``). URLs a pool signs (exports) are rewritten to
+  that prefix.
+
+The pools authenticate every request (the ingress forwards the caller's key and keeps none).
+Ray Serve runs the ingress and the pools (trio_widgets/http/ray_fleet.py); `Members` is all
+the ingress needs of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import ClientClosedError, PoolClosedError
+from . import wire
+from .auth import wire_of
+from .routes import API, error_response
+
+__all__ = ["Ingress", "Members", "PoolState", "pool_tag"]
+
+TAG = r"p(?P<index>\d{1,4})r(?P<epoch>[0-9a-f]{6})"
+_ID = re.compile(rf"(?:sess|req)-{TAG}-")
+_EXPLICIT = re.compile(r"^/trio/pools/(?P<index>\d{1,4})(?P<rest>/.*)$")
+#: Body fields that name what a request is about, most specific first: a from-state load names
+#: its (new) session and the checkpoint it reads from another pool; the session decides.
+_ROUTING_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "tinker_path", "path",
+                   "model_path")
+_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+        "proxy-connection", "accept-encoding"}
+STATE_TTL_S = 2.0  # a pool's state is asked again after this long (placement reads fresh load)
+
+
+def pool_tag(index: int, epoch: str) -> str:
+    """The id tag of pool `index` in the process started as `epoch` (6 hex digits)."""
+    return f"p{index}r{epoch}"
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What a pool says of itself (its replica answers; see ray_fleet.PoolReplica.describe)."""
+
+    index: int
+    epoch: str
+    url: str  # where its server listens (inside the cluster)
+    models: tuple[str, ...]
+    pid: int
+    node: str
+    device: str
+    sessions: int  # live sessions
+    clients: int  # live training and sampling clients
+    tokens_per_cycle: float  # recent mean
+    total_updates: int
+
+    @property
+    def name(self) -> str:
+        return f"pool-{self.index}"
+
+
+class Members:
+    """The ingress's view of its pools: `state(k)` is pool k's PoolState, or None when it
+    cannot answer now (dead, restarting). Subclasses ask them (Ray handles, in-process)."""
+
+    size: int = 0
+
+    async def ask(self, index: int) -> PoolState | None:
+        raise NotImplementedError
+
+
+class Ingress:
+    """The ASGI-level logic of the fleet's one URL: `await ingress(request)` answers a starlette
+    Request (Ray Serve calls it; so can a Starlette route)."""
+
+    def __init__(self, members: Members, *, max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0,
+                 read_timeout_s: float = 120.0):
+        self.members = members
+        self.max_body_bytes = int(max_body_bytes)
+        self.body_timeout_s = float(body_timeout_s)
+        # a long-poll is held up to the pools' long_poll_s (<= 40 s): the read timeout outlasts it
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=5.0),
+                                       limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        self._states: dict[int, tuple[float, PoolState | None]] = {}
+        self._placing = asyncio.Lock()
+        self.placements = [0] * members.size  # sessions placed on each pool since start (for tests, logs)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- the pools' states ------------------------------------------------------------------
+    async def state(self, index: int, *, fresh: bool = False) -> PoolState | None:
+        if not 0 <= index < self.members.size:
+            return None
+        cached = self._states.get(index)
+        if cached is not None and not fresh and time.monotonic() - cached[0] < STATE_TTL_S:
+            return cached[1]
+        try:
+            found = await asyncio.wait_for(self.members.ask(index), 10.0)
+        except Exception:  # (asyncio.TimeoutError included) dead, restarting, unreachable
+            found = None
+        self._states[index] = (time.monotonic(), found)
+        return found
+
+    async def states(self, *, fresh: bool = False) -> list[PoolState]:
+        found = await asyncio.gather(*(self.state(k, fresh=fresh) for k in range(self.members.size)))
+        return [s for s in found if s is not None]
+
+    # -- answering -------------------------------------------------------------------------------
+    async def __call__(self, request: Request) -> Response:
+        path = request.scope.get("path", request.url.path)
+        try:
+            explicit = _EXPLICIT.match(path)
+            if explicit is not None:
+                return await self._explicit(request, int(explicit["index"]), explicit["rest"])
+            if not path.startswith(API + "/"):
+                return _refusal(404, f"no such endpoint: {request.method} {path}")
+            op = path[len(API):]
+            if op == "/trio/fleet" and request.method == "GET":
+                return await self._fleet(request)
+            body = await self._body(request)
+            if op == "/create_session":
+                return await self._place(request, body)
+            if op == "/get_server_capabilities":
+                return await self._capabilities(request)
+            if op in ("/training_runs", "/checkpoints") and request.method == "GET":
+                return await self._merged(request, op)
+            if op == "/trio/info":
+                return await self._info(request)
+            tag = _tag_of(op, body, request.headers.get("content-type", ""))
+            if tag is None:
+                return await self._anywhere(request, op, body)
+            index, epoch = tag
+            state = await self.state(index)
+            if state is not None and state.epoch != epoch:
+                state = await self.state(index, fresh=True)  # restarted since it was last asked?
+            if state is None or state.epoch != epoch:
+                return _lost(op, index, restarted=state is not None)
+            return await self._forward(request, state, body, op=op, epoch=epoch)
+        except _Refused as refused:
+            return refused.response
+
+    async def _body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise _Refused(_refusal(413, f"the body has {length} bytes, more than this server's limit of "
+                                         f"{self.max_body_bytes} (max_body_bytes); send smaller batches"))
+        chunks, size = [], 0
+        stream = request.stream()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), self.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise _Refused(_refusal(408, f"the body stalled: nothing arrived for {self.body_timeout_s:g} s",
+                                        code="timeout")) from None
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _Refused(_refusal(413, f"the body is more than this server's limit of "
+                                             f"{self.max_body_bytes} bytes (max_body_bytes)"))
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _send(self, request: Request, state: PoolState, path: str, body: bytes,
+                    query: str | None = None, stream: bool = False) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        url = state.url + path + (f"?{query}" if query else "")
+        built = self._http.build_request(request.method, url, headers=headers, content=body)
+        return await self._http.send(built, stream=stream)
+
+    async def _forward(self, request: Request, state: PoolState, body: bytes, *, op: str,
+                       epoch: str | None = None) -> Response:
+        """`request` answered by pool `state` (the same path under its URL); a pool that fails under
+        it is said lost (and asked again next time)."""
+        raw = request.scope.get("raw_path") or request.url.path.encode()
+        try:
+            answer = await self._send(request, state, raw.decode("latin-1"), body, request.url.query)
+        except httpx.TransportError:
+            self._states.pop(state.index, None)
+            if epoch is None:
+                return _refusal(503, f"{state.name} of this fleet did not answer (its replica may be restarting); "
+                                     f"try again", code="pool_closed")
+            return _lost(op, state.index, restarted=False)
+        return _relay(answer, state, str(request.base_url))
+
+    async def _explicit(self, request: Request, index: int, rest: str) -> Response:
+        state = await self.state(index)
+        if state is None:
+            return _refusal(503, f"pool-{index} of this fleet is not answering now (dead or restarting)",
+                            code="pool_closed")
+        if rest == API + "/trio/telemetry":  # a stream, relayed as it comes
+            try:
+                answer = await self._send(request, state, rest, b"", request.url.query, stream=True)
+            except httpx.TransportError:
+                return _refusal(503, f"{state.name} of this fleet did not answer", code="pool_closed")
+            if answer.status_code != 200:
+                await answer.aread()
+                return _relay(answer, state, str(request.base_url))
+
+            async def relay() -> Any:
+                try:
+                    async for chunk in answer.aiter_raw():
+                        yield chunk
+                except httpx.TransportError:
+                    return
+                finally:
+                    await answer.aclose()
+
+            return StreamingResponse(relay(), media_type=answer.headers.get("content-type"))
+        body = await self._body(request)
+        try:
+            answer = await self._send(request, state, rest, body, request.url.query)
+        except httpx.TransportError:
+            self._states.pop(index, None)
+            return _refusal(503, f"{state.name} of this fleet did not answer", code="pool_closed")
+        return _relay(answer, state, str(request.base_url))
+
+    async def _place(self, request: Request, body: bytes) -> Response:
+        # One placement at a time: the next one sees this session in its pool's count.
+        async with self._placing:
+            live = await self.states(fresh=True)
+            if not live:
+                return _refusal(503, "no pool of this fleet is answering now: try again in a moment",
+                                code="pool_closed")
+            best = min(live, key=lambda s: (s.sessions, s.clients, s.tokens_per_cycle, s.index))
+            answer = await self._forward(request, best, body, op="/create_session")
+            if answer.status_code == 200:
+                self.placements[best.index] += 1
+                self._states.pop(best.index, None)
+            return answer
+
+    async def _capabilities(self, request: Request) -> Response:
+        answers = await self._each(request, API + "/get_server_capabilities")
+        models: dict[str, Any] = {}
+        for _, answer in answers:
+            if answer.status_code != 200:
+                return _relay(answer, None, "")
+            for model in answer.json().get("supported_models", []):
+                models.setdefault(model.get("model_name"), model)
+        return JSONResponse({"supported_models": list(models.values())})
+
+    async def _merged(self, request: Request, op: str) -> Response:
+        """A REST listing of every pool's (runs live on one pool; checkpoints on the shared disk
+        are listed by each: one entry each), newest first, then paged here."""
+        try:
+            limit = int(request.query_params.get("limit", "100"))
+            offset = int(request.query_params.get("offset", "0"))
+        except ValueError:
+            limit = offset = -1
+        if not (0 <= limit <= 10_000 and 0 <= offset <= 10_000):
+            return _refusal(400, "limit and offset must be integers from 0 to 10000", code="invalid_input")
+        answers = await self._each(request, API + op, query=f"limit={min(10_000, offset + limit)}&offset=0")
+        key, sort = ("training_runs", ("last_request_time", "training_run_id")) if op == "/training_runs" else \
+            ("checkpoints", ("time", "tinker_path"))
+        merged: dict[str, dict] = {}
+        for state, answer in answers:
+            if answer.status_code != 200:
+                return _relay(answer, state, str(request.base_url))
+            for item in answer.json().get(key, []):
+                ident = item.get("training_run_id") if key == "training_runs" else item.get("tinker_path")
+                mine = isinstance(ident, str) and _owner_index(ident) == state.index
+                if ident not in merged or mine:  # the run's own pool knows it best (it is live there)
+                    merged[ident] = item
+        items = sorted(merged.values(), key=lambda r: tuple(str(r.get(k)) for k in sort), reverse=True)
+        return JSONResponse({key: items[offset:offset + limit],
+                             "cursor": {"offset": offset, "limit": limit, "total_count": len(items)}})
+
+    async def _info(self, request: Request) -> Response:
+        answers = await self._each(request, API + "/trio/info")
+        infos = []
+        for state, answer in answers:
+            if answer.status_code != 200:
+                return _relay(answer, state, "")
+            infos.append(answer.json())
+        first = infos[0]
+        total = {k: sum(int(i.get(k, 0)) for i in infos) for k in ("total_cycles", "total_updates", "total_tokens")}
+        return JSONResponse({**first, **total, "name": f"fleet of {self.members.size} pools",
+                             "pools": [i.get("name") for i in infos]})
+
+    async def _fleet(self, request: Request) -> Response:
+        """The pools (each: index, name, epoch, node, pid, device, models, load, totals) and the fleet's
+        totals; asked with a key the pools accept (an observer key too)."""
+        answers = await self._each(request, API + "/trio/info")
+        pools = []
+        for state, answer in answers:
+            if answer.status_code != 200:
+                return _relay(answer, state, "")
+            info = answer.json()
+            pools.append({**asdict(state), "name": state.name, "alive": True, "path": f"/trio/pools/{state.index}",
+                          "min_cycle_s": info.get("min_cycle_s"), "cycle_index": info.get("cycle_index"),
+                          "total_cycles": info.get("total_cycles"), "total_tokens": info.get("total_tokens"),
+                          "total_updates": info.get("total_updates")})
+        up = {p["index"] for p in pools}
+        pools += [{"index": k, "name": f"pool-{k}", "alive": False, "path": f"/trio/pools/{k}"}
+                  for k in range(self.members.size) if k not in up]
+        pools.sort(key=lambda p: p["index"])
+        totals = {k: sum(int(p.get(k) or 0) for p in pools)
+                  for k in ("sessions", "clients", "total_updates", "total_tokens")}
+        return JSONResponse({"pools": pools, "totals": {**totals, "pools": len(pools), "alive": len(up)},
+                             "placements": list(self.placements)})
+
+    async def _each(self, request: Request, path: str, query: str | None = None
+                    ) -> list[tuple[PoolState, httpx.Response]]:
+        """`request` (bodiless) asked of every live pool; a pool that fails meanwhile is left out."""
+        live = await self.states()
+        if not live:
+            raise _Refused(_refusal(503, "no pool of this fleet is answering now: try again in a moment",
+                                    code="pool_closed"))
+        query = request.url.query if query is None else query
+
+        async def one(state: PoolState) -> tuple[PoolState, httpx.Response] | None:
+            try:
+                answer = await self._send(request, state, path, b"", query)
+                await answer.aread()
+                return state, answer
+            except httpx.TransportError:
+                self._states.pop(state.index, None)
+                return None
+
+        found = [a for a in await asyncio.gather(*(one(s) for s in live)) if a is not None]
+        if not found:
+            raise _Refused(_refusal(503, "no pool of this fleet answered: try again in a moment", code="pool_closed"))
+        return found
+
+    async def _anywhere(self, request: Request, op: str, body: bytes) -> Response:
+        """A request of no pool's in particular (config, health, the SDK's telemetry, a tokenizer):
+        a live pool that serves the model it names, if it names one."""
+        live = await self.states()
+        model = request.query_params.get("base_model")
+        serving = [s for s in live if model is None or model in s.models] or live
+        if not serving:
+            return _refusal(503, "no pool of this fleet is answering now: try again in a moment", code="pool_closed")
+        return await self._forward(request, min(serving, key=lambda s: s.index), body, op=op)
+
+
+class _Refused(Exception):
+    def __init__(self, response: Response):
+        self.response = response
+
+
+def _refusal(status: int, message: str, *, code: str = "not_found") -> JSONResponse:
+    return JSONResponse({"detail": message, "code": code}, status_code=status)
+
+
+def _lost(op: str, index: int, *, restarted: bool) -> Response:
+    what = "restarted (its replica died)" if restarted else "is not answering (its replica died)"
+    message = (f"pool-{index} of this fleet {what}: the sessions, models and requests it held are lost; "
+               f"checkpoints saved before are kept: create a new ServiceClient (it goes to a live pool) and "
+               f"resume from your last checkpoint")
+    if op == "/retrieve_future":
+        return JSONResponse(wire_of(PoolClosedError(message), "pool_failed").future_body())
+    if op == "/session_heartbeat":  # 410: the SDK stops heartbeating a session it is told is gone
+        return error_response(wire_of(ClientClosedError(message), "session_expired"))
+    return error_response(wire_of(PoolClosedError(message), "pool_failed"))
+
+
+def _relay(answer: httpx.Response, state: PoolState | None, base_url: str) -> Response:
+    """A pool's answer as the fleet's: its status, type and body (URLs it signed under its own
+    address rewritten to the fleet's prefix for that pool)."""
+    content = answer.content
+    media = answer.headers.get("content-type", "")
+    if state is not None and base_url and media.startswith("application/json"):
+        inner = state.url.rstrip("/").encode()
+        if inner in content:
+            content = content.replace(inner, f"{base_url.rstrip('/')}/trio/pools/{state.index}".encode())
+    headers = {k: v for k, v in answer.headers.items() if k.lower().startswith("x-trio-")}
+    return Response(content, status_code=answer.status_code, media_type=media or None, headers=headers)
+
+
+def _owner_index(ident: str) -> int | None:
+    found = _ID.search(ident)
+    return int(found["index"]) if found else None
+
+
+def _tag_of(op: str, body: bytes, content_type: str) -> tuple[int, str] | None:
+    """(pool index, epoch) of the request's subject: the id in its path, else in its body."""
+    found = _ID.search(unquote(op))
+    if found is None and body:
+        if content_type.startswith(wire.PROTOBUF):
+            try:
+                found = _ID.search(wire.forward_request_model_id(body))
+            except Exception:  # not a forward request: the pool refuses it, any pool
+                found = None
+        else:
+            try:
+                value = json.loads(body)
+            except (ValueError, RecursionError):
+                value = None
+            if isinstance(value, dict):
+                for name in _ROUTING_FIELDS:
+                    field = value.get(name)
+                    if isinstance(field, str) and (found := _ID.search(field)) is not None:
+                        break
+    return (int(found["index"]), found["epoch"]) if found is not None else None
+
+
+def describe(index: int, epoch: str, server: Any, node: str) -> PoolState:
+    """The PoolState of a running `Server` (what a pool replica answers)."""
+    import os
+
+    pool = server.pool
+    sessions = [s for s in server.sessions() if s["state"] == "live"]
+    cycles: Sequence[Any] = list(pool.telemetry.cycles)[-16:]
+    tokens = sum(c.tokens for c in cycles) / len(cycles) if cycles else 0.0
+    return PoolState(index=index, epoch=epoch, url=server.url, models=tuple(server._service.models), pid=os.getpid(),
+                     node=node, device=pool.device.type, sessions=len(sessions),
+                     clients=sum(len(s["clients"]) for s in sessions), tokens_per_cycle=float(tokens),
+                     total_updates=int(pool.telemetry.total_updates))
