@@ -150,8 +150,9 @@ def serve_fleet(pools: int = 2, *, host: str = "127.0.0.1", port: int = 8000, ad
     owns = not ray.is_initialized()
     if owns:
         if address is None:
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(pools * cpus_per_pool) + 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
+            # "local": a new instance, never one another process of this machine started
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(pools * cpus_per_pool) + 1),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=address, log_to_driver=False)
     if gpus_per_pool is None:
