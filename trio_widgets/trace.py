@@ -36,8 +36,10 @@ def _us(t: float, t0: float) -> float:
     return round((t - t0) * 1e6, 1)
 
 
-def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1) -> dict[str, Any]:
-    """The pool's recent history (what its ring buffers still hold) as a trace dict."""
+def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1,
+                 depth: tuple[str, str] = ("queue", "queued")) -> dict[str, Any]:
+    """The pool's recent history (what its ring buffers still hold) as a trace dict. `depth`: the
+    name and arg of the depth counters ("queue <client>": queued; a watcher's "in flight")."""
     cycles = list(telemetry.cycles)
     requests = [r for r in list(telemetry.requests) if r.started_at is not None and r.finished_at is not None]
     depths = list(telemetry.queue_depths)
@@ -102,11 +104,12 @@ def chrome_trace(telemetry: Telemetry, *, name: str = "trio pool", pid: int = 1)
         events.append({"ph": "X", "pid": pid, "tid": tid_of(r.client_id), "name": r.op, "cat": r.op,
                        "ts": _us(started, t0), "dur": max(_us(finished, started), 1.0),
                        "args": args})
+    counter, arg = depth
     for d in depths:
-        for cid, depth in d.depths.items():
+        for cid, n in d.depths.items():
             info = clients.get(cid)
-            events.append({"ph": "C", "pid": pid, "tid": 0, "name": f"queue {info.label if info else cid}",
-                           "ts": _us(d.time, t0), "args": {"queued": depth}})
+            events.append({"ph": "C", "pid": pid, "tid": 0, "name": f"{counter} {info.label if info else cid}",
+                           "ts": _us(d.time, t0), "args": {arg: n}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"total_cycles": telemetry.total_cycles, "total_updates": telemetry.total_updates,
                           "total_tokens": telemetry.total_tokens}}

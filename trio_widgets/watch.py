@@ -209,7 +209,7 @@ class Watcher:
     def chrome_trace(self, name: str | None = None) -> dict[str, Any]:
         """The Perfetto / Chrome trace: a lane per client with a bar per request (submitted →
         result available; args: when the loop asked, how) and an 'in flight <client>' counter."""
-        trace = chrome_trace(self.telemetry, name=name or self.name)
+        trace = chrome_trace(self.telemetry, name=name or self.name, depth=("in flight", "in_flight"))
         events = trace["traceEvents"]
         records = {r.request_id: r for r in self.records()}
         spans = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("request_id") in records]
@@ -221,9 +221,6 @@ class Watcher:
             e["args"]["waited_by"] = r.waited_by
             if r.awaited_at is not None:
                 e["args"]["awaited_ms"] = round((r.awaited_at - r.queued_at) * 1e3, 3)
-        for e in events:  # the marks of requests in flight, kept as a pool keeps its queue depths
-            if e.get("ph") == "C" and e["name"].startswith("queue "):
-                e["name"], e["args"] = "in flight " + e["name"][len("queue "):], {"in_flight": e["args"]["queued"]}
         trace["otherData"]["unknown"] = UNKNOWN
         return trace
 
