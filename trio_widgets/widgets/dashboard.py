@@ -145,7 +145,9 @@ class Dashboard(W.VBox):
     The dashboard observes the pool: requests from any loop on it show up. ``Dashboard()``
     without a pool shows the newest pool in the kernel and moves to a newer one when it is
     built (a cell that builds a pool ran again); ``Dashboard(pool)`` shows that pool, and
-    what replaces it when the cell that built it runs again. Its Start button trains `runs`
+    what replaces it when the cell that built it runs again. ``Dashboard(url, api_key=...)``
+    watches a served pool; given a fleet's URL it returns a `FleetDashboard` (widgets/fleet.py:
+    the fleet's totals, a pool selector, the selected pool's Dashboard). Its Start button trains `runs`
     LoRA clients (a learning-rate sweep ×0.5/×1/×2 for 3 runs) on the built-in addition task
     with :func:`trio_widgets.loop.train`.
 
@@ -154,11 +156,34 @@ class Dashboard(W.VBox):
     `export_dir` ("trio-exports" by default).
     """
 
+    def __new__(cls, pool: LocalPool | str | None = None, *args: Any, api_key: str | None = None,
+                **settings: Any) -> Dashboard:
+        """A fleet's URL (trio_widgets/http/fleet.py) gives a `FleetDashboard` instead: the fleet's
+        totals, a pool selector and the selected pool's Dashboard, built with these settings
+        (widgets/fleet.py). Any other pool or URL: a Dashboard, as ever."""
+        if isinstance(pool, str) and not args and settings.get("watch") is None:
+            from .fleet import FleetDashboard, fleet_info
+
+            info = fleet_info(pool, api_key)  # None for a served pool's URL (it answers 404)
+            if info is not None:
+                given = {k: v for k, v in settings.items() if k != "owned_by_cell"}
+
+                def pool_dashboard(url: str) -> Dashboard:
+                    return Dashboard(url, api_key=api_key, owned_by_cell=False, **given)
+
+                view = FleetDashboard(pool, api_key=api_key, pool_dashboard=pool_dashboard, info=info)
+                if settings.get("owned_by_cell", True):
+                    _CELL_DASHBOARDS.claim(view)
+                # not a Dashboard, so Python calls no __init__ on it: the fleet view is what you get
+                return cast("Dashboard", view)
+        return super().__new__(cls, pool, *args, api_key=api_key, **settings)
+
     def __init__(self, pool: LocalPool | str | None = None, *, api_key: str | None = None, window: int = 24,
                  refresh_hz: float = 5.0, lanes: int = 10, base_model: str = DEFAULT_MODEL, rank: int = 8,
                  learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
                  lookahead: int = 1, export_dir: str | os.PathLike = "trio-exports",
-                 title: str = "trio · live training", max_clients: int | None = None, watch: Any = None):
+                 title: str = "trio · live training", max_clients: int | None = None, watch: Any = None,
+                 owned_by_cell: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not (0 < refresh_hz <= 10):
@@ -285,7 +310,8 @@ class Dashboard(W.VBox):
         if pool is not None:
             self._attach(pool)
         self._update_header()
-        _CELL_DASHBOARDS.claim(self)  # the cell that built one before runs again: one live dashboard per cell
+        if owned_by_cell:  # (False: a fleet view's pool dashboard, which the fleet view owns)
+            _CELL_DASHBOARDS.claim(self)  # the cell that built one before runs again: one live dashboard per cell
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"trio-dashboard-{next(_DASHBOARD_IDS)}",
                                         daemon=True)
@@ -838,6 +864,12 @@ class Dashboard(W.VBox):
 
     # -- display: hold patches until the new view has rendered; a snapshot when closed ------------------
     def _repr_mimebundle_(self, **kwargs: Any):
+        self.expect_view()
+        return super()._repr_mimebundle_(**kwargs)
+
+    def expect_view(self) -> None:
+        """A view of this dashboard renders now (displayed, or shown inside another widget: a
+        fleet's view): hold patches until it has, then send it the whole document."""
         self._expect_views += 1
         self._displayed_at = time.perf_counter()
         self._bokeh.live = False
@@ -845,7 +877,6 @@ class Dashboard(W.VBox):
         # counts as seen (a busy kernel may not hear it say so until the cell ends) until the
         # page reports again, whatever the other views said (scrolled away: Run All moved on).
         self._bokeh.visibility = {}
-        return super()._repr_mimebundle_(**kwargs)
 
     def _ipython_display_(self) -> None:
         # Shown under a display id, so that close() can put a static snapshot in its place
