@@ -29,16 +29,16 @@ import contextlib
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # as tests/served.py's tinker_env: no telemetry,
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no network for tokenizers
+
+from serve_abuse import server_process  # noqa: E402  (the benchmarks' one `serve` process starter)
 
 import trio_widgets as trio  # noqa: E402
 from trio_widgets.watch import WatchedRequest, Watcher, watch, watcher_of  # noqa: E402
@@ -85,20 +85,8 @@ def served(cycle_s: float, where: str) -> Iterator[str]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "TRIO_API_KEYS": KEY, "TRIO_TORCH_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
-                                 "--checkpoint-dir", ckpt, "--min-cycle-s", str(cycle_s)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if "serving" not in line:
-                raise RuntimeError(f"the server did not start: {line}{proc.stdout.read()}")
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain its log
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        with server_process(port, min_cycle_s=cycle_s, keys=(KEY,)) as (url, _):
+            yield url
 
 
 def run(updates: int, rounds: int, cycle_s: float, verbose: bool, where: str = "process"

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import socket
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +91,36 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serving_process(where: Path, *, keys: str, min_cycle_s: float, args: Sequence[str] = (),
+                  env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
+    """A real `python -m trio_widgets serve` on a free 127.0.0.1 port (one torch thread, `keys` as
+    $TRIO_API_KEYS, checkpoints in `where`/ckpt, its log in `where`/server.log; `env`: its
+    environment, by default this one's without TRIO_ and TINKER_ variables). Yields (its URL, its
+    log); terminated after."""
+    port, log = free_port(), where / "server.log"
+    base = env if env is not None else {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_"))}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port), "--checkpoint-dir",
+                                 str(where / "ckpt"), "--min-cycle-s", str(min_cycle_s), *args],
+                                env={**base, "TRIO_API_KEYS": keys, "TRIO_TORCH_THREADS": "1"},
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "serving" in log.read_text() or proc.poll() is not None, "the server to start", 120)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server did not start:\n{log.read_text()}")
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def three_loops(forward_backward: Callable[[], Any], optim_step: Callable[[], Any],

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from served import serving_process
 
 KEY = "tml-cookbook-participant"
 MODEL = "trio/tiny-llama-byte"  # trio.DEFAULT_MODEL, as in the examples
@@ -50,12 +50,6 @@ class Server:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _base_env() -> dict[str, str]:
     """This interpreter's environment without what would change what the recipes see."""
     drop = ("HF_", "TRIO_", "TINKER_", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
@@ -66,22 +60,8 @@ def _base_env() -> dict[str, str]:
 def server(tmp_path_factory) -> Iterator[Server]:
     """A real `python -m trio_widgets serve` with one participant key."""
     where = tmp_path_factory.mktemp("cookbook-server")
-    port, log = _free_port(), where / "server.log"
-    env = {**_base_env(), "TRIO_API_KEYS": KEY, "TRIO_TORCH_THREADS": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
-                                 "--checkpoint-dir", str(where / "ckpt"), "--min-cycle-s", "0.01"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while "serving" not in log.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{log.read_text()}")
-            time.sleep(0.1)
-        yield Server(f"http://127.0.0.1:{port}", where / "ckpt", log)
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with serving_process(where, keys=KEY, min_cycle_s=0.01, env=_base_env()) as (url, log):
+        yield Server(url, where / "ckpt", log)
     assert not FAILURES.search(log.read_text()), log.read_text()[-3000:]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import check_three_loops, in_threads, same_tensors, three_loops, wait_for
+from served import check_three_loops, free_port, in_threads, same_tensors, three_loops, wait_for
 
 import trio_widgets as trio
 
@@ -65,20 +65,12 @@ def trio_datum(i: int) -> trio.Datum:
 def fleet(tmp_path_factory):
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     shared = tmp_path_factory.mktemp("fleet-ckpt")
-    fleet = serve_fleet(2, port=_free_port(), api_keys=[KEY], observer_keys=[OBSERVER], min_cycle_s=CYCLE_S,
+    fleet = serve_fleet(2, port=free_port(), api_keys=[KEY], observer_keys=[OBSERVER], min_cycle_s=CYCLE_S,
                         checkpoint_dir=str(shared), session_timeout_s=SESSION_TIMEOUT_S, cpus_per_pool=1)
     try:
         yield fleet
     finally:
         fleet.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fleet_info(fleet) -> dict:
@@ -101,7 +93,7 @@ def test_the_cli_serves_a_fleet_until_interrupted():
     refused = subprocess.run([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--host", "0.0.0.0"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "refusing to serve on '0.0.0.0' without API keys" in refused.stderr
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRIO_TORCH_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TRIO_API_KEYS": KEY}
     process = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--pools", "1", "--port",
                                 str(port), "--min-cycle-s", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -230,13 +222,20 @@ def test_samplers_listings_and_unknown_pools_across_the_fleet(fleet):
     finally:
         for sc in [sc_a, sc_b, *spare_a, *spare_b]:
             sc.close()
+    # ids no pool of this fleet made: not found, saying why; a pool restarted since: gone, naming it
     answer = httpx.post(f"{fleet.url}/api/v1/retrieve_future", headers={"X-API-Key": KEY},
                         json={"request_id": "req-p7r0a0b0c-1"}, timeout=60)
+    assert answer.status_code == 404 and "names pool-7, and this fleet has pools 0 to 1" in answer.text, answer.text
+    epoch = fleet_info(fleet)["pools"][1]["epoch"]
+    stale = "000000" if epoch != "000000" else "000001"
+    answer = httpx.post(f"{fleet.url}/api/v1/retrieve_future", headers={"X-API-Key": KEY},
+                        json={"request_id": f"req-p1r{stale}-1"}, timeout=60)
     assert answer.status_code == 200 and answer.json()["category"] == "server", answer.text
-    assert answer.json()["error"].startswith("pool-7 of this fleet is not answering"), answer.text
+    assert answer.json()["error"].startswith("pool-1 of this fleet restarted (its replica died)"), answer.text
     answer = httpx.post(f"{fleet.url}/api/v1/optim_step", headers={"X-API-Key": KEY},
-                        json={"model_id": "sess-p7r0a0b0c-0123456789abcdef:train:0", "seq_id": 0}, timeout=60)
+                        json={"model_id": f"sess-p1r{stale}-0123456789abcdef:train:0", "seq_id": 0}, timeout=60)
     assert answer.status_code == 410 and answer.json()["code"] == "pool_failed", answer.text
+    assert httpx.get(f"{fleet.url}/trio/pools/5/api/v1/healthz", timeout=60).status_code == 404
 
 
 def test_a_killed_pool_fails_its_sessions_futures_naming_it_and_the_other_loses_nothing(fleet):

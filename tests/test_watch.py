@@ -17,7 +17,7 @@ import time
 import warnings
 
 import pytest
-from served import in_threads, wait_for
+from served import in_threads, serving_process, wait_for
 
 import trio_widgets as trio
 from trio_widgets.advisor import diagnose_telemetry
@@ -370,29 +370,9 @@ OBSERVER = "tml-watch-observer"
 def serve_process(tmp_path_factory):
     """A real `python -m trio_widgets serve` (the pool in another process, as a room's or a hosted
     service's is), with the served pool's cycle of these tests; yields its URL."""
-    import os
-    import socket
-    import subprocess
-
-    where = tmp_path_factory.mktemp("watch-serve")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_"))}
-    env.update(TRIO_API_KEYS=serve_tests.KEY, TRIO_TORCH_THREADS="1")
-    log = where / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
-                                 "--checkpoint-dir", str(where / "ckpt"), "--min-cycle-s", str(serve_tests.CYCLE_S),
-                                 "--observer-key", OBSERVER],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: "serving" in log.read_text() or proc.poll() is not None, "the server to start", 120)
-        assert proc.poll() is None, log.read_text()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with serving_process(tmp_path_factory.mktemp("watch-serve"), keys=serve_tests.KEY, min_cycle_s=serve_tests.CYCLE_S,
+                       args=["--observer-key", OBSERVER]) as (url, _):
+        yield url
 
 
 def test_against_a_serve_process_the_watchers_diagnosis_is_the_pools(serve_process, monkeypatch):

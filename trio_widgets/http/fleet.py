@@ -159,6 +159,9 @@ class Ingress:
             if tag is None:
                 return await self._anywhere(request, op, body)
             index, epoch = tag
+            if index >= self.members.size:  # an id no pool of this fleet made
+                return _refusal(404, f"{_subject(op)} names pool-{index}, and this fleet has pools 0 to "
+                                     f"{self.members.size - 1}: not found")
             state = await self.state(index)
             if state is not None and state.epoch != epoch:
                 state = await self.state(index, fresh=True)  # restarted since it was last asked?
@@ -213,6 +216,8 @@ class Ingress:
         return _relay(answer, state, str(request.base_url))
 
     async def _explicit(self, request: Request, index: int, rest: str) -> Response:
+        if index >= self.members.size:
+            return _refusal(404, f"this fleet has pools 0 to {self.members.size - 1}, not pool-{index}")
         state = await self.state(index)
         if state is None:
             return _refusal(503, f"pool-{index} of this fleet is not answering now (dead or restarting)",
@@ -369,6 +374,11 @@ class _Refused(Exception):
 
 def _refusal(status: int, message: str, *, code: str = "not_found") -> JSONResponse:
     return JSONResponse({"detail": message, "code": code}, status_code=status)
+
+
+def _subject(op: str) -> str:
+    """What a request to `op` is about, in words (for a refusal)."""
+    return "the request" if op in ("/retrieve_future", "/cancel_future") else f"{op.lstrip('/')}'s id"
 
 
 def _lost(op: str, index: int, *, restarted: bool) -> Response:
