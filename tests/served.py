@@ -123,6 +123,38 @@ def serving_process(where: Path, *, keys: str, min_cycle_s: float, args: Sequenc
         proc.wait(60)
 
 
+@contextlib.contextmanager
+def fleet_process(where: Path, *, keys: str, observer: str, min_cycle_s: float, session_timeout_s: float = 30.0,
+                  pools: int = 2) -> Iterator[Any]:
+    """A real `python -m trio_widgets serve --ray` (its own local Ray instance, pools of one CPU and
+    one torch thread, checkpoints in `where`/ckpt): Ray runs in that process, never in the test's
+    (a Ray driver leaves threads and heap behind it). Yields (url, checkpoint_dir); SIGINT after."""
+    import signal
+    from types import SimpleNamespace
+
+    port, log = free_port(), where / "fleet.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_", "RAY_"))}
+    env.update(TRIO_API_KEYS=keys, TRIO_TORCH_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--pools", str(pools),
+                                 "--port", str(port), "--observer-key", observer, "--checkpoint-dir",
+                                 str(where / "ckpt"), "--min-cycle-s", str(min_cycle_s),
+                                 "--session-timeout-s", str(session_timeout_s)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "serving a fleet" in log.read_text() or proc.poll() is not None, "the fleet to start", 300)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the fleet did not start:\n{log.read_text()[-3000:]}")
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", checkpoint_dir=str(where / "ckpt"))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
 def three_loops(forward_backward: Callable[[], Any], optim_step: Callable[[], Any],
                 wait: Callable[[Any], Any], n: int = 4) -> None:
     """naive, together and pipelined, written once for any client (sync futures)."""

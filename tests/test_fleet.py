@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import check_three_loops, free_port, in_threads, same_tensors, three_loops, wait_for
+from served import check_three_loops, fleet_process, free_port, in_threads, same_tensors, three_loops, wait_for
 
 import trio_widgets as trio
 
@@ -27,7 +27,6 @@ import tinker  # noqa: E402
 from tinker import types as tt  # noqa: E402
 
 from trio_widgets.errors import PoolClosedError  # noqa: E402
-from trio_widgets.http.ray_fleet import serve_fleet  # noqa: E402
 from trio_widgets.http.remote import RemotePool  # noqa: E402
 
 KEY = "tml-fleet-tests"
@@ -63,14 +62,9 @@ def trio_datum(i: int) -> trio.Datum:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    shared = tmp_path_factory.mktemp("fleet-ckpt")
-    fleet = serve_fleet(2, port=free_port(), api_keys=[KEY], observer_keys=[OBSERVER], min_cycle_s=CYCLE_S,
-                        checkpoint_dir=str(shared), session_timeout_s=SESSION_TIMEOUT_S, cpus_per_pool=1)
-    try:
+    where = tmp_path_factory.mktemp("fleet-ckpt")
+    with fleet_process(where, keys=KEY, observer=OBSERVER, min_cycle_s=CYCLE_S) as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 def fleet_info(fleet) -> dict:

@@ -11,13 +11,12 @@ import time
 
 import httpx
 import pytest
-from served import served, wait_for
+from served import fleet_process, served, wait_for
 
 import trio_widgets as trio
 
 pytest.importorskip("ray.serve", reason="the cluster extra (Ray Serve) is not installed")
 
-from trio_widgets.http.ray_fleet import serve_fleet  # noqa: E402
 from trio_widgets.http.remote import RemotePool  # noqa: E402
 from trio_widgets.widgets.dashboard import Dashboard  # noqa: E402
 from trio_widgets.widgets.fleet import FleetDashboard, pool_label  # noqa: E402
@@ -48,24 +47,11 @@ def datum(i: int) -> trio.Datum:
     return trio.Datum(trio.ModelInput.from_ints(chunk[:-1]), {"target_tokens": chunk[1:]})
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    shared = tmp_path_factory.mktemp("fleet-dash-ckpt")
-    fleet = serve_fleet(2, port=_free_port(), api_keys=[KEY], observer_keys=[OBSERVER], min_cycle_s=CYCLE_S,
-                        checkpoint_dir=str(shared), session_timeout_s=30.0, cpus_per_pool=1)
-    try:
+    where = tmp_path_factory.mktemp("fleet-dash-ckpt")
+    with fleet_process(where, keys=KEY, observer=OBSERVER, min_cycle_s=CYCLE_S) as fleet:
         yield fleet
-    finally:
-        fleet.stop()
 
 
 def fleet_info(fleet) -> dict:
