@@ -675,3 +675,117 @@ def test_a_message_crossing_a_dashboards_close_is_dropped_without_a_warning():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_a_watched_loops_time_axis_follows_its_requests_without_cycles():
+    """trio.watch has no cycles: the timeline and in-flight plots follow the bars and marks they
+    hold (they stayed at 0..1), and the y ranges hold every lane and depth."""
+    from trio_widgets.telemetry import ClientInfo, QueueDepthRecord, RequestRecord
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(100.0, window=8)
+    figs.client_side()
+    for k in range(3):
+        figs.add_client(ClientInfo(f"c{k}", "training", "m", f"client {k}"))
+    t, marks, requests = 100.0, [], []
+    for i in range(200):  # more than either source keeps: both roll over
+        cid = f"c{i % 3}"
+        r = RequestRecord(i, cid, "forward_backward", queued_at=t, started_at=t, finished_at=t + 0.3,
+                          status="ok")
+        requests.append(r)
+        marks.append(QueueDepthRecord(2 * i, t, {cid: 1 + i % 4}))
+        marks.append(QueueDepthRecord(2 * i + 1, t + 0.3, {cid: i % 4}))
+        t += 0.1
+        if i % 10 == 9:
+            assert figs.update([], marks, requests)
+            marks, requests = [], []
+    bars, queue = figs.bars.data, figs.queue.data
+    x0, x1 = figs.x_range.start, figs.x_range.end
+    assert (x0, x1) != (0.0, 1.0)
+    assert x0 <= min(bars["left"]) and max(bars["right"]) <= x1, (x0, x1)
+    assert x0 <= queue["t"][0] and queue["t"][-1] <= x1
+    # the two plots show the same stretch of time: the marks reach back as far as the bars
+    assert queue["t"][0] <= min(bars["left"]) + 0.5
+    lanes = figs.timeline.y_range
+    assert lanes.start <= min(bars["bottom"]) and max(bars["top"]) <= lanes.end
+    depths = [v for k, col in queue.items() if k != "t" for v in col]
+    assert figs.queue_fig.y_range.start <= min(depths) and max(depths) < figs.queue_fig.y_range.end
+
+
+def test_every_mark_is_explained_and_a_disabled_button_says_why():
+    """The red GIL shading has a legend item once drawn; the queue lines' colours are said; a
+    disabled button's tooltip says why, and a watching dashboard says it beside the buttons."""
+    from trio_widgets.telemetry import GilStall
+    from trio_widgets.widgets.controls import WHY_ALL, Controls
+    from trio_widgets.widgets.figures import GIL_LEGEND, DashboardFigures
+
+    figs = DashboardFigures(0.0)
+    labels = [item.label.value for item in figs.timeline.below[0].items]
+    assert GIL_LEGEND in labels and "GIL" in GIL_LEGEND
+    assert not figs._gil_item.visible
+    assert figs.stream_gil([GilStall(1.0, 1.2, 0.2, 4, "MainThread")]) and figs._gil_item.visible
+    assert "colour" in figs.queue_fig.title.text
+    figs.reset()  # another pool: its stalls are not the new one's
+    assert not figs._gil_item.visible and figs.gil.data["left"] == []
+
+    controls = Controls({"mode": "pipelined", "lookahead": 1, "lr": 3e-3, "batch_size": 8, "runs": 3,
+                         "log": False}, lambda *_: None)
+    controls.enable("idle")
+    b = controls.buttons
+    assert not b["Start"].disabled and not b["Start"].tooltip.startswith("disabled")
+    assert b["Pause"].disabled and b["Pause"].tooltip == "disabled: no Start run is running"
+    assert controls.why.value == ""
+    controls.enable("running")
+    assert b["Start"].tooltip == "disabled: the runs of the last Start are running: Stop them first"
+    for state in ("watching", "closed", "no pool"):
+        controls.enable(state)
+        assert all(w.disabled and w.tooltip == f"disabled: {WHY_ALL[state]}" for w in b.values())
+        assert WHY_ALL[state] in controls.why.value
+    for w in controls.widgets:
+        w.close()
+
+
+def test_notices_go_with_the_pool_they_are_about():
+    """An interrupted wait is said about its pool's client; when the pool is replaced under the
+    live dashboard (a newer pool), that line and the old pool's GIL shading go; the line saying
+    which pool is shown stays, and a line about no pool (a setting) stays too."""
+    import os
+    import signal
+
+    from trio_widgets.futures import WaitInterrupted
+    from trio_widgets.telemetry import GilStall
+
+    dash = trio.Dashboard(learning_rate=0.5)  # far outside the usual range: a line about the dashboard
+    a = trio.LocalPool(min_cycle_s=0.02, name="scoped-a")
+    b = None
+    try:
+        deadline = time.monotonic() + 30
+        while dash.pool is not a and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tc = trio.ServiceClient(a).create_lora_training_client(trio.DEFAULT_MODEL, rank=4,
+                                                               user_metadata={"name": "mine"})
+        batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 8]})]
+        with a.hold():
+            future = tc.forward_backward(batch)
+            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(WaitInterrupted):
+                future.result(timeout=60)
+            timer.join()
+        future.result(timeout=60)
+        a.telemetry.add_gil_stall(GilStall(time.perf_counter() - 0.2, time.perf_counter(), 0.2, 4, "MainThread"))
+        asyncio.run(until(lambda: any("mine: the wait" in n for n in dash.notices), "the interrupt said", 30))
+        asyncio.run(until(lambda: bool(dash.figures.gil.data["left"]), "the stall drawn", 30))
+        b = trio.LocalPool(min_cycle_s=0.02, name="scoped-b")  # replaces a under the dashboard
+        asyncio.run(until(lambda: dash.pool is b, "the new pool", 30))
+        asyncio.run(until(lambda: any("'scoped-b'" in n for n in dash.notices), "the switch said", 30))
+        notices = dash.notices
+        assert not any("mine: the wait" in n for n in notices), notices
+        assert any("far outside" in n for n in notices), notices
+        assert dash.figures.gil.data["left"] == []
+        assert "mine: the wait" not in dash.status_text
+    finally:
+        dash.close()
+        a.close()
+        if b is not None:
+            b.close()

@@ -20,17 +20,27 @@ import ipywidgets as W
 
 from ..loop import MODES
 
-__all__ = ["INT_RANGES", "LR_USUAL", "Controls", "check_setting"]
+__all__ = ["INT_RANGES", "LR_USUAL", "WHY_ALL", "Controls", "check_setting"]
 
 _BUTTONS = (("Start", "success", "train `runs` clients on the addition task"),
             ("Pause", "warning", "pause at the next update"),
             ("Resume", "info", "resume"),
             ("Stop", "danger", "stop at the next update"))
+_BUTTONS_TIPS = {name: tip for name, _style, tip in _BUTTONS}
 _EXPORTS = (("trace", "Export trace (Perfetto)"), ("metrics", "Export metrics.jsonl"),
             ("html", "Save HTML snapshot"))
 # which buttons a state of the runs enables
 _ENABLED = {"Start": ("idle", "stopped", "error"), "Pause": ("running",), "Resume": ("paused", "pausing"),
             "Stop": ("running", "paused", "pausing")}
+# why a button is disabled, by button, in a state of the runs (its tooltip says it)
+_WHY = {"Start": "the runs of the last Start are {state}: Stop them first",
+        "Pause": "no Start run is running", "Resume": "no Start run is paused",
+        "Stop": "no Start run is running or paused"}
+#: why every button is disabled, in a state that is not the runs' (the page says it beside them)
+WHY_ALL = {"no pool": "no pool yet: build one (trio.LocalPool) in any cell and the dashboard shows it",
+           "closed": "the pool is closed: build a new one (trio.LocalPool) and the dashboard follows it",
+           "watching": "the buttons drive Start runs in this kernel; this dashboard only watches (a served "
+                       "pool's participants or your own loop train): trio.Dashboard(pool) for Start runs"}
 #: integer settings: (lowest, highest)
 INT_RANGES = {"lookahead": (0, 8), "batch_size": (1, 64), "runs": (1, 16)}
 #: learning rates outside this range are used only once confirmed (LoRA with Adam: ~1e-5 ... 1e-2)
@@ -108,7 +118,10 @@ class Controls:
         self.lanes.add_class("trio-lanes")
         self.lanes.observe(lambda change: on_command("lanes", change["new"]), names="value")
         row = W.Layout(flex_flow="row wrap", align_items="center", margin="2px 0")
-        self.button_bar = W.HBox(list(self.buttons.values()), layout=row)
+        # why the buttons are disabled, when it is not the runs' state (a watching dashboard, a closed pool)
+        self.why = W.HTML("", layout=W.Layout(margin="0 0 0 8px"))
+        self.why.add_class("trio-why")
+        self.button_bar = W.HBox([*self.buttons.values(), self.why], layout=row)
         self.settings_bar = W.HBox([*self.settings.values(), self.confirm], layout=row)
         self.bar = W.VBox([self.button_bar, self.settings_bar, self.setting_note, self.lanes],
                           layout=W.Layout(margin="4px 0 6px 0"))
@@ -125,16 +138,26 @@ class Controls:
     @property
     def widgets(self) -> list[W.Widget]:
         """Every widget, containers last (the order they are closed in)."""
-        return [*self.buttons.values(), *self.settings.values(), self.confirm, self.setting_note, self.lanes,
+        return [*self.buttons.values(), self.why, *self.settings.values(), self.confirm, self.setting_note, self.lanes,
                 *self.export_buttons.values(), self.export_note, self.button_bar, self.settings_bar, self.bar,
                 self.exports]
 
     def enable(self, state: str) -> None:
-        """Enable the buttons that make sense in `state` (of the Start runs)."""
+        """Enable the buttons that make sense in `state` (of the Start runs, or "watching" /
+        "closed"); a disabled one says why on hover, and beside them when none can be used."""
+        every = WHY_ALL.get(state)
+        tips = dict(_BUTTONS_TIPS)
         for name, b in self.buttons.items():
             disabled = state not in _ENABLED[name]
             if b.disabled != disabled:
                 b.disabled = disabled
+            why = every or _WHY[name].format(state=state)
+            tip = f"disabled: {why}" if disabled else tips[name]
+            if b.tooltip != tip:
+                b.tooltip = tip
+        text = f"<span class='trio-setting-note'>disabled: {every}</span>" if every else ""
+        if self.why.value != text:
+            self.why.value = text
 
     def show(self, key: str, value: Any) -> None:
         w = self.settings[key]

@@ -273,9 +273,11 @@ class Dashboard(W.VBox):
         self._rates: deque[tuple[float, int]] = deque(maxlen=64)
         # the advisor's (a WatchedDiagnosis for watched clients: the same fields the page shows)
         self._diagnoses: dict[str, Diagnosis | WatchedDiagnosis] = {}
-        self._notices: deque[tuple[str, bool]] = deque(maxlen=3)  # (html, bad): what just happened, one line each
+        # (text, bad, about): what just happened, one line each; `about` is what it concerns (the pool's
+        # `_scope`, or that and a client id): the line goes when that is replaced or closed
+        self._notices: deque[tuple[str, bool, tuple]] = deque(maxlen=3)
         # the line of each kind that says how things stand (which pool is shown): a newer one replaces it
-        self._notice_of_kind: dict[str, tuple[str, bool]] = {}
+        self._notice_of_kind: dict[str, tuple[str, bool, tuple]] = {}
         # waits for results that stopped in this process (Kernel → Interrupt), heard on their thread
         self._interrupts: deque[WaitInterrupted] = deque(maxlen=8)
         self._stop_hearing = on_wait_interrupted(self._interrupts.append)
@@ -385,7 +387,7 @@ class Dashboard(W.VBox):
     @property
     def notices(self) -> list[str]:
         """The one-line messages the status line shows (newest last)."""
-        return [text for text, _bad in self._notices]
+        return [text for text, _bad, _about in self._notices]
 
     @property
     def figures(self) -> DashboardFigures:
@@ -417,10 +419,20 @@ class Dashboard(W.VBox):
                 log.exception("dashboard command %s failed", command)
                 self._error = f"{command}: {exc}"
 
-    def _notice(self, text: str, bad: bool = False, kind: str | None = None) -> None:
+    def _scope(self, client_id: str | None = None) -> tuple:
+        """What a notice is about: the pool shown now (and one of its clients)."""
+        return (id(self.pool),) if client_id is None else (id(self.pool), client_id)
+
+    def _forget(self, about: tuple) -> None:
+        """Drop the notices about `about` (a pool's scope: also those about its clients)."""
+        for entry in [e for e in self._notices if e[2][:len(about)] == about]:
+            self._notices.remove(entry)
+
+    def _notice(self, text: str, bad: bool = False, kind: str | None = None, about: tuple = ()) -> None:
         """One line in the status where the user looks (plain text). A line of a `kind` replaces
-        the previous line of that kind: it says how things stand now, not what happened."""
-        entry = (text, bad)
+        the previous line of that kind: it says how things stand now, not what happened. A line
+        `about` a pool or client (`_scope`) goes when that pool is replaced or the client closes."""
+        entry = (text, bad, about)
         if kind is not None:
             old = self._notice_of_kind.get(kind)
             if old is not None and old in self._notices:
@@ -438,7 +450,8 @@ class Dashboard(W.VBox):
                     continue  # a client of another pool
                 who = self._label_of(exc.client_id, info.label)
             what = f"{exc.op} (request #{exc.request_id})" if exc.request_id is not None else exc.op
-            self._notice(f"{who}: the wait for {what} stopped (interrupted); {exc.state}", kind="interrupt")
+            self._notice(f"{who}: the wait for {what} stopped (interrupted); {exc.state}", kind="interrupt",
+                         about=self._scope(exc.client_id))
 
     def _handle(self, command: str, arg: Any) -> None:
         if command == "start":
@@ -580,6 +593,7 @@ class Dashboard(W.VBox):
                 self._figs.stream_gil(self._feed.drain_gil())
                 self._note_activity(cycles, delivered)
                 for info in self._feed.drain_retired():
+                    self._forget(self._scope(info.client_id))  # e.g. its interrupted wait: it closed
                     self._update_cycles.pop(info.client_id, None)
                     self._figs.retire_client(info.client_id)
             if not hidden:
@@ -661,10 +675,10 @@ class Dashboard(W.VBox):
                 continue  # a run on another pool
             total = f" of {e.steps}" if e.steps is not None else ""
             if e.reason == "finished":
-                self._notice(f"run {e.name!r} finished: {e.step}{total} updates")
+                self._notice(f"run {e.name!r} finished: {e.step}{total} updates", about=self._scope())
             else:
                 self._notice(f"run {e.name!r} stopped at step {e.step}{total}: {e.reason}",
-                             bad=e.state == "error" or e.reason == "the pool was closed")
+                             bad=e.state == "error" or e.reason == "the pool was closed", about=self._scope())
 
     # -- following a pool ------------------------------------------------------------------------------
     def _attach(self, pool: LocalPool) -> None:
@@ -707,6 +721,7 @@ class Dashboard(W.VBox):
     def _switch(self, pool: LocalPool) -> None:
         if self._feed is not None:
             self._feed.close()
+        self._forget(self._scope())  # what was said about the old pool and its clients
         self._figs.reset()
         self._update_cycles.clear()
         self._diagnoses = {}
@@ -716,6 +731,8 @@ class Dashboard(W.VBox):
 
     def _on_pool_closed(self) -> None:
         self._pool_closed = True
+        for cid in {e[2][1] for e in self._notices if len(e[2]) == 2 and e[2][0] == id(self.pool)}:
+            self._forget(self._scope(cid))  # its clients closed with it (what its runs did stays)
         if self._feed is not None:
             self._feed.close()
         assert self.pool is not None
@@ -822,7 +839,7 @@ class Dashboard(W.VBox):
         for error in (self._error, self.sweep.error):
             if error:
                 parts.append(f"<br><span class='trio-notice bad'>{html.escape(error)}</span>")
-        for text, bad in self._notices:
+        for text, bad, _about in self._notices:
             parts.append(f"<br><span class='trio-notice{' bad' if bad else ''}'>{html.escape(text)}</span>")
         return "".join(parts)
 
@@ -860,7 +877,7 @@ class Dashboard(W.VBox):
 
     def _update_buttons(self) -> None:
         # ("watching", a served pool's dashboard, enables none)
-        self.controls.enable(self.state if self.pool is not None else "closed")
+        self.controls.enable(self.state if self.pool is not None else "no pool")
 
     # -- display: hold patches until the new view has rendered; a snapshot when closed ------------------
     def _repr_mimebundle_(self, **kwargs: Any):

@@ -41,7 +41,7 @@ from ..ops import OPS, UPDATE_OPS, op_color
 from ..telemetry import ClientInfo, CycleRecord, GilStall, QueueDepthRecord, RequestRecord
 from .series import LossSeries
 
-__all__ = ["CLIENT_COLORS", "DashboardFigures"]
+__all__ = ["CLIENT_COLORS", "GIL_LEGEND", "DashboardFigures"]
 
 CLIENT_COLORS = ("#0f766e", "#dc2626", "#7c3aed", "#ca8a04", "#db2777", "#2563eb", "#16a34a", "#475569",
                  "#ea580c", "#0891b2", "#92400e", "#65a30d")
@@ -127,6 +127,8 @@ class ClientView:
 _EMPTY: dict[str, list] = {"step": [], "loss": [], "smooth": []}
 _NAN = float("nan")
 _FAILED = "failed"
+#: the red shading's legend label (its hover names the Python that held the interpreter)
+GIL_LEGEND = "red shade: Python held the GIL (hover: which code)"
 
 
 class DashboardFigures:
@@ -162,6 +164,8 @@ class DashboardFigures:
         self._boundary_t: deque[float] = deque(maxlen=4096)
         self._boundary_i: deque[int] = deque(maxlen=4096)
         self._depth_max: deque[int] = deque(maxlen=self.window)
+        # trio.watch: no cycles, so the time axis follows the bars and in-flight marks (client_side)
+        self._client_side = False
 
         self.x_range = Range1d(start=0.0, end=1.0)
         self._lanes_range = Range1d(start=-0.6, end=0.95)
@@ -199,15 +203,15 @@ class DashboardFigures:
             spec = OPS.get(name)
             self._op_items[name] = LegendItem(label=value(spec.label if spec else name), renderers=[swatch],
                                               visible=False)
-        tl.add_layout(_legend(items=list(self._op_items.values()), orientation="horizontal", location="top_left"),
-                      "below")
+        self._op_legend = _legend(items=list(self._op_items.values()), orientation="horizontal", location="top_left")
+        tl.add_layout(self._op_legend, "below")
         self.timeline = tl
         self._add_gil_shading(tl)
 
         self._depth_range = Range1d(start=0, end=4)
         qd = figure(height=150, sizing_mode="stretch_width", x_range=self.x_range, y_range=self._depth_range,
                     tools="", toolbar_location=None, y_axis_label="queued", x_axis_label="time (s)")
-        _style(qd, "Queue depth at each cycle boundary")
+        _style(qd, "Queue depth at each cycle boundary: a line per lane, in its client's colour")
         qd.xgrid.visible = False
         qd.yaxis.ticker = BasicTicker(desired_num_ticks=3, min_interval=1)
         # a column per visible lane (its client and samplers summed): one stream per tick
@@ -268,9 +272,13 @@ class DashboardFigures:
         """Titles for requests seen from the client (trio.watch): a bar from submit to result, the
         requests in flight instead of a queue at each boundary; there are no cycle bands."""
         _style(self.timeline, "Requests seen from the client: a lane per client, a bar from submit to result")
-        _style(self.queue_fig, "Requests in flight (submitted, result not yet back)")
+        _style(self.queue_fig, "Requests in flight (submitted, result not yet back): a line per lane, in its "
+               "client's colour")
         self._queue_axis.axis_label = "in flight"
         self._queue_hover.tooltips = [("in flight", "$y{0}")]
+        self._client_side = True
+        # a mark per submit and per result: twice the bars' rows keeps both plots over the same time
+        self._depth_max = deque(maxlen=2 * 3 * self.window * max(2, self.lanes_visible))
         self._bar_hover.tooltips = [("request", "#@rid @op"), ("client", "@client"),
                                     ("submit → result", "@run_ms{0.0} ms"), ("status", "@status")]
 
@@ -487,6 +495,8 @@ class DashboardFigures:
             source.data = {k: [] for k in source.data}
         for item in self._op_items.values():
             item.visible = False
+        self.gil.data = {k: [] for k in self.gil.data}  # the old pool's stalls are not the new one's
+        self._gil_item.visible = False
         self._band_starts.clear()
         self._band_rows.clear()
         self._last_end = None
@@ -571,7 +581,8 @@ class DashboardFigures:
         column_of = {cid: f"d{v.lane - first}" for cid, v in self.clients.items()
                      if v.lane is not None and first <= v.lane < last}
         rows: dict[str, list] = {k: [] for k in self.queue.data}
-        for b in boundaries[-self.queue_rollover:]:
+        rollover = 2 * self.bar_rollover if self._client_side else self.queue_rollover
+        for b in boundaries[-rollover:]:
             rows["t"].append(self._rel(b.time))
             depth = dict.fromkeys(columns, 0)
             for cid, n in b.depths.items():
@@ -583,7 +594,7 @@ class DashboardFigures:
             self._depth_max.append(max(depth.values(), default=0))
         changed = bool(self.lanes)
         if changed:
-            self._stream(self.queue, rows, self.queue_rollover)
+            self._stream(self.queue, rows, rollover)
         top = max(4, max(self._depth_max, default=0) + 1)
         if self._depth_range.end != top:
             self._depth_range.end = top
@@ -676,16 +687,30 @@ class DashboardFigures:
         return changed
 
     def _follow_time(self) -> bool:
-        """The shared time axis shows the cycles the bands still hold."""
-        if self._last_end is None or not self._band_starts:
-            return False
-        start, end = self._band_starts[0], self._last_end
+        """The shared time axis shows the cycles the bands still hold; without cycles (trio.watch,
+        seen from the client) the bars and in-flight marks the sources still hold."""
+        if self._last_end is not None and self._band_starts:
+            start, end = self._band_starts[0], self._last_end
+        else:
+            span = self._held_span()
+            if span is None:
+                return False
+            start, end = span
         if end - start < 1e-3:
             end = start + 1e-3
         if (self.x_range.start, self.x_range.end) == (start, end):
             return False
         self.x_range.update(start=start, end=end)
         return True
+
+    def _held_span(self) -> tuple[float, float] | None:
+        """(first, last) time of the bars and queue marks the page holds (bounded lists)."""
+        bars, marks = self.bars.data, self.queue.data["t"]
+        lows = [*([min(bars["left"])] if bars["left"] else []), *marks[:1]]
+        highs = [*([max(bars["right"])] if bars["right"] else []), *marks[-1:]]
+        if not lows:
+            return None
+        return min(lows), max(highs)
 
     # -- GIL stalls: shading across the lanes -------------------------------------------------
     def _add_gil_shading(self, tl) -> None:
@@ -695,6 +720,11 @@ class DashboardFigures:
         shade = tl.quad(left="left", right="right", bottom=-10_000, top=1.5, source=self.gil,
                         fill_color="#dc2626", fill_alpha=0.14, line_color=None, level="underlay")
         tl.add_tools(HoverTool(renderers=[shade], tooltips=[("GIL held by", "@what")]))
+        # its legend item, shown once a stall is drawn: the red says what it is on the page
+        swatch = tl.quad(left=[_NAN], right=[_NAN], bottom=[_NAN], top=[_NAN], fill_color="#dc2626",
+                         fill_alpha=0.14, line_color=None)
+        self._gil_item = LegendItem(label=value(GIL_LEGEND), renderers=[swatch], visible=False)
+        self._op_legend.items = [*self._op_legend.items, self._gil_item]
 
     def stream_gil(self, stalls: Iterable[GilStall]) -> bool:
         """Stream the watchdog's stalls into the shading; returns whether any was new."""
@@ -706,6 +736,8 @@ class DashboardFigures:
             data["what"].append(top.label if top else s.thread)
         if not data["left"]:
             return False
+        if not self._gil_item.visible:
+            self._gil_item.visible = True
         self._stream(self.gil, {k: v[-self.band_rollover:] for k, v in data.items()}, self.band_rollover)
         return True
 
