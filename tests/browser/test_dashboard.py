@@ -1,10 +1,11 @@
 """The live dashboard in a real JupyterLab + Chromium.
 
 * Start, watch, Pause, Resume, Stop: the buttons pressed like a user, the `trio-status` line
-  read, bokeh's drawing checked (pixels of the loss curves on the canvas), no BokehJS or
-  widget-view errors in the console.
-* It fits a 900 px notebook column (issue 14 item 7); that screenshot is docs/dashboard.png
-  (`TRIO_UPDATE_DOCS=1` copies it there).
+  read, bokeh's drawing checked (pixels of the loss curves on the canvas; every plot's ranges,
+  drawn frame and a view that moves on: rendered.py), no BokehJS or widget-view errors in the
+  console.
+* It fits a 900 px notebook column (issue 14 item 7); that screenshot is docs/dashboard.png and
+  docs/img/dashboard.png (`TRIO_UPDATE_DOCS=1` copies it there).
 * More clients than lanes are all reachable (issue 14 item 5).
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rendered
 from lab import ARTIFACTS, BOKEH_ERRORS, REPO, SUBSHELLS_OFF, SUBSHELLS_ON, LabServer, open_notebook
 from lab import write_notebook as lab_write_notebook
 
@@ -35,6 +37,8 @@ dash = trio.Dashboard(pool, learning_rate=3e-3, batch_size=8, runs=3)
 dash
 """
 
+#: the dashboard's plots (the loss figure: its linear one, shown by default)
+MAIN_PLOTS = ["Cycle timeline", "Queue depth", "Loss per token"]
 STATUS_JS = "() => (document.querySelector('.trio-dashboard .trio-status') || {innerText: ''}).innerText"
 
 
@@ -127,6 +131,12 @@ def test_dashboard_start_pause_resume_stop(lab: LabServer, browser: Any, subshel
         more = 150 if full else 15  # the full run trains long enough for a telling screenshot
         text = _wait_status(page, f"t => +(t.match(/updates (\\d+)/) || [0, 0])[1] >= {paused_updates + more}", 90)
         assert "running" in text.lower(), text
+
+        if full:  # what is drawn (issue 34): ranges cover the data, frames drawn, the view moves on
+            rendered.show_whole(page)
+            first = rendered.check_rendered(rendered.plots(page, name="dashboard-first"), MAIN_PLOTS)
+            page.wait_for_timeout(2500)  # a dozen cycles at 0.05 s, a few updates
+            rendered.check_moved_on(first, rendered.plots(page, name="dashboard-later"))
 
         # figures drawn: each run's loss curve colour is on the canvas; op bars too
         time.sleep(0.5)
@@ -225,6 +235,7 @@ def test_dashboard_fits_a_900px_notebook_column(lab: LabServer, browser: Any) ->
         assert results["wide"]["width"] > results["900px"]["width"] + 300  # it stretches
         if os.environ.get("TRIO_UPDATE_DOCS") == "1":  # refresh the README's picture on purpose only
             shutil.copyfile(ARTIFACTS / "dashboard-900px.png", REPO / "docs" / "dashboard.png")
+            shutil.copyfile(ARTIFACTS / "dashboard-900px.png", REPO / "docs" / "img" / "dashboard.png")
         bad = nb.find_messages(*BAD_CONSOLE)
         assert not bad, "\n".join(bad)
 

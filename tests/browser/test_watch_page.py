@@ -6,7 +6,9 @@ SDK loop in a background thread (the kernel stays free for the page's messages).
 
 * the status line goes live: "in flight", "updates N" growing, "round trips/update";
 * the advisor says "pipelined" (and what the client side cannot know);
-* lanes and bars are drawn: the page receives bokeh patches and draws the figures;
+* lanes and bars are drawn: the page receives bokeh patches and draws the figures; what is drawn
+  is checked (rendered.py): the ranges cover the requests, the frames have drawn pixels, and
+  the view moves on;
 * no page error, no BokehJS error, no comm error of the dashboard's own.
 
 Then, in the kernel, `trio.unwatch(...)`: the SDK's classes (`vars()` of ServiceClient,
@@ -21,6 +23,7 @@ import re
 from typing import Any
 
 import pytest
+import rendered
 from lab import BOKEH_ERRORS, LabServer, open_notebook, write_notebook
 
 SETUP = """\
@@ -96,6 +99,7 @@ server.stop()
 pool.close()
 print("closed", dash.closed, pool.closed, [t.name for t in threading.enumerate() if t.name.startswith("trio-")])
 """
+WATCH_PLOTS = ["Requests seen from the client", "Requests in flight", "Loss per token"]
 STATUS_JS = "() => (document.querySelector('.trio-dashboard .trio-status') || {innerText: ''}).innerText"
 ADVISOR_JS = "() => (document.querySelector('.trio-dashboard .trio-advisor') || {innerText: ''}).innerText"
 
@@ -144,6 +148,13 @@ def test_a_watched_sdk_loop_goes_live_in_the_page_and_unwatch_leaves_the_sdk_as_
             page.wait_for_timeout(100)
         assert nb.patches_received > patches_before, "no bokeh patch reached the page while the loop trained"
         assert page.locator(".trio-dashboard canvas").count() > 0
+        # what is drawn (issue 34: the two main plots stayed at x 0..1, empty): ranges cover the
+        # requests, the frames have drawn pixels, and a few updates later the view moved on
+        rendered.show_whole(page)
+        first = rendered.check_rendered(rendered.plots(page, name="watch-first"), WATCH_PLOTS)
+        page.wait_for_timeout(2500)
+        rendered.check_moved_on(first, rendered.plots(page, name="watch-later"))
+        nb.screenshot("watch-page", selector=".trio-dashboard")
 
         # unwatch, in the kernel: the SDK as it was, the very client handed back
         out, _ = nb.run_cell(UNWATCH, until="SDK-CHANGED", timeout=180)

@@ -39,8 +39,8 @@ _WHY = {"Start": "the runs of the last Start are {state}: Stop them first",
 #: why every button is disabled, in a state that is not the runs' (the page says it beside them)
 WHY_ALL = {"no pool": "no pool yet: build one (trio.LocalPool) in any cell and the dashboard shows it",
            "closed": "the pool is closed: build a new one (trio.LocalPool) and the dashboard follows it",
-           "watching": "the buttons drive Start runs in this kernel; this dashboard only watches (a served "
-                       "pool's participants or your own loop train): trio.Dashboard(pool) for Start runs"}
+           "watching": "this dashboard only watches (others' loops train); these buttons drive Start runs "
+                       "on a pool in this kernel: trio.Dashboard(pool)"}
 #: integer settings: (lowest, highest)
 INT_RANGES = {"lookahead": (0, 8), "batch_size": (1, 64), "runs": (1, 16)}
 #: learning rates outside this range are used only once confirmed (LoRA with Adam: ~1e-5 ... 1e-2)

@@ -271,12 +271,15 @@ class DashboardFigures:
     def client_side(self) -> None:
         """Titles for requests seen from the client (trio.watch): a bar from submit to result, the
         requests in flight instead of a queue at each boundary; there are no cycle bands."""
-        _style(self.timeline, "Requests seen from the client: a lane per client, a bar from submit to result")
+        _style(self.timeline, "Requests seen from the client: a bar from submit to result (forward ops above)")
         _style(self.queue_fig, "Requests in flight (submitted, result not yet back): a line per lane, in its "
                "client's colour")
         self._queue_axis.axis_label = "in flight"
         self._queue_hover.tooltips = [("in flight", "$y{0}")]
         self._client_side = True
+        # a pipelined loop's requests overlap in time: each op keeps to its half of the lane and
+        # a white edge parts one bar from the next, so each request can be told apart
+        self._bar_glyphs.glyph.line_color = "#ffffff"
         # a mark per submit and per result: twice the bars' rows keeps both plots over the same time
         self._depth_max = deque(maxlen=2 * 3 * self.window * max(2, self.lanes_visible))
         self._bar_hover.tooltips = [("request", "#@rid @op"), ("client", "@client"),
@@ -620,8 +623,13 @@ class DashboardFigures:
             y = -view.lane
             bars["left"].append(left)
             bars["right"].append(round(max(self._rel(r.finished_at), left + min_w), 6))
-            bars["bottom"].append(y - 0.3)
-            bars["top"].append(y + 0.3)
+            if self._client_side:  # forward ops above, the rest (optim_step, sample...) below
+                upper = r.op in UPDATE_OPS
+                bars["bottom"].append(y if upper else y - 0.32)
+                bars["top"].append(y + 0.32 if upper else y)
+            else:
+                bars["bottom"].append(y - 0.3)
+                bars["top"].append(y + 0.3)
             bars["color"].append(op_color(r.op) if r.status == "ok" else "#991b1b")
             bars["op"].append(r.op)
             bars["rid"].append(r.request_id)
