@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 LAB_PORT ?= 8888
 
-.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean binder-lock binder-link
+.PHONY: setup lab lint test test-fast demo bench gpu-check browser-deps clean binder-lock binder-link docs package-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml binder/constraints.txt requirements-cookbook.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c binder/constraints.txt "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -c binder/constraints.txt -e ".[engine,dev,lab]"
+	$(PY) -m pip install -q -c binder/constraints.txt -e ".[engine,dev,lab,docs]"
 	if $(PY) -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
 	  $(PY) -m pip install -q --no-deps -r requirements-cookbook.txt; fi
 	touch $(STAMP)
@@ -67,6 +67,18 @@ lint: setup
 test: setup browser-deps lint
 	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests
 	TRIO_TORCH_THREADS=2 $(PY) -m pytest -q -rs $(NUMERIC_TESTS)
+	$(MAKE) docs
+
+# The docs site into build/site, strict: a broken link, a missing reference or a public name
+# without a docstring fails it. The tutorial pages reuse the notebooks test_notebooks.py ran
+# (build/notebooks/); a notebook without a current run is executed here (TRIO_DOCS_EXECUTE=0: not).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 TRIO_TORCH_THREADS=1 $(VENV)/bin/mkdocs build --strict
+
+# The wheel and sdist as users get them (tests/test_packaging.py; the suite runs it too): build,
+# twine check, a fresh venv with the core and [engine], the notebooks inside, the sdist's wheel.
+package-check: setup
+	$(PY) -m pytest -q -rs tests/test_packaging.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not browser and not notebooks" tests

@@ -1,6 +1,12 @@
-"""`python -m trio_widgets demo`: train DEFAULT_MODEL with a pipelined loop, headless.
-`python -m trio_widgets doctor`: check this environment; exit status 1 if a check FAILed.
-`python -m trio_widgets serve`: serve a pool over HTTP in Tinker's protocol until interrupted."""
+"""The `trio` command (also `python -m trio_widgets`).
+
+`trio demo`: train DEFAULT_MODEL with a pipelined loop, headless.
+`trio doctor`: check this environment; exit status 1 if a check FAILed.
+`trio serve`: serve a pool over HTTP in Tinker's protocol until interrupted.
+`trio pull-tokenizer`: store a served model's tokenizer in the Hugging Face cache.
+`trio notebooks DIR`: copy the tutorial notebooks that ship with the package into DIR.
+`trio --version`: the installed version (`trio_widgets.__version__`).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,15 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import sysconfig
 import threading
 import time
+from pathlib import Path
 
-from . import DEFAULT_MODEL, AdamParams, APIFuture, ServiceClient
+from . import DEFAULT_MODEL, AdamParams, APIFuture, ServiceClient, __version__
 from .data import addition_batches
 from .doctor import doctor
 from .metrics import batch_weight, loss_per_token
@@ -52,7 +61,13 @@ async def pipelined_demo(seconds: float, min_cycle_s: float, batch_size: int, lr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trio_widgets")
+    """Run the `trio` command line with `argv` (default: `sys.argv[1:]`); return its exit status.
+
+    Example: `main(["doctor", "--json"])` prints the environment checks as JSON.
+    """
+    prog = "trio" if os.path.basename(sys.argv[0]) == "trio" else "python -m trio_widgets"
+    parser = argparse.ArgumentParser(prog=prog, description="See and steer clock-cycle LoRA training.")
+    parser.add_argument("--version", action="version", version=f"trio-widgets {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train DEFAULT_MODEL with a pipelined loop and print what happened")
     demo.add_argument("--seconds", type=float, default=30.0)
@@ -103,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="the served pool (default: $TRIO_BASE_URL)")
     pull.add_argument("--api-key", default=None, help="a key of the server (default: $TRIO_API_KEY; it shows in "
                                                       "`ps`, so prefer the variable)")
+    notebooks = sub.add_parser("notebooks", help="copy the tutorial notebooks that ship with the package into "
+                                                 "a directory (default: ./trio-notebooks)")
+    notebooks.add_argument("directory", nargs="?", default="trio-notebooks")
     args = parser.parse_args(argv)
+    if args.command == "notebooks":
+        return _copy_notebooks(Path(args.directory))
     if args.command == "serve":
         return _serve(args)
     if args.command == "pull-tokenizer":
@@ -116,6 +136,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"updates: {stats['updates']}")
     print(f"cycles per update: {stats['cycles_per_update']:.2f} (pipelined; naive would be 4)")
     print(f"loss per token: {stats['first_loss']:.3f} -> {stats['last_loss']:.3f}")
+    return 0
+
+
+def shipped_notebooks() -> Path | None:
+    """The folder of the tutorial notebooks: the wheel's `share/trio-widgets/notebooks` under
+    this environment's prefix, else a source checkout's `notebooks/` (an editable install)."""
+    for folder in (Path(sysconfig.get_path("data")) / "share" / "trio-widgets" / "notebooks",
+                   Path(__file__).resolve().parents[1] / "notebooks"):
+        if any(folder.glob("*.ipynb")):
+            return folder
+    return None
+
+
+def _copy_notebooks(target: Path) -> int:
+    source = shipped_notebooks()
+    if source is None:
+        print("trio notebooks: no notebooks found in this installation (reinstall trio-widgets from its wheel)",
+              file=sys.stderr)
+        return 1
+    target.mkdir(parents=True, exist_ok=True)
+    existing = sorted(p.name for p in source.glob("*.ipynb") if (target / p.name).exists())
+    if existing:  # a user's edited copy is theirs: never overwritten
+        print(f"trio notebooks: {target} already has {', '.join(existing)}; remove them or choose another "
+              "directory", file=sys.stderr)
+        return 1
+    names = sorted(p.name for p in source.glob("*.ipynb"))
+    for name in names:
+        shutil.copyfile(source / name, target / name)
+    print(f"trio: copied {len(names)} notebooks to {target} (open them with `jupyter lab {target}`)")
     return 0
 
 

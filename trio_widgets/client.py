@@ -396,21 +396,25 @@ class TrainingClient(_Client):
     async def forward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
                             loss_fn_config: dict | None = None, auto_shift: bool = False
                             ) -> APIFuture[ForwardBackwardOutput]:
+        """The async twin of `forward`: submits the same request and returns its `APIFuture`."""
         return self.forward(data, loss_fn, loss_fn_config, auto_shift)
 
     async def forward_backward_async(self, data: Sequence[Datum], loss_fn: str = "cross_entropy",
                                      loss_fn_config: dict | None = None, auto_shift: bool = False
                                      ) -> APIFuture[ForwardBackwardOutput]:
+        """The async twin of `forward_backward`: submits the same request and returns its `APIFuture`."""
         return self.forward_backward(data, loss_fn, loss_fn_config, auto_shift)
 
     async def forward_backward_custom_async(self, data: Sequence[Datum], loss_fn: Any,
                                             loss_fn_config: dict | None = None, *,
                                             loss_type_input: Literal["logprobs"] | None = None
                                             ) -> APIFuture[ForwardBackwardOutput]:
+        """The async twin of `forward_backward_custom`: submits the same request and returns its `APIFuture`."""
         return self.forward_backward_custom(data, loss_fn, loss_fn_config, loss_type_input=loss_type_input)
 
     async def optim_step_async(self, optim_params: AdamParams | None = None, *,
                                adam_params: AdamParams | None = None) -> APIFuture[OptimStepResponse]:
+        """The async twin of `optim_step`: submits the same request and returns its `APIFuture`."""
         return self.optim_step(optim_params, adam_params=adam_params)
 
     # -- checkpoints and sampling ------------------------------------------------------
@@ -464,6 +468,7 @@ class TrainingClient(_Client):
     async def save_weights_external_async(self, name: str, ttl_seconds: int | None = None,
                                           age_encryption_recipients: list[str] | None = None
                                           ) -> APIFuture[SaveWeightsExternalResponse]:
+        """The async twin of `save_weights_external`: submits the same request and returns its `APIFuture`."""
         return self.save_weights_external(name, ttl_seconds, age_encryption_recipients)
 
     def _submit_snapshot(self, name: str | None) -> APIFuture[SamplerCreated]:
@@ -489,33 +494,40 @@ class TrainingClient(_Client):
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None,
                                record_stability_info: bool = False) -> BackcompatSamplingClientFuture:
+        """A sampler for a saved checkpoint of this run (`model_path`), on the same pool."""
         return self._service.create_sampling_client(model_path=model_path, retry_config=retry_config,
                                                     record_stability_info=record_stability_info)
 
     async def save_state_async(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
                                user_metadata: dict[str, str] | None = None) -> APIFuture[SaveWeightsResponse]:
+        """The async twin of `save_state`: submits the same request and returns its `APIFuture`."""
         return self.save_state(name, ttl_seconds, overwrite, user_metadata)
 
     async def load_state_async(self, path: str, weights_access_token: str | None = None
                                ) -> APIFuture[LoadWeightsResponse]:
+        """The async twin of `load_state`: submits the same request and returns its `APIFuture`."""
         return self.load_state(path)
 
     async def load_state_with_optimizer_async(self, path: str, weights_access_token: str | None = None
                                               ) -> APIFuture[LoadWeightsResponse]:
+        """The async twin of `load_state_with_optimizer`: submits the same request and returns its `APIFuture`."""
         return self.load_state_with_optimizer(path)
 
     async def save_weights_for_sampler_async(self, name: str, ttl_seconds: int | None = None,
                                              user_metadata: dict[str, str] | None = None
                                              ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        """The async twin of `save_weights_for_sampler`: submits the same request and returns its `APIFuture`."""
         return self.save_weights_for_sampler(name, ttl_seconds, user_metadata)
 
     async def save_weights_and_get_sampling_client_async(self, name: str | None = None, retry_config: Any = None,
                                                          record_stability_info: bool = False,
                                                          kind: Literal["snapshot"] = "snapshot") -> SamplingClient:
+        """The async twin of `save_weights_and_get_sampling_client`: the same client, awaited."""
         return await self.save_weights_and_get_sampling_client(name, retry_config, record_stability_info, kind)
 
     async def create_sampling_client_async(self, model_path: str, retry_config: Any = None,
                                            record_stability_info: bool = False) -> SamplingClient:
+        """The async twin of `create_sampling_client`: the same client, awaited."""
         return self.create_sampling_client(model_path, retry_config, record_stability_info)
 
     # -- info ------------------------------------------------------------------------
@@ -529,6 +541,7 @@ class TrainingClient(_Client):
                                is_lora=True, lora_rank=h.rank, model_name=h.base_model)
 
     async def get_info_async(self) -> GetInfoResponse:
+        """The async twin of `get_info`: the same answer, awaited."""
         return self.get_info()
 
 
@@ -658,6 +671,7 @@ class SamplingClient(_Client):
         return client
 
     def close(self) -> None:
+        """Release this sampler once what it already submitted has run; later submits raise `ClientClosedError`."""
         super().close()
         if self._owner is not None:
             self._owner.close()
@@ -668,6 +682,7 @@ class SamplingClient(_Client):
 
     @property
     def model_path(self) -> str | None:
+        """The checkpoint path this sampler samples from (None for the base model)."""
         return self._handle.model_path
 
     @property
@@ -734,18 +749,22 @@ class SamplingClient(_Client):
                            target_prompt_logprobs: TensorData | None = None, prompt_alt_tokens_k: int = 0,
                            prompt_logprobs_last_n: int | None = None, *, return_text: bool = True
                            ) -> SampleResponse:
+        """The async twin of `sample`: submits the same request and returns its `APIFuture`."""
         return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs,
                                  topk_prompt_logprobs, topk_sample_logprobs, target_prompt_logprobs,
                                  prompt_alt_tokens_k, prompt_logprobs_last_n, return_text=return_text)
 
     async def compute_logprobs_async(self, prompt: ModelInput, prompt_logprobs_last_n: int | None = None
                                      ) -> list[float | None]:
+        """The async twin of `compute_logprobs`: submits the same request and returns its `APIFuture`."""
         return await self.compute_logprobs(prompt, prompt_logprobs_last_n)
 
     def get_base_model(self) -> str:
+        """The base model this sampler's adapter belongs to."""
         return self._handle.base_model
 
     async def get_base_model_async(self) -> str:
+        """The async twin of `get_base_model`: the same answer, awaited."""
         return self.get_base_model()
 
 # -- clients that are futures of themselves (tinker 0.38's creation methods) ---------------
@@ -995,6 +1014,7 @@ class ServiceClient:
 
     @property
     def closed(self) -> bool:
+        """True once `close()` has run."""
         return self._closed
 
     def __enter__(self) -> ServiceClient:
@@ -1020,6 +1040,7 @@ class ServiceClient:
         return self.backend.capabilities()
 
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
+        """The async twin of `get_server_capabilities`: the same answer, awaited."""
         return self.get_server_capabilities()
 
     def get_telemetry(self) -> None:
@@ -1070,6 +1091,7 @@ class ServiceClient:
                                                 train_attn: bool = True, train_unembed: bool = True,
                                                 user_metadata: dict[str, str] | None = None,
                                                 optimizer: Any = None) -> TrainingClient:
+        """The async twin of `create_lora_training_client`: the same client, awaited."""
         return self.create_lora_training_client(base_model, rank, seed, train_mlp, train_attn, train_unembed,
                                                 user_metadata, optimizer)
 
@@ -1140,6 +1162,7 @@ class ServiceClient:
     async def create_sampling_client_async(self, model_path: str | None = None, base_model: str | None = None,
                                            retry_config: Any = None, record_stability_info: bool = False, *,
                                            user_metadata: dict[str, str] | None = None) -> SamplingClient:
+        """The async twin of `create_sampling_client`: the same client, awaited."""
         return self.create_sampling_client(model_path, base_model, retry_config, record_stability_info,
                                            user_metadata=user_metadata)
 
@@ -1147,12 +1170,14 @@ class ServiceClient:
                                                       user_metadata: dict[str, str] | None = None,
                                                       weights_access_token: str | None = None,
                                                       optimizer: Any = None) -> TrainingClient:
+        """The async twin of `create_training_client_from_state`: the same client, awaited."""
         return self.create_training_client_from_state(path, base_model, user_metadata, weights_access_token,
                                                       optimizer)
 
     async def create_training_client_from_state_with_optimizer_async(
             self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
             weights_access_token: str | None = None) -> TrainingClient:
+        """The async twin of `create_training_client_from_state_with_optimizer`: the same client, awaited."""
         return self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata,
                                                                      weights_access_token)
 

@@ -436,7 +436,11 @@ def check_frontend_extensions(in_kernel: bool, lab_here: bool = True) -> list[Ch
     its own paths: problems found here are then only a WARN, and every row says so.
     """
     bad = Status.FAIL if in_kernel and lab_here else Status.WARN
-    dirs, disabled = labextension_dirs(), disabled_labextensions()
+    try:
+        dirs, disabled = labextension_dirs(), disabled_labextensions()
+    except ImportError:  # no jupyter_core: the core install without [lab] (tests/test_packaging.py)
+        return [Check(row, Status.WARN, "Jupyter is not installed in this environment",
+                      "pip install 'trio-widgets[lab]' where the notebooks run") for row, *_ in FRONTEND_EXTENSIONS]
     rows = [_frontend_extension(row, name, distribution, purpose, dirs, disabled, bad)
             for row, name, distribution, purpose in FRONTEND_EXTENSIONS]
     if not lab_here:

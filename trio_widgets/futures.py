@@ -156,6 +156,7 @@ class APIFuture(Generic[T]):
 
     @property
     def cycle(self) -> int | None:
+        """The clock cycle this request ran in (None until it has run, and for requests no cycle runs)."""
         return self._scheduled.cycle
 
     @staticmethod
@@ -167,6 +168,9 @@ class APIFuture(Generic[T]):
 
     # -- waiting ---------------------------------------------------------------
     def result(self, timeout: float | None = None) -> T:
+        """Wait for the result and return it (raises what the request failed with).
+
+        Example: `fb = tc.forward_backward(batch, "cross_entropy"); out = fb.result()`."""
         try:
             return self._future.result(timeout)
         except KeyboardInterrupt:  # Kernel → Interrupt, Ctrl+C: one line, not a trip through threading
@@ -199,9 +203,11 @@ class APIFuture(Generic[T]):
 
     # -- state -----------------------------------------------------------------
     def done(self) -> bool:
+        """True once the result (or the failure) is in."""
         return self._future.done()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The exception the request failed with, or None; waits as `result()` does."""
         return self._future.exception(timeout)
 
     def cancel(self) -> bool:
@@ -209,6 +215,7 @@ class APIFuture(Generic[T]):
         return self._future.cancel()
 
     def cancelled(self) -> bool:
+        """True if the request was withdrawn before it ran."""
         return self._future.cancelled()
 
     def add_done_callback(self, fn: Callable[[APIFuture[T]], Any]) -> None:

@@ -230,6 +230,7 @@ class TrainingRun:
 
     @property
     def client_id(self) -> str | None:
+        """The id of the client this run trains."""
         return getattr(self.client, "client_id", None)
 
     def __repr__(self) -> str:
@@ -239,6 +240,7 @@ class TrainingRun:
     # -- settings (any thread; read at each update) ----------------------------------
     @property
     def mode(self) -> str:
+        """The loop shape: `naive`, `together` or `pipelined`."""
         return self._mode
 
     @mode.setter
@@ -247,6 +249,7 @@ class TrainingRun:
 
     @property
     def lookahead(self) -> int:
+        """How many updates a pipelined run queues ahead of the one it awaits."""
         return self._lookahead
 
     @lookahead.setter
@@ -255,6 +258,7 @@ class TrainingRun:
 
     @property
     def adam_params(self) -> AdamParams:
+        """The AdamW settings of the next update."""
         return self._adam
 
     @adam_params.setter
@@ -265,6 +269,7 @@ class TrainingRun:
 
     @property
     def learning_rate(self) -> float:
+        """The learning rate of the next update (settable: it applies from the next update on)."""
         return self._adam.learning_rate
 
     @learning_rate.setter
@@ -276,16 +281,19 @@ class TrainingRun:
 
     # -- controls (any thread) ------------------------------------------------------------
     def pause(self) -> None:
+        """Pause between updates (what was submitted completes)."""
         with self._lock:
             self._pause_requested = True
         self._poke()
 
     def resume(self) -> None:
+        """Resume a paused run."""
         with self._lock:
             self._pause_requested = False
         self._poke()
 
     def stop(self, reason: str = "stopped") -> None:
+        """Stop between updates: what was submitted completes and is recorded."""
         with self._lock:
             if not self._stop_requested:
                 self._stop_requested = True
@@ -294,6 +302,7 @@ class TrainingRun:
 
     @property
     def paused(self) -> bool:
+        """True while the run is paused."""
         return self.state == "paused"
 
     @property
@@ -302,6 +311,7 @@ class TrainingRun:
         return self._pause_requested
 
     def done(self) -> bool:
+        """True once the run has ended (finished, stopped, interrupted or failed)."""
         return self.state in ("stopped", "finished", "error")
 
     def _poke(self) -> None:

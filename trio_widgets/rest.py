@@ -134,6 +134,7 @@ class RestClient:
 
     # -- the server ----------------------------------------------------------------------------
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
+        """What the pool serves: its base models (an `APIFuture`)."""
         return _now(self._backend.capabilities)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -155,6 +156,7 @@ class RestClient:
         return _now(lambda: self._backend.delete_checkpoint(training_run_id, checkpoint_id))
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
+        """Delete the checkpoint a `tinker://` path names."""
         def delete() -> None:
             parsed = _parsed(tinker_path)
             self._backend.delete_checkpoint(parsed.training_run_id, parsed.checkpoint_id)
@@ -169,6 +171,7 @@ class RestClient:
         return _now(set_ttl)
 
     def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
+        """The base model, rank and kind of the checkpoint a `tinker://` path names."""
         return _now(lambda: self._backend.weights_info(tinker_path))
 
     # -- downloads (trio_widgets/export.py) -------------------------------------------------------
@@ -224,10 +227,12 @@ class RestClient:
 
     # -- training runs, samplers, sessions -----------------------------------------------------
     def get_training_run(self, training_run_id: str, access_scope: AccessScope = "owned") -> APIFuture[TrainingRun]:
+        """The record of one training run, by its id."""
         return _now(lambda: self._backend.training_run(training_run_id))
 
     def get_training_run_by_tinker_path(self, tinker_path: str, access_scope: AccessScope = "owned"
                                         ) -> APIFuture[TrainingRun]:
+        """The record of the training run a `tinker://` path belongs to."""
         return _now(lambda: self._backend.training_run(_parsed(tinker_path).training_run_id))
 
     def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
@@ -250,6 +255,7 @@ class RestClient:
 
     def list_sessions(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
                       ) -> APIFuture[ListSessionsResponse]:
+        """The sessions (one per `ServiceClient`) this pool has seen, a page at a time."""
         def page() -> ListSessionsResponse:
             lim, off = _page(limit, offset)
             return ListSessionsResponse(sessions=self._backend.sessions()[off:off + lim])
@@ -282,52 +288,67 @@ class RestClient:
 
     # -- the awaitable twins (tinker deprecates them, pytrio does not) ---------------------------
     async def list_checkpoints_async(self, training_run_id: str) -> CheckpointsListResponse:
+        """The async twin of `list_checkpoints`: the same answer, awaited."""
         return await self.list_checkpoints(training_run_id)
 
     async def list_user_checkpoints_async(self, limit: int = 100, offset: int = 0) -> CheckpointsListResponse:
+        """The async twin of `list_user_checkpoints`: the same answer, awaited."""
         return await self.list_user_checkpoints(limit, offset)
 
     async def delete_checkpoint_async(self, training_run_id: str, checkpoint_id: str) -> None:
+        """The async twin of `delete_checkpoint`: the same answer, awaited."""
         return await self.delete_checkpoint(training_run_id, checkpoint_id)
 
     async def delete_checkpoint_from_tinker_path_async(self, tinker_path: str) -> None:
+        """The async twin of `delete_checkpoint_from_tinker_path`: the same answer, awaited."""
         return await self.delete_checkpoint_from_tinker_path(tinker_path)
 
     async def set_checkpoint_ttl_from_tinker_path_async(self, tinker_path: str, ttl_seconds: int | None) -> None:
+        """The async twin of `set_checkpoint_ttl_from_tinker_path`: the same answer, awaited."""
         return await self.set_checkpoint_ttl_from_tinker_path(tinker_path, ttl_seconds)
 
     async def get_external_weights_urls_async(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
+        """The async twin of `get_external_weights_urls`: the same answer, awaited."""
         return await self.get_external_weights_urls(tinker_path)
 
     async def get_checkpoint_archive_url_async(self, checkpoint_id: str) -> CheckpointArchiveUrlResponse:
+        """The async twin of `get_checkpoint_archive_url`: the same answer, awaited."""
         return await self.get_checkpoint_archive_url(checkpoint_id)
 
     async def get_checkpoint_download_url_async(self, checkpoint_id: str) -> CheckpointDownloadSource:
+        """The async twin of `get_checkpoint_download_url`: the same answer, awaited."""
         return await self.get_checkpoint_download_url(checkpoint_id)
 
     async def download_checkpoint_async(self, checkpoint_id: str, destination_path: str | os.PathLike[str], *,
                                         resume: bool = True, max_bytes: int = DEFAULT_MAX_EXPORT_BYTES
                                         ) -> CheckpointDownloadResult:
+        """The async twin of `download_checkpoint`: the same answer, awaited."""
         return await self.download_checkpoint(checkpoint_id, destination_path, resume=resume, max_bytes=max_bytes)
 
     async def get_training_run_async(self, training_run_id: str, access_scope: AccessScope = "owned"
                                      ) -> TrainingRun:
+        """The async twin of `get_training_run`: the same answer, awaited."""
         return await self.get_training_run(training_run_id, access_scope)
 
     async def get_training_run_by_tinker_path_async(self, tinker_path: str, access_scope: AccessScope = "owned"
                                                     ) -> TrainingRun:
+        """The async twin of `get_training_run_by_tinker_path`: the same answer, awaited."""
         return await self.get_training_run_by_tinker_path(tinker_path, access_scope)
 
     async def list_training_runs_async(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
                                        project_id: str | None = None) -> TrainingRunsResponse:
+        """The async twin of `list_training_runs`: the same answer, awaited."""
         return await self.list_training_runs(limit, offset, access_scope, project_id)
 
     async def get_sampler_async(self, sampler_id: str) -> GetSamplerResponse:
+        """The async twin of `get_sampler`: the same answer, awaited."""
         return await self.get_sampler(sampler_id)
 
     async def get_session_async(self, session_id: str, access_scope: AccessScope = "owned") -> GetSessionResponse:
+        """The async twin of `get_session`: the same answer, awaited."""
         return await self.get_session(session_id, access_scope)
 
     async def list_sessions_async(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
                                   ) -> ListSessionsResponse:
+        """The async twin of `list_sessions`: the same answer, awaited."""
         return await self.list_sessions(limit, offset, access_scope)

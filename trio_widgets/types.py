@@ -94,7 +94,9 @@ __all__ = [
 # and "custom" (server-side loss handles).
 LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"]
 TensorDtype = Literal["int64", "float32"]
+"""The element types a `TensorData` holds."""
 StopReason = Literal["stop", "length"]
+"""Why a sampled sequence ended: a stop string or token, or `max_tokens`."""
 ModelID = str
 
 _NUMPY_DTYPES = {"int64": np.int64, "float32": np.float32}
@@ -196,9 +198,11 @@ class TensorData:
         return value if isinstance(value, TensorData) else cls(value)
 
     def to_numpy(self) -> np.ndarray:
+        """The data as a numpy array of its shape and dtype."""
         return np.asarray(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
+        """The data as a torch tensor of its shape and dtype."""
         import torch  # needs the engine extra (or any torch)
 
         return torch.from_numpy(self.to_numpy())
@@ -220,9 +224,11 @@ class EncodedTextChunk:
 
     @property
     def length(self) -> int:
+        """The number of tokens in this chunk."""
         return len(self.tokens)
 
     def to_ints(self) -> list[int]:
+        """The chunk's token ids as a list of ints."""
         return list(self.tokens)
 
     def __len__(self) -> int:
@@ -274,6 +280,7 @@ class ImageChunk:
 
     @property
     def length(self) -> int:
+        """The number of tokens this image takes in the model input."""
         return _image_length("ImageChunk", self.expected_tokens)
 
 
@@ -291,6 +298,7 @@ class ImageAssetPointerChunk:
 
     @property
     def length(self) -> int:
+        """The number of tokens this image takes in the model input."""
         return _image_length("ImageAssetPointerChunk", self.expected_tokens)
 
 
@@ -307,10 +315,12 @@ class DmelChunk:
     @property
     def length(self) -> int:
         # Its length lives inside tinker's tensor container format, which nothing here reads.
+        """The number of tokens this chunk takes in the model input."""
         raise ValueError("the length of a DmelChunk is unknown to the local pool (text-only models)")
 
 
 ModelInputChunk = Union[EncodedTextChunk, ImageChunk, ImageAssetPointerChunk, DmelChunk]
+"""One chunk of a `ModelInput`: text tokens, an image or audio."""
 
 
 @dataclass
@@ -335,6 +345,7 @@ class ModelInput:
         return cls(chunks=[])
 
     def to_ints(self) -> list[int]:
+        """The input's token ids as a list of ints (text chunks only)."""
         found = first_non_text_chunk(self)
         if found is not None:
             index, chunk = found
@@ -343,10 +354,12 @@ class ModelInput:
         return [t for chunk in self.chunks if isinstance(chunk, EncodedTextChunk) for t in chunk.tokens]
 
     def tolist(self) -> list[int]:
+        """The input's token ids as a list (pytrio's name for `to_ints`)."""
         return self.to_ints()
 
     @property
     def length(self) -> int:
+        """The number of tokens of the whole input."""
         return sum(chunk.length for chunk in self.chunks)
 
     def __len__(self) -> int:
@@ -354,10 +367,12 @@ class ModelInput:
 
     @property
     def has_images(self) -> bool:
+        """True if any chunk is an image."""
         return any(isinstance(c, (ImageChunk, ImageAssetPointerChunk)) for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
+        """True if the input has no tokens."""
         return not any(not isinstance(c, EncodedTextChunk) or c.tokens for c in self.chunks)
 
     def append(self, chunk: ModelInputChunk) -> ModelInput:
@@ -365,6 +380,7 @@ class ModelInput:
         return ModelInput(chunks=[*self.chunks, chunk])
 
     def append_int(self, token: int) -> ModelInput:
+        """A new input with one more token at the end."""
         return self.append(EncodedTextChunk(tokens=[int(token)]))
 
 
@@ -483,6 +499,7 @@ class ForwardBackwardOutput:
 
     @property
     def loss(self) -> float:
+        """The loss of the request (its `loss:sum` metric)."""
         return self.metrics.get("loss:sum", math.nan)
 
 
@@ -543,14 +560,17 @@ class SampledSequence:
 
     @property
     def tokens_np(self) -> np.ndarray:
+        """The sampled tokens as a numpy array."""
         return np.asarray(self.tokens, dtype=np.int32)  # tinker's dtype
 
     @property
     def logprobs_np(self) -> np.ndarray:
+        """The sampled tokens' logprobs as a numpy array (None if not asked for)."""
         return np.asarray(self.logprobs, dtype=np.float32)
 
     @property
     def topk_logprobs_np(self) -> TopkLogprobs | None:
+        """Each sampled position's top-k logprobs as numpy arrays (None if not asked for)."""
         return None if self.topk_logprobs is None else TopkLogprobs.from_lists(self.topk_logprobs)
 
 
@@ -588,6 +608,7 @@ class SampleResponse:
 
     @property
     def output_tokens(self) -> int:
+        """The number of tokens sampled, all sequences together (pytrio's field)."""
         return sum(len(s.tokens) for s in self.sequences)
 
     @property
@@ -599,6 +620,7 @@ class SampleResponse:
 
     @property
     def topk_prompt_logprobs_np(self) -> TopkLogprobs | None:
+        """The prompt's top-k logprobs as numpy arrays (tinker's view)."""
         return None if self.topk_prompt_logprobs is None else TopkLogprobs.from_lists(self.topk_prompt_logprobs)
 
 
@@ -765,6 +787,7 @@ class LoraRunSpec:
 # -- checkpoints, runs and sessions (RestClient) ------------------------------------------
 
 CheckpointType = Literal["training", "sampler", "external"]  # external: save_weights_external's exports
+"""What a checkpoint holds: training state, sampler weights, or an export."""
 _PATH_SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler",
                                              "external_weights": "external"}
 
@@ -928,15 +951,18 @@ class LossHandle:
 
     @property
     def key(self) -> str:
+        """The name the loss is registered under."""
         return _loss_handle_key(self.graph, self.inputs)
 
     @property
     def input_names(self) -> tuple[str, ...]:
+        """The names of the inputs the loss function takes."""
         return tuple(i.name for i in self.inputs[1:])
 
 
 # tinker's type of the functions create_custom_loss takes: (logprobs, *inputs) -> (loss, metrics)
 PerDatumLossFn = Callable[..., tuple["torch.Tensor", Mapping[str, Any]]]
+"""A custom loss: `(data, logprobs) -> (loss, metrics)`, for `forward_backward_custom`."""
 
 
 LoRAPair = tuple["torch.Tensor", "torch.Tensor"]
@@ -970,6 +996,7 @@ class AdapterSnapshot:
 
     @property
     def shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each LoRA weight's name and shape."""
         return {name: (tuple(a.shape), tuple(b.shape)) for name, (a, b) in self.weights.items()}
 
     def norms(self) -> dict[str, float]:

@@ -382,18 +382,22 @@ class LocalPool:
 
     def supported_models(self) -> list[str]:
         return list(dict.fromkeys([*BUILTIN_MODELS, *self._models]))
+        """The loaded base model called `name`, loading it on first use (see Models)."""
 
     def new_client_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._client_ids)}"
 
     def add_tenant(self, tenant: Tenant, label: str | None) -> None:
         self._check_open()
+        """The base models this pool can train: the built-in ones and those it has loaded."""
         with self._clock.cond:
             if len(self._tenants) >= self.max_tenants:
                 raise InvalidInputError(f"the pool {self.name!r} holds {len(self._tenants)} clients, its limit "
+        """A new client id, unique in this pool: `prefix-N`."""
                                         f"(max_tenants): close some clients first")
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
+        """Register a client's state (its adapter and optimizer) under `label`; raises if the pool is full."""
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
                                              label or tenant.client_id, tenant.rank or None,
                                              parent=tenant.parent))
@@ -499,6 +503,7 @@ class LocalPool:
         failure = self._clock.failure
         if failure is not None:
             raise PoolClosedError(f"the pool {self.name!r} stopped: its clock thread died "
+        """How many requests each client has queued, by client id."""
                                   f"({type(failure).__name__}: {failure}); create a new pool")
         if self._closed:
             raise PoolClosedError(f"the pool {self.name!r} is closed")

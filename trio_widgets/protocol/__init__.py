@@ -12,6 +12,10 @@ from .paths import SEGMENTS, TINKER_SCHEME, TinkerPath, parse_tinker_path
 
 #: The built-in tiny model every pool serves (trained from scratch here; no download).
 DEFAULT_MODEL = "trio/tiny-llama-byte"
+"""The built-in base model: a tiny Llama with a byte tokenizer, made locally (nothing is downloaded).
+
+Example: `trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=16)`.
+"""
 
 __all__ = [
     "DEFAULT_MODEL", "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "TinkerPath", "WireError", "error_from_wire",

@@ -321,15 +321,19 @@ class Dashboard(W.VBox):
 
     # -- public controls (any thread) -------------------------------------------------------
     def start(self) -> None:
+        """Start training the dashboard's own runs (the Start button)."""
         self._request("start")
 
     def pause(self) -> None:
+        """Pause the dashboard's own runs between updates (the Pause button)."""
         self._request("pause")
 
     def resume(self) -> None:
+        """Resume paused runs (the Resume button)."""
         self._request("resume")
 
     def stop(self) -> None:
+        """Stop the dashboard's own runs between updates (the Stop button)."""
         self._request("stop")
 
     def set(self, **settings: Any) -> None:
@@ -373,6 +377,7 @@ class Dashboard(W.VBox):
 
     @property
     def running(self) -> bool:
+        """True while the dashboard's thread runs (until `close()`)."""
         return self._thread.is_alive()
 
     @property
@@ -382,6 +387,7 @@ class Dashboard(W.VBox):
 
     @property
     def status_text(self) -> str:
+        """The status line's text, as shown."""
         return self._status.value
 
     @property
@@ -391,10 +397,12 @@ class Dashboard(W.VBox):
 
     @property
     def figures(self) -> DashboardFigures:
+        """The bokeh figures the dashboard draws into."""
         return self._figs
 
     @property
     def bokeh_widget(self) -> W.DOMWidget:
+        """The widget that holds the bokeh figures."""
         return self._bokeh
 
     # -- commands: any thread in, dashboard thread out ---------------------------------------------
@@ -1012,6 +1020,7 @@ class Dashboard(W.VBox):
 
     @property
     def closed(self) -> bool:
+        """True once `close()` has run."""
         return self._closed
 
     @property
@@ -1021,4 +1030,5 @@ class Dashboard(W.VBox):
 
     @property
     def subscribed(self) -> bool:
+        """True while the dashboard receives the pool's telemetry."""
         return self._feed is not None and self._feed.subscribed
