@@ -2,7 +2,9 @@
 (`python -m trio_widgets serve`), two clients training from two more processes (the official
 tinker SDK where it is installed, and trio's HTTP client), and a notebook whose only cell is
 `trio.Dashboard(url, api_key=...)`. The page must show both clients' lanes, labelled by their
-sessions, and their cycles per update, drawn by bokeh without console errors.
+sessions, and their cycles per update, drawn by bokeh without console errors; every plot's
+ranges cover its data, its frame is drawn and the view moves on (rendered.py); the disabled
+Start says why.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from typing import Any
 
 import httpx
 import pytest
+import rendered
 from lab import ARTIFACTS, BOKEH_ERRORS, LabServer, free_port, open_notebook, write_notebook
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("tml-browser-sdk-1", "tml-browser-trio-2")
 WATCH = "tml-browser-watcher"
+MAIN_PLOTS = ["Cycle timeline", "Queue depth", "Loss per token"]
 STATUS_JS = "() => (document.querySelector('.trio-dashboard .trio-status') || {innerText: ''}).innerText"
 
 # Both loops are bounded: they stop when the stop file appears, or after 150 s.
@@ -135,7 +139,14 @@ def test_remote_dashboard_shows_two_clients_of_two_other_processes(lab: LabServe
                               {"forward_backward": (0x25, 0x63, 0xEB), "optim_step": (0xF9, 0x73, 0x16)}.items()}
                     advisor = dash.locator(".trio-advisor").inner_text()
                     start = dash.locator("button", has_text=re.compile(r"^\s*Start\s*$"))
-                    assert start.is_disabled()  # watching, not driving
+                    assert start.is_disabled()  # watching, not driving, and it says why
+                    assert start.get_attribute("title").startswith("disabled: this dashboard only watches")
+                    assert "disabled: this dashboard only watches" in dash.locator(".trio-why").inner_text()
+                    # what is drawn (issue 34): ranges cover the data, frames drawn, the view moves on
+                    rendered.show_whole(page)
+                    first_plots = rendered.check_rendered(rendered.plots(page, name="remote-first"), MAIN_PLOTS)
+                    page.wait_for_timeout(2500)  # a couple of dozen cycles at 0.1 s
+                    rendered.check_moved_on(first_plots, rendered.plots(page, name="remote-later"))
                     shot = nb.screenshot("remote-dashboard", selector=".trio-dashboard")
                     print(f"status: {text!r}\nadvisor: {advisor!r}\npixels: {pixels}\nscreenshot: {shot}")
                     assert all(n > 40 for n in pixels.values()), pixels
