@@ -118,7 +118,8 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv(dist, tmp_path: Path) -> No
     py, trio = venv / "bin" / "python", venv / "bin" / "trio"
     env, work = _clean_env(), tmp_path / "work"
     work.mkdir()
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
+    # (--no-compile: byte-compiling torch and transformers would be most of this test's time)
+    pip = [str(py), "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check", "-c", str(CONSTRAINTS)]
 
     # the core: the client API over HTTP and the dashboard, no torch
     _run([*pip, str(dist["wheel"])], work, env=env)

@@ -30,6 +30,7 @@ import notebooks as nbpages  # noqa: E402  (beside this file)
 log = logging.getLogger("mkdocs.plugins.trio")
 REPO = Path(__file__).resolve().parents[2]
 _OUTPUTS: dict[str, dict[str, str]] = {}  # page src_uri -> placeholder id -> output HTML
+_PICTURES: dict[str, str] = {}  # notebook stem -> its dashboard's closing snapshot (HTML)
 _BOKEH_JS: list[str] = []  # the BokehJS files the notebook pages load (names under assets/bokeh/)
 
 
@@ -138,21 +139,31 @@ def on_files(files: Files, config) -> Files:
         uri = f"tutorials/{notebook.stem}.md"
         text, outputs = nbpages.to_markdown(executed, notebook.name)
         _OUTPUTS[uri] = outputs
+        snapshot = next((html for html in outputs.values() if "trio-snapshot" in html), None)
+        if snapshot is not None:
+            _PICTURES[notebook.stem] = snapshot
         files.append(File.generated(config, uri, content=text))
     return files
 
 
 def on_page_content(content: str, page, config, files) -> str:
-    outputs = _OUTPUTS.get(page.file.src_uri)
+    """Put the notebooks' outputs in their placeholders: `<!-- trio-output ID -->` on a tutorial
+    page, `<!-- trio-picture NOTEBOOK -->` (a notebook's dashboard snapshot) on any page."""
+    outputs = dict(_OUTPUTS.get(page.file.src_uri, {}))
+    for stem in re.findall(r"<!-- trio-picture (\w+) -->", content):
+        if stem not in _PICTURES:
+            log.warning("%s: notebook %s left no dashboard snapshot to show", page.file.src_uri, stem)
+            continue
+        outputs[stem] = _PICTURES[stem]
     if not outputs:
         return content
     up = "../" * page.url.count("/")
     scripts = "".join(f'<script src="{up}assets/bokeh/{name}"></script>' for name in _BOKEH_JS)
 
     def put(m: re.Match) -> str:
-        return outputs[m.group(1)]
+        return outputs.get(m.group(2), m.group(0))
 
-    return scripts + re.sub(r"<!-- trio-output (\w+) -->", put, content)
+    return scripts + re.sub(r"<!-- trio-(output|picture) (\w+) -->", put, content)
 
 
 def on_pre_build(config) -> None:
