@@ -279,7 +279,15 @@ class TrainingClient(_Client):
     """One LoRA run in the pool. Every op returns an APIFuture at once, so both hosted styles
     work: tinker 0.38's `fb = tc.forward_backward(...); opt = tc.optim_step(...); await fb;
     await opt` (or `.result()` on each), and the `*_async` twins, which return that future
-    from an awaitable (two await boundaries: submit, then result)."""
+    from an awaitable (two await boundaries: submit, then result).
+
+    Example:
+        ```python
+        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=16)
+        fb = tc.forward_backward(batch, "cross_entropy")       # queued for the next cycle
+        opt = tc.optim_step(trio.AdamParams(learning_rate=3e-3))
+        print(fb.result().metrics["loss:sum"], opt.result().metrics)
+        ```"""
 
     def __init__(self, backend: Backend, handle: ModelHandle, service: ServiceClient):
         super().__init__(backend, handle)
@@ -636,6 +644,13 @@ class SamplingClient(_Client):
     `sample` / `compute_logprobs` return an APIFuture; as on the hosted services,
     `sample_async` / `compute_logprobs_async` return the result itself after one await.
     When this object is garbage-collected, the pool forgets its adapter.
+
+    Example:
+        ```python
+        sampler = tc.save_weights_and_get_sampling_client("step-200")
+        prompt = trio.ModelInput.from_ints(tc.get_tokenizer().encode("12+7="))
+        out = sampler.sample(prompt, num_samples=4, sampling_params=trio.SamplingParams(max_tokens=8)).result()
+        ```
     """
 
     def __repr__(self) -> str:

@@ -591,6 +591,9 @@ def doctor(pool: LocalPool | None = None) -> DoctorReport:
 
     Pass a pool to check its device and `checkpoint_dir` instead of the defaults.
     Display the result in a notebook, print it, or read `.records`.
+
+    Example: `trio.doctor()` in a notebook cell (one line when all is well, else a table of
+    fixes); `trio doctor` in a shell (exit status 1 if a check FAILed).
     """
     versions = installed_versions()
     # the pool needs torch; the client, HTTP and the dashboard do not (the core install): without

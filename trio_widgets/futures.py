@@ -145,6 +145,9 @@ class APIFuture(Generic[T]):
     """The result of one request, available after the cycle boundary that follows its cycle.
 
     `cycle` is the index of the cycle the request ran in (None until it is taken).
+
+    Example: `fb = tc.forward_backward(batch, "cross_entropy")`, then `await fb` in a notebook
+    or `fb.result()` in a script; `fb.cycle` says which cycle ran it.
     """
 
     def __init__(self, future: concurrent.futures.Future, *, request_id: int | None, op: str,

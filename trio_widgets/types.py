@@ -98,6 +98,7 @@ TensorDtype = Literal["int64", "float32"]
 StopReason = Literal["stop", "length"]
 """Why a sampled sequence ended: a stop string or token, or `max_tokens`."""
 ModelID = str
+"""A base model's name, e.g. `trio.DEFAULT_MODEL` or a Hugging Face id."""
 
 _NUMPY_DTYPES = {"int64": np.int64, "float32": np.float32}
 
@@ -219,6 +220,11 @@ class TensorData:
 
 @dataclass
 class EncodedTextChunk:
+    """A run of token ids in a `ModelInput`.
+
+    Example: `ModelInput(chunks=[EncodedTextChunk(tokens=[72, 105])])`, or `ModelInput.from_ints([72, 105])`.
+    """
+
     tokens: list[int]
     type: Literal["encoded_text"] = "encoded_text"
 
@@ -325,6 +331,11 @@ ModelInputChunk = Union[EncodedTextChunk, ImageChunk, ImageAssetPointerChunk, Dm
 
 @dataclass
 class ModelInput:
+    """The tokens a model reads: a list of chunks (text tokens here; images are the hosted services').
+
+    Example: `trio.ModelInput.from_ints(tokenizer.encode("1+1="))`.
+    """
+
     chunks: list[ModelInputChunk] = field(default_factory=list)
 
     @classmethod
@@ -449,6 +460,11 @@ class Datum:
 
 @dataclass
 class AdamParams:
+    """AdamW settings of one `optim_step` (tinker's defaults; also pytrio's `OptimParams`).
+
+    Example: `tc.optim_step(trio.AdamParams(learning_rate=3e-3))`.
+    """
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -508,6 +524,8 @@ LossFnOutput = dict[str, TensorData]  # pytrio: one datum's entry of `loss_fn_ou
 
 @dataclass
 class OptimStepResponse:
+    """The result of `optim_step`: its metrics (e.g. `step:max`, the optimizer's step count)."""
+
     metrics: dict[str, float] = field(default_factory=dict)
 
 

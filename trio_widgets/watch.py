@@ -661,7 +661,10 @@ def watch(client: Any, *, watcher: Watcher | None = None, check_version: bool = 
     """Watch a tinker ServiceClient, TrainingClient or SamplingClient (or a future of one): returns
     a proxy to use in its place, the same methods called the same way, every request recorded in
     `watcher_of(proxy).telemetry` (a new :class:`Watcher` unless one is given: clients watched with
-    the same watcher share its telemetry). Nothing of the SDK is modified."""
+    the same watcher share its telemetry). Nothing of the SDK is modified.
+
+    Example: `service = trio.watch(tinker.ServiceClient())`, then `trio.Dashboard(watch=service)`
+    and the loop, unchanged, through `service`; `trio.unwatch(service)` when done."""
     if isinstance(client, (_Proxy, WatchedClientFuture)):
         raise UnsupportedSDKError("this client is already watched")
     _check_sdk(client, check_version)

@@ -1326,5 +1326,8 @@ def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **setti
     per key across its sessions: max_clients_per_key (128), max_state_bytes_per_key (2 GiB of
     adapter and optimizer state; a rank-r client of a model costs what `ModelHandle.state_bytes` says);
     checkpoint downloads (trio_widgets/http/exports.py): max_export_bytes (4 GiB of PEFT files),
-    export_url_ttl_s (3600: how long a signed URL works), export_timeout_s (3600: one download's time)."""
+    export_url_ttl_s (3600: how long a signed URL works), export_timeout_s (3600: one download's time).
+
+    Example: `server = trio.serve(trio.LocalPool(), port=8000)`; clients then use
+    `trio.ServiceClient(base_url=server.url)` or the tinker SDK; `server.stop()` ends it."""
     return Server(pool, host=host, port=port, **settings).start()

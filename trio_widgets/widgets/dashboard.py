@@ -154,6 +154,9 @@ class Dashboard(W.VBox):
     Methods `start()`, `pause()`, `resume()`, `stop()` do what the buttons do, from any
     thread. Exports (`export_trace()`, `export_metrics()`, `save_html()`) write into
     `export_dir` ("trio-exports" by default).
+
+    Example: `trio.Dashboard()` as the last line of a cell, before the cell that builds a pool
+    and trains; `trio.Dashboard("http://127.0.0.1:8000", api_key=key)` for a served pool.
     """
 
     def __new__(cls, pool: LocalPool | str | None = None, *args: Any, api_key: str | None = None,
