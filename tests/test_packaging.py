@@ -140,3 +140,29 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv(dist, tmp_path: Path) -> No
     assert "torch" in doctor, doctor
     out = _run([str(py), "-c", TRAIN], work, env=env, timeout=600)
     assert "trained 4 updates" in out, out
+
+
+# -- the command in this checkout (fast: no build) ---------------------------------------------
+
+def test_version_has_one_source(capsys) -> None:
+    from trio_widgets.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"trio-widgets {trio_widgets.__version__}"
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'dynamic = ["version"]' in pyproject and 'version = {attr = "trio_widgets.__version__"}' in pyproject
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert f"## [{trio_widgets.__version__}]" in changelog, "CHANGELOG.md has no section for this version"
+
+
+def test_trio_notebooks_copies_and_never_overwrites(tmp_path: Path, capsys) -> None:
+    from trio_widgets.__main__ import main
+
+    names = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert main(["notebooks", str(tmp_path / "nb")]) == 0
+    assert sorted(p.name for p in (tmp_path / "nb").iterdir()) == names
+    (tmp_path / "nb" / names[0]).write_text("mine")
+    assert main(["notebooks", str(tmp_path / "nb")]) == 1
+    assert "already has" in capsys.readouterr().err and (tmp_path / "nb" / names[0]).read_text() == "mine"
