@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from transports import TRANSPORTS
 
 import trio_widgets as trio
 
@@ -88,6 +89,15 @@ def write_peft_adapter(path, target_modules: list[str], rank: int, alpha: float,
     saved["base_model_name_or_path"] = trio.DEFAULT_MODEL  # the pool resolves the base by this name
     config_file.write_text(json.dumps(saved))
     return str(path)
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request) -> str:
+    """The codec a client-facing test reaches its pool through, once per entry of
+    tests/transports.py's TRANSPORTS (in-process, Tinker's wire over HTTP; a third codec is one
+    more entry there). `transports.service(transport, pool)` is a ServiceClient through it.
+    Module-scoped, so a module's shared clients can be built once per codec."""
+    return request.param
 
 
 @pytest.fixture

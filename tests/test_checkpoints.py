@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import TRANSPORTS, checkpoint_dir, inspect, pool_client_id, service
+from transports import checkpoint_dir, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine import sampling
@@ -65,10 +65,10 @@ def svc(pool):
     return trio.ServiceClient(pool)
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def both(pool, request):
-    """A ServiceClient in-process or over HTTP to the same pool (tests/transports.py)."""
-    with service(request.param, pool) as svc:
+@pytest.fixture(scope="module")
+def both(pool, transport):
+    """A ServiceClient through each codec to the same pool (conftest.py's transport)."""
+    with service(transport, pool) as svc:
         yield svc
 
 
@@ -158,10 +158,11 @@ def test_state_ops_run_in_order_after_the_optim_step_before_them(both, pool):
 def test_peft_loads_the_exported_adapter_with_the_same_logits(svc, pool, saved):
     peft = pytest.importorskip("peft")
     tc, _, sampler_path = saved
-    files = sorted(os.listdir(sampler_path))
+    assert sampler_path.startswith("tinker://")  # as over HTTP; the pool says which directory it names
+    files = sorted(os.listdir(pool.checkpoint_path(sampler_path)))
     assert "adapter_config.json" in files and "adapter_model.safetensors" in files
     fresh, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
-    model = peft.PeftModel.from_pretrained(fresh, sampler_path).eval()
+    model = peft.PeftModel.from_pretrained(fresh, pool.checkpoint_path(sampler_path)).eval()
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         peft_logits = model(input_ids=ids).logits[0]
@@ -209,14 +210,14 @@ def test_checkpoints_default_to_the_user_cache_dir(monkeypatch, tmp_path):
     expected = Path(platformdirs.user_cache_dir("trio-widgets")) / "checkpoints"
     with trio.LocalPool(min_cycle_s=0.002) as pool:
         tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
-        path = Path(tc.save_state("default-dir").result().path)
+        path = pool.checkpoint_path(tc.save_state("default-dir").result().path)
     assert path.is_relative_to(expected) and path.name == "default-dir"
     assert path.parent.name == "weights"
     if sys.platform.startswith("linux"):
         assert expected.is_relative_to(tmp_path)
 
 
-def test_saving_a_name_again_replaces_it_and_leaves_nothing_behind(svc):
+def test_saving_a_name_again_replaces_it_and_leaves_nothing_behind(svc, pool):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=4)
     first = tc.save_state("again").result().path
     _step(tc, 0)
@@ -224,13 +225,15 @@ def test_saving_a_name_again_replaces_it_and_leaves_nothing_behind(svc):
         tc.save_state("again")
     second = tc.save_state("again", overwrite=True).result().path
     assert first == second
+    second = pool.checkpoint_path(second)
     assert json.loads(Path(second, "trio_checkpoint.json").read_text())["step"] == 1
     assert sorted(p.name for p in Path(second).parent.iterdir()) == ["again"]  # no .tmp / .old left
 
 
 @pytest.mark.parametrize("name", ["a/b", "../up", "..", "a\\b", "", ".hidden", None, "x" * 201, "c:d"])
-def test_bad_checkpoint_names_are_rejected(saved, name):
+def test_bad_checkpoint_names_are_rejected(saved, pool, name):
     tc, path, _ = saved
+    path = pool.checkpoint_path(path)
     before = sorted(os.listdir(Path(path).parent))
     for method in (tc.save_state, tc.save_weights_for_sampler):
         with pytest.raises(trio.InvalidInputError) as info:
@@ -252,8 +255,9 @@ def _assert_clear(exc: BaseException, path: str) -> None:
     assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)
 
 
-def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, saved, tmp_path):
+def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, pool, saved, tmp_path):
     tc, path, sampler_path = saved
+    local, sampler_local = pool.checkpoint_path(path), pool.checkpoint_path(sampler_path)
     loaders = [tc.load_state, tc.load_state_with_optimizer, svc.create_training_client_from_state,
                lambda p: svc.create_sampling_client(model_path=p)]
     missing = str(tmp_path / "no-such-checkpoint")
@@ -265,20 +269,20 @@ def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, saved, tmp_pat
     with pytest.raises(trio.CheckpointNotFoundError):
         tc.load_state("tinker://run/weights/x")
 
-    truncated = _copy(path, tmp_path, "truncated")
+    truncated = _copy(local, tmp_path, "truncated")
     data = (truncated / "adapter_model.safetensors").read_bytes()
     (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
-    flipped = _copy(path, tmp_path, "flipped")
+    flipped = _copy(local, tmp_path, "flipped")
     data = bytearray((flipped / "optimizer.safetensors").read_bytes())
     data[-10] ^= 0xFF
     (flipped / "optimizer.safetensors").write_bytes(bytes(data))
-    bad_json = _copy(path, tmp_path, "bad-json")
+    bad_json = _copy(local, tmp_path, "bad-json")
     (bad_json / "trio_checkpoint.json").write_text("{not json")
-    incomplete = _copy(path, tmp_path, "incomplete")
+    incomplete = _copy(local, tmp_path, "incomplete")
     (incomplete / "optimizer.safetensors").unlink()
     empty = tmp_path / "empty-dir"
     empty.mkdir()
-    peft_only = _copy(sampler_path, tmp_path, "peft-only-truncated")
+    peft_only = _copy(sampler_local, tmp_path, "peft-only-truncated")
     (peft_only / "trio_checkpoint.json").unlink()
     (peft_only / "adapter_model.safetensors").write_bytes(b"\x00" * 5)
     cases = {truncated: "checksum", flipped: "checksum", bad_json: "not valid JSON",
@@ -289,7 +293,7 @@ def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, saved, tmp_pat
                 load(str(where))
             _assert_clear(info.value, str(where))
     with pytest.raises(trio.CheckpointError, match="is a file") as info:
-        tc.load_state(str(Path(path) / "adapter_model.safetensors"))
+        tc.load_state(str(local / "adapter_model.safetensors"))
     # weights-only and made-for-another-client checkpoints
     with pytest.raises(trio.CheckpointError, match="no optimizer state") as info:
         tc.load_state_with_optimizer(sampler_path)
@@ -305,10 +309,10 @@ def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, saved, tmp_pat
     assert tc.load_state(sampler_path).result().path == sampler_path
 
 
-def test_a_half_finished_replace_still_loads_the_previous_checkpoint(svc, tmp_path):
+def test_a_half_finished_replace_still_loads_the_previous_checkpoint(svc, pool, tmp_path):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=6)
     _step(tc, 0)
-    path = Path(tc.save_state("swap").result().path)
+    path = pool.checkpoint_path(tc.save_state("swap").result().path)
     expected = _weights(tc)
     # the instant between moving the old directory aside and renaming the new one in
     os.rename(path, path.parent / ".swap.old-123456")
@@ -343,16 +347,16 @@ def test_overwrite_swaps_the_directories_in_one_step_on_linux(tmp_path):
 
 @pytest.mark.parametrize("state", ["between the two renames", "after the exchange", "mid-write", "mid-delete",
                                    "mid-expiry", "a live writer", "our pid, before we started"])
-def test_a_pool_start_finishes_what_a_killed_writer_left(svc, tmp_path, state):
+def test_a_pool_start_finishes_what_a_killed_writer_left(svc, pool, tmp_path, state):
     """Each on-disk state a save, delete or expiry update killed at that point leaves: at the next
     pool start the name loads (the previous checkpoint where the new one never got its name, the
     new one where it did) and the writer's siblings are gone; a live writer's are left alone."""
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=8)
     _step(tc, 0)
-    old_src = tc.save_state("v1").result().path
+    old_src = pool.checkpoint_path(tc.save_state("v1").result().path)
     old_weights = _weights(tc)
     _step(tc, 1)
-    new_src = tc.save_state("v2").result().path
+    new_src = pool.checkpoint_path(tc.save_state("v2").result().path)
     new_weights = _weights(tc)
     folder = tmp_path / "root" / "run-1" / "weights"
     folder.mkdir(parents=True)
@@ -401,10 +405,10 @@ def test_a_pool_start_finishes_what_a_killed_writer_left(svc, tmp_path, state):
     assert _same(_weights(resumed), expected)
 
 
-def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(svc, tmp_path):
+def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(svc, pool, tmp_path):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
     _step(tc, 0)
-    src = tc.save_state("ck").result().path
+    src = pool.checkpoint_path(tc.save_state("ck").result().path)
     folder = tmp_path / "run" / "weights"
     folder.mkdir(parents=True)
     tag = _dead_tag()
@@ -435,7 +439,7 @@ _WRITER = textwrap.dedent("""
             tc.optim_step(trio.AdamParams(learning_rate=1e-3)).result()
             print("ready", k, digest(tc.inspect_adapter().result()), flush=True)
             sys.stdin.readline()  # the parent says when to save
-            path = tc.save_state("latest", overwrite=True).result().path
+            path = pool.checkpoint_path(tc.save_state("latest", overwrite=True).result().path)
             print("saved", k, path, flush=True)
 """)
 

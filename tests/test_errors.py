@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import adapter_weights, make_datum, random_batch
-from served import served
-from transports import KEY, TRANSPORTS, adapter_of, inspect, pool_client_id
+from transports import adapter_of, inspect, pool_client_id, service
 
 import trio_widgets as trio
 
@@ -39,23 +38,12 @@ def shared_pool():
         yield p
 
 
-@pytest.fixture(scope="module")
-def shared_server(shared_pool):
-    with served(shared_pool) as server:
-        yield server
-
-
-@pytest.fixture(params=TRANSPORTS)
-def culprits(request, shared_pool, shared_server):
-    """The culprit's ServiceClient: in-process, or over HTTP to the same pool (the victim is
-    always in-process: what it must not see is the culprit's request, however it came)."""
-    if request.param == "local":
-        svc = trio.ServiceClient(shared_pool)
-    else:
-        svc = trio.ServiceClient(base_url=shared_server.url, api_key=KEY)
-        svc._server = shared_server  # for adapter_of / pool_client_id
-    yield svc
-    svc.close()
+@pytest.fixture
+def culprits(transport, shared_pool):
+    """The culprit's ServiceClient, through each codec to the shared pool (the victim is always
+    in-process: what it must not see is the culprit's request, however it came)."""
+    with service(transport, shared_pool) as svc:
+        yield svc
 
 
 def assert_victim_untouched(pool, reference, victim) -> None:

@@ -191,8 +191,10 @@ def test_in_process_encryption_is_not_offered(pool):
     with pytest.raises(trio.NotSupportedError, match="in-process"):
         tc.save_weights_external("sealed", age_encryption_recipients=["age1" + "q" * 58])
     saved = tc.save_weights_external("plain").result(timeout=60)
-    assert Path(saved.path).parent.name == "external_weights" and sorted(
-        n for n in os.listdir(saved.path) if not n.startswith("trio_")) == PEFT
+    assert saved.path == f"tinker://{tc.model_id}/external_weights/plain"
+    local = pool.checkpoint_path(saved.path)
+    assert local.parent.name == "external_weights" and sorted(
+        n for n in os.listdir(local) if not n.startswith("trio_")) == PEFT
 
 
 # -- what is refused ------------------------------------------------------------------------------

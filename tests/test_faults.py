@@ -4,7 +4,6 @@ ends with no clock thread and no pending future, or says exactly what is still r
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -12,7 +11,7 @@ import time
 import pytest
 import torch
 from conftest import adapter_weights, random_batch
-from transports import TRANSPORTS, service
+from transports import service
 
 import trio_widgets as trio
 from trio_widgets.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
@@ -63,10 +62,10 @@ def test_a_telemetry_subscriber_cannot_stop_the_clock(pool, escape):
         unsubscribe()
 
 
-@pytest.fixture(params=TRANSPORTS)
-def svc(pool, request):
-    """The culprit's ServiceClient, in-process or over HTTP to the same pool (tests/transports.py)."""
-    with service(request.param, pool) as s:
+@pytest.fixture
+def svc(pool, transport):
+    """The culprit's ServiceClient, through each codec to the same pool (conftest.py's transport)."""
+    with service(transport, pool) as s:
         yield s
 
 
@@ -115,7 +114,7 @@ def test_custom_metrics_that_are_not_numbers_fail_only_that_tenant(pool, svc, me
     assert what in str(info.value) and info.value.client_id == tc.client_id
     assert fine.result(timeout=60).metrics["loss:sum"] > 0
     path = saved.result(timeout=60).path  # a state op in the same cycle is reported as it happened
-    assert os.path.isdir(path)
+    assert pool.checkpoint_path(path).is_dir()
 
 
 def test_result_inside_a_done_callback_raises_instead_of_freezing_the_clock(pool):

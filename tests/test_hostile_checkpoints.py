@@ -48,15 +48,17 @@ def svc(pool):
 
 
 @pytest.fixture(scope="module")
-def saved(svc):
-    """A rank-4 client after 2 updates (so it has AdamW moments), with its state and sampler checkpoints."""
+def saved(svc, pool):
+    """A rank-4 client after 2 updates (so it has AdamW moments), with its state and sampler checkpoints,
+    as the directories on disk their tinker:// paths name (this module forges copies of their files)."""
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=2)
     datum = trio.Datum(trio.ModelInput.from_ints(TEXT[:-1]), {"target_tokens": TEXT[1:]})
     for _ in range(2):
         tc.forward_backward([datum], "cross_entropy")
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result(timeout=60)
     state = tc.save_state("good").result(timeout=60).path
-    return tc, state, tc.save_weights_for_sampler("good-w").result(timeout=60).path
+    weights = tc.save_weights_for_sampler("good-w").result(timeout=60).path
+    return tc, str(pool.checkpoint_path(state)), str(pool.checkpoint_path(weights))
 
 
 class _Fifos:
@@ -497,7 +499,7 @@ def test_a_good_checkpoint_still_loads_everywhere(svc, saved):
 
 # -- checkpoint names ------------------------------------------------------------------------------------
 
-def test_names_are_bounded_by_their_encoded_length(saved):
+def test_names_are_bounded_by_their_encoded_length(saved, pool):
     tc, path, _ = saved
     parent = Path(path).parent
     before = sorted(os.listdir(parent))
@@ -516,7 +518,8 @@ def test_names_are_bounded_by_their_encoded_length(saved):
     assert len(longest.encode()) == ckpt.MAX_NAME_BYTES
     first = tc.save_state(longest).result(timeout=60).path
     assert tc.save_state(longest, overwrite=True).result(timeout=60).path == first
-    assert Path(first).name == longest and sorted(os.listdir(first)) == sorted([MANIFEST, CONFIG, WEIGHTS, OPTIMIZER])
+    first = pool.checkpoint_path(first)
+    assert first.name == longest and sorted(os.listdir(first)) == sorted([MANIFEST, CONFIG, WEIGHTS, OPTIMIZER])
 
 
 # -- tokenizer classes named by a local model --------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import TRANSPORTS, checkpoint_dir, differs, inspect, service
+from transports import checkpoint_dir, differs, inspect, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -30,11 +30,6 @@ PROMPT = [3 + b for b in b"The cat "]  # byte tokenizer: token = byte + 3
 def ckpool(tmp_path):
     with trio.LocalPool(min_cycle_s=0.0, name="sdk", checkpoint_dir=str(tmp_path / "ckpt")) as pool:
         yield pool
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request) -> str:
-    return request.param
 
 
 @pytest.fixture
@@ -176,7 +171,7 @@ def test_sampling_client_in_both_argument_orders(sc, tmp_path, transport):
         return
     # a directory that is both a model and a checkpoint: which one was meant cannot be told
     both = tmp_path / "both"
-    shutil.copytree(path, both)
+    shutil.copytree(sc.pool.checkpoint_path(path), both)
     (both / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(trio.InvalidInputError) as info:
         sc.create_sampling_client(str(both))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from served import served
-from transports import TRANSPORTS, differs
+from transports import TRANSPORTS
 
 import trio_widgets as trio
 
@@ -31,13 +31,13 @@ EXPECTED = {
     "tinker_async_rl.py": [r"step 4: mean reward"],
     "tinker_custom_loss.py": [r"callable custom loss metrics: .*'surrogate_loss:sum'",
                               r"LossHandle metrics: .*custom/neg_ll"],
-    "tinker_checkpoint.py": [r"Model ID: lora-\d+-\w+, base model: trio/tiny-llama-byte, LoRA rank: 16",
+    "tinker_checkpoint.py": [r"Model ID: sess-\w+:train:\d+, base model: trio/tiny-llama-byte, LoRA rank: 16",
                              r"completion logprob: -\d", r"training: weights/checkpoint-001 -> tinker://"],
     "pytrio_quickstart_sft.py": [r"step 9: loss_mean=\d+\.\d+ tokens=\d+"],
     "pytrio_async_rl.py": [r"step 4: loss_sum=-?\d+\.\d+ token_count=\d+"],
     "pytrio_custom_loss.py": [r"'custom_nll': .*'loss_mean'"],
     "pytrio_checkpoint.py": [r"\(model=trio/tiny-llama-byte, size=\d+ bytes\)", r"prompt logprobs: \[None, -\d",
-                             r"training: weights/checkpoint-001 -> /"],
+                             r"training: weights/checkpoint-001 -> tinker://"],
 }
 
 
@@ -68,11 +68,7 @@ def test_sdk_style_script_runs_with_only_the_import_changed(script, transport, t
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0, f"{script.name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    for pattern in EXPECTED[script.name]:
-        if differs(transport, "client-ids"):
-            pattern = pattern.replace(r"lora-\d+-\w+", r"sess-\w+:train:\d+")
-        if differs(transport, "filesystem-paths"):
-            pattern = pattern.replace("-> /", "-> tinker://")
+    for pattern in EXPECTED[script.name]:  # the same ids and tinker:// paths on both transports
         assert re.search(pattern, out.stdout), f"{script.name}: no {pattern!r} in its output:\n{out.stdout}"
     # no deprecation or other warning from trio_widgets itself: the SDKs' styles are not deprecated here
     assert "trio_widgets" not in out.stderr, out.stderr[-3000:]

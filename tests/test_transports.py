@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 from served import served
-from transports import DIFFERENCES
+from transports import DIFFERENCES, IN_PROCESS
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
 from trio_widgets.errors import ResourceNotFoundError
-from trio_widgets.protocol import ERRORS, error_from_wire, parse_tinker_path, wire_error
+from trio_widgets.protocol import ERRORS, error_from_wire, names, parse_tinker_path, wire_error
 
 KEY = "tml-transports"
 ADAM = trio.AdamParams(learning_rate=1e-2)
@@ -43,15 +43,10 @@ def server(pool):
         yield s
 
 
-@pytest.fixture(params=["local", "http"])
-def transport(request) -> str:
-    return request.param
-
-
 @pytest.fixture
 def service(transport, pool, server) -> Iterator[trio.ServiceClient]:
-    # (the server fixture for both: a module's server starts before the first test's thread check)
-    svc = trio.ServiceClient(pool) if transport == "local" else trio.ServiceClient(base_url=server.url, api_key=KEY)
+    # (the server fixture for every codec: a module's server starts before the first test's thread check)
+    svc = trio.ServiceClient(pool) if transport == IN_PROCESS else trio.ServiceClient(base_url=server.url, api_key=KEY)
     yield svc
     svc.close()
 
@@ -85,6 +80,38 @@ def test_a_repeated_checkpoint_name_is_refused_unless_overwrite(service):
     assert tc.save_state("twice", overwrite=True).result(timeout=60).path == path
     again = outcome(lambda: tc.save_state("twice"))
     assert isinstance(again, trio.CheckpointExistsError), again
+
+
+def test_both_transports_name_runs_and_checkpoints_alike(service, pool):
+    """One naming module (trio_widgets/protocol/names.py): a run is <session>:train:<n>, a save
+    returns tinker://<run>/<segment>/<name> on every transport, and that path loads on both."""
+    tc = trained(service, seed=12)
+    assert names.RUN_ID_RE.match(tc.model_id) and tc.model_id.startswith(service.backend.session_id + ":train:")
+    state = tc.save_state("named").result(timeout=60).path
+    weights = tc.save_weights_for_sampler("named-w").result(timeout=60).path
+    assert (state, weights) == (f"tinker://{tc.model_id}/weights/named", f"tinker://{tc.model_id}/sampler_weights/named-w")
+    for path in (state, weights):
+        assert parse_tinker_path(path).run_id == tc.model_id
+    assert tc.load_state(state).result(timeout=60).path == state
+    again = service.create_training_client_from_state(state)
+    assert again.model_id != tc.model_id and names.RUN_ID_RE.match(again.model_id)
+    sampler = service.create_sampling_client(model_path=weights)
+    assert sampler.sample([5, 6], 1, trio.SamplingParams(max_tokens=2, seed=0)).result(timeout=60).sequences
+    # the repeated sampler-weights name is refused as the SDKs' servers do (neither SDK offers overwrite there)
+    refused = outcome(lambda: tc.save_weights_for_sampler("named-w"))
+    assert isinstance(refused, trio.CheckpointExistsError), refused
+
+
+def test_the_engines_save_refuses_a_repeated_name_unless_asked(pool):
+    """The engine's own default (SaveRequest.overwrite False), which a server passes through."""
+    from trio_widgets.backend import SaveRequest
+
+    tc = trained(trio.ServiceClient(pool), seed=13)
+    backend = tc._backend
+    assert backend.submit(tc.client_id, "save_state", SaveRequest("once")).result(timeout=60).path.endswith("/once")
+    with pytest.raises(trio.CheckpointExistsError):
+        backend.submit(tc.client_id, "save_state", SaveRequest("once")).result(timeout=60)
+    backend.submit(tc.client_id, "save_state", SaveRequest("once", overwrite=True)).result(timeout=60)
 
 
 def test_the_pools_listing_names_the_run_by_the_clients_id(service, pool):
@@ -183,8 +210,9 @@ def _differs(name: str, service: trio.ServiceClient, pool: trio.LocalPool, trans
         tc = trained(service, seed=6)
         saved = tc.save_state("fs").result(timeout=60).path
         local = trio.RestClient(pool)
-        directory = [c.path for c in local.list_checkpoints(tc.model_id).result().checkpoints
-                     if c.tinker_path.endswith("/fs")] if saved.startswith("tinker://") else [saved]
+        directory = [str(pool.checkpoint_path(c.tinker_path)) for c in local.list_checkpoints(tc.model_id).result()
+                     .checkpoints if c.tinker_path.endswith("/fs")]
+        assert saved.startswith("tinker://")  # every transport returns tinker:// paths
         assert directory
         return isinstance(outcome(lambda: service.create_training_client_from_state(directory[0])),
                           trio.InvalidInputError)
@@ -208,8 +236,8 @@ def test_each_listed_difference_still_exists(name, pool, server):
     local = trio.ServiceClient(pool)
     remote = trio.ServiceClient(base_url=server.url, api_key=KEY)
     try:
-        assert not _differs(name, local, pool, "local"), f"{name}: in-process should be the reference behaviour"
-        assert _differs(name, remote, pool, "http"), f"{name} no longer differs over HTTP: take it off DIFFERENCES"
+        assert not _differs(name, local, pool, IN_PROCESS), f"{name}: in-process should be the reference behaviour"
+        assert _differs(name, remote, pool, "tinker-http"), f"{name} no longer differs over HTTP: take it off the list"
     finally:
         local.close()
         remote.close()

@@ -1,24 +1,26 @@
 """Helpers for running client-level tests through both transports (not a test module).
 
-`service(transport, pool)` is a ServiceClient in-process (`"local"`) or over HTTP to the same
-pool served on 127.0.0.1 (`"http"`); `adapter_of(tc)` reads a client's adapter from the pool
-that knows the truth, whichever way the client reached it. What still differs between the
-transports is DIFFERENCES, each with its reason: a test that meets one calls
-`differs(transport, name)`, and tests/test_transports.py checks each entry still holds."""
+`service(transport, pool)` is a ServiceClient that reaches `pool` through the codec named
+`transport`: in-process (`"in-process"`), or Tinker's wire protocol over HTTP to the same pool
+served on 127.0.0.1 (`"tinker-http"`). conftest.py's `transport` fixture runs a test once per
+entry of TRANSPORTS (a third codec, PyTRIO's wire, is one more entry in CODECS). `adapter_of(tc)`
+reads a client's adapter from the pool that knows the truth, whichever way the client reached it.
+What still differs between the transports is DIFFERENCES, each with its reason: a test that meets
+one calls `differs(transport, name)`, and tests/test_transports.py checks each entry still holds."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from served import served
 
 import trio_widgets as trio
 from trio_widgets.backend import InspectRequest
+from trio_widgets.engine.checkpoints import tinker_path_dir
 
 KEY = "tml-both-transports"
 
@@ -34,24 +36,42 @@ DIFFERENCES: dict[str, str] = {
                     "the pool's own RestClient sees every run of the pool",
 }
 
-TRANSPORTS = ["local", "http"]
+IN_PROCESS = "in-process"
+
+
+@contextlib.contextmanager
+def _in_process(pool: trio.LocalPool) -> Iterator[trio.ServiceClient]:
+    with trio.ServiceClient(pool) as svc:
+        yield svc
+
+
+@contextlib.contextmanager
+def _tinker_http(pool: trio.LocalPool) -> Iterator[trio.ServiceClient]:
+    with served(pool) as server, trio.ServiceClient(base_url=server.url, api_key=KEY) as svc:
+        svc._server = server  # type: ignore[attr-defined]  # for adapter_of: the pool behind it
+        assert svc.service_session_cuid.startswith("sess-")  # open it now: its threads belong to the fixture
+        yield svc
+
+
+#: Each codec a client reaches a pool through: name -> a ServiceClient of `pool` through it.
+CODECS: dict[str, Callable[[trio.LocalPool], contextlib.AbstractContextManager[trio.ServiceClient]]] = {
+    IN_PROCESS: _in_process,
+    "tinker-http": _tinker_http,
+}
+TRANSPORTS = list(CODECS)
 
 
 def differs(transport: str, name: str) -> bool:
-    """Whether the listed difference `name` applies on `transport` (a typo fails)."""
+    """Whether the listed difference `name` applies on `transport` (a typo fails): every listed
+    difference is one of a wire's, so it applies to every codec but the in-process one."""
     assert name in DIFFERENCES, f"{name!r} is not in tests/transports.py DIFFERENCES"
-    return transport == "http"
+    assert transport in CODECS, f"{transport!r} is not in tests/transports.py CODECS"
+    return transport != IN_PROCESS
 
 
 @contextlib.contextmanager
 def service(transport: str, pool: trio.LocalPool) -> Iterator[trio.ServiceClient]:
-    if transport == "local":
-        with trio.ServiceClient(pool) as svc:
-            yield svc
-        return
-    with served(pool) as server, trio.ServiceClient(base_url=server.url, api_key=KEY) as svc:
-        svc._server = server  # type: ignore[attr-defined]  # for adapter_of: the pool behind it
-        assert svc.service_session_cuid.startswith("sess-")  # open it now: its threads belong to the fixture
+    with CODECS[transport](pool) as svc:
         yield svc
 
 
@@ -81,7 +101,8 @@ def checkpoint_dir(svc: trio.ServiceClient, pool: trio.LocalPool, path: Any) -> 
     server = getattr(svc, "_server", None)
     if server is not None and str(path).startswith("tinker://"):
         return server.checkpoint_path(str(path), KEY)
+    if str(path).startswith("tinker://"):  # (whether or not it exists)
+        return tinker_path_dir(str(path), pool)
     return Path(path)
 
 
-both = pytest.mark.parametrize("transport", TRANSPORTS)

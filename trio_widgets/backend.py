@@ -125,7 +125,7 @@ class SaveRequest:
     name: str | None
     make_sampler: bool = False
     label: str | None = None
-    overwrite: bool = True
+    overwrite: bool = False  # as both SDKs: a name saved before is refused unless asked
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
     sampler_id: str | None = None  # with make_sampler, set by a server: the sampler's public id

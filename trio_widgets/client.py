@@ -94,7 +94,7 @@ from .validation import (
 if TYPE_CHECKING:
     import torch
 
-    from .engine.clock import LocalPool
+    from .pools import PoolView
     from .rest import RestClient
 
 __all__ = ["BackcompatSamplingClientFuture", "BackcompatTrainingClientFuture", "SamplingClient", "ServiceClient",
@@ -137,7 +137,7 @@ class _Client:
         self.close()
 
     @property
-    def pool(self) -> LocalPool | None:
+    def pool(self) -> PoolView | None:
         """The in-process pool this client's requests run on (None for other backends)."""
         return self._backend.pool
 
@@ -988,7 +988,7 @@ class ServiceClient:
         self.workspace_name: str = "local"
 
     @property
-    def pool(self) -> LocalPool | None:
+    def pool(self) -> PoolView | None:
         """The in-process pool behind this client (None for other backends)."""
         return self.backend.pool
 

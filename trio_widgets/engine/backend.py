@@ -9,7 +9,6 @@ checkpoints under its `checkpoint_dir`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import getpass
 import os
 import secrets
@@ -20,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._worker import BackgroundWorker
 from ..backend import CreateModelRequest, CreateSamplerRequest, ExportUrls, FromStateRequest, ModelHandle, SaveRequest
@@ -33,6 +32,7 @@ from ..errors import (
 )
 from ..export import PEFT_FILES, CheckpointExport, extract_tar
 from ..futures import APIFuture
+from ..protocol import names
 from ..types import (
     AdamOptimizerConfig,
     Checkpoint,
@@ -49,10 +49,7 @@ from . import checkpoints as ckpt
 from .handlers import handle_of
 from .lora import LoRAAdapter
 from .models import context_length_of, is_base_model_name
-from .tenants import Tenant
-
-if TYPE_CHECKING:  # (the clock builds these backends: LocalPool.connect)
-    from .clock import LocalPool
+from .tenants import PoolLike, Tenant
 
 __all__ = ["LocalBackend"]
 
@@ -90,6 +87,7 @@ class _Session:
     display_name: str | None
     runs: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
+    next_run: int = 0  # the n of the session's next <session>:train:<n> made here (names.run_id)
 
 
 @dataclass
@@ -103,11 +101,11 @@ class _Ledger:
 
 
 _MAX_SESSIONS = 4096  # sessions a pool's ledger lists (a RestClient's listing; oldest dropped first)
-_LEDGERS: weakref.WeakKeyDictionary[LocalPool, _Ledger] = weakref.WeakKeyDictionary()
+_LEDGERS: weakref.WeakKeyDictionary[PoolLike, _Ledger] = weakref.WeakKeyDictionary()
 _LEDGERS_LOCK = threading.Lock()
 
 
-def _ledger(pool: LocalPool) -> _Ledger:
+def _ledger(pool: PoolLike) -> _Ledger:
     with _LEDGERS_LOCK:
         ledger = _LEDGERS.get(pool)
         if ledger is None:
@@ -137,11 +135,11 @@ class LocalBackend:
     """Runs a ServiceClient's requests on `pool` (see trio_widgets.backend.Backend). One backend
     is one session: the runs and samplers it creates are listed under `session_id`."""
 
-    def __init__(self, pool: LocalPool, *, user_metadata: dict[str, str] | None = None,
+    def __init__(self, pool: PoolLike, *, user_metadata: dict[str, str] | None = None,
                  display_name: str | None = None, session: bool = True):
         self.pool = pool
         self.name = pool.name
-        self.session_id = f"session-{secrets.token_hex(6)}"
+        self.session_id = names.new_session_id()
         self._worker = BackgroundWorker(f"trio-client-{pool.name}")
         # the hook holds the worker, not this backend: no cycle keeps a dropped pool alive
         pool.on_close(self._worker.stop)
@@ -199,7 +197,7 @@ class LocalBackend:
         if not targets:
             raise InvalidInputError(f"{request.base_model} has no linear layers of the kinds asked for",
                                     field="train_mlp")
-        run_id, run_dir = _run_names(request.run_id, request.run_dir)
+        run_id, run_dir = self._new_run(request.run_id, request.run_dir, request.session_id)
         seed = int(request.seed) if request.seed is not None else secrets.randbits(31)
         adapter = LoRAAdapter(targets, int(rank), seed, base.device)
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, int(rank), seed, train_attn=request.train_attn,
@@ -210,7 +208,7 @@ class LocalBackend:
 
     def create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         pool = self.pool
-        run_id, run_dir = _run_names(request.run_id, request.run_dir)
+        _run_names(request.run_id, request.run_dir)  # refused before the checkpoint is read
         loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=request.with_optimizer)
         shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
         if loaded.base_model is None:
@@ -231,12 +229,33 @@ class LocalBackend:
 
         adapter = LoRAAdapter(targets, loaded.rank, loaded.seed, base.device, alpha=loaded.alpha)
         adapter.load_state_dict(loaded.state_dict(), with_optimizer=request.with_optimizer)
+        run_id, run_dir = self._new_run(request.run_id, request.run_dir, request.session_id)
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, loaded.rank, loaded.seed,
                         train_attn=flag("train_attn", "attn"), train_mlp=flag("train_mlp", "mlp"),
                         train_unembed=flag("train_unembed", "unembed"), run_id=run_id, run_dir=run_dir,
                         resumed_from=loaded.path)
         pool.add_tenant(tenant, request.label)
         return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata, request.session_id)
+
+    def _next_run(self, session_id: str | None) -> tuple[str, int]:
+        """The session a new run is listed under, and its number there."""
+        session_id = session_id or self.session_id
+        with self._ledger.lock:
+            session = self._ledger.sessions.get(session_id)
+            if session is None:
+                session = self._ledger.sessions[session_id] = _Session(None, None)
+            n = session.next_run
+            session.next_run += 1
+        return session_id, n
+
+    def _new_run(self, run_id: Any, run_dir: Any, session_id: str | None) -> tuple[str, str]:
+        """A new run's id and directory: a server's (it numbers runs by the SDK's model_seq_id), else
+        the session's next `<session>:train:<n>` (protocol/names.py: the same names either way)."""
+        run_id, run_dir = _run_names(run_id, run_dir)
+        if run_id is None:
+            session, n = self._next_run(session_id)
+            run_id = names.run_id(session, n)
+        return run_id, run_dir or names.owner_run_dir(None, run_id)
 
     def sampler_handle(self, client_id: str) -> str:
         raise NotSupportedError("get_sampler_handle() passes a sampler to another process; an in-process pool's "
@@ -271,7 +290,7 @@ class LocalBackend:
         adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
         tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling")
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant, model_path=loaded.path), session_id=request.session_id,
+        return self._served(handle_of(tenant, model_path=shown), session_id=request.session_id,
                             key=request.sampler_id)
 
     def release(self, client_id: str) -> None:
@@ -347,10 +366,13 @@ class LocalBackend:
         return GetServerCapabilitiesResponse(models)
 
     def _checkpoint(self, entry: ckpt.CheckpointEntry) -> Checkpoint:
+        """A checkpoint as every transport lists it: `path` is what its save returned, the tinker://
+        path (pytrio's field; LocalPool.checkpoint_path gives the directory)."""
         expires = entry.meta.get("expires_at")
+        path = names.checkpoint_path(entry.run_id, entry.segment, entry.name)  # type: ignore[arg-type]
         return Checkpoint(checkpoint_id=entry.checkpoint_id, checkpoint_type=ckpt.SEGMENTS[entry.segment],
-                          time=_utc(entry.created), tinker_path=f"tinker://{entry.run_id}/{entry.segment}/{entry.name}",
-                          path=str(entry.directory), size_bytes=entry.size_bytes, public=False,
+                          time=_utc(entry.created), tinker_path=path,
+                          path=path, size_bytes=entry.size_bytes, public=False,
                           user_metadata=entry.meta.get("user_metadata"),
                           expires_at=_utc(expires) if expires is not None else None)
 
@@ -363,8 +385,7 @@ class LocalBackend:
     def run_checkpoints(self, run_id: str, run_dir: str) -> list[Checkpoint]:
         """A run's checkpoints in its directory `run_dir` (a server names its runs' directories;
         its clients see tinker:// paths, never the server's directories)."""
-        return [dataclasses.replace(c, path=c.tinker_path)
-                for c in map(self._checkpoint, ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir))]
+        return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir)]
 
     def run_in(self, run_id: str, run_dir: str) -> TrainingRun:
         """A served run by its id and directory: what this pool recorded of it (if that run is the
@@ -374,13 +395,7 @@ class LocalBackend:
         entries = ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir)
         if record is None and not entries:
             raise NotFound(f"no training run {run_id!r:.80}", field="training_run_id")
-        run = self._run(run_id, record, entries)
-
-        def public(c: Checkpoint | None) -> Checkpoint | None:
-            return dataclasses.replace(c, path=c.tinker_path) if c is not None else None
-
-        return dataclasses.replace(run, last_checkpoint=public(run.last_checkpoint),
-                                   last_sampler_checkpoint=public(run.last_sampler_checkpoint))
+        return self._run(run_id, record, entries)
 
     def runs_in(self, prefix: str) -> list[str]:
         """The ids of the runs this pool served whose directories are under `prefix/`."""

@@ -35,6 +35,7 @@ weights and AdamW moments finite float tensors of consistent shapes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -48,12 +49,12 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
-from ..protocol import parse_tinker_path
+from ..protocol import names, parse_tinker_path
 from ..types import (
     TINKER_SCHEME,
     CheckpointType,
@@ -63,10 +64,7 @@ from ..types import (
 )
 from .lora import AdamState, LoRAAdapter, all_finite
 from .models import BaseModel
-from .tenants import Tenant
-
-if TYPE_CHECKING:
-    from .clock import LocalPool
+from .tenants import PoolLike, Tenant
 
 __all__ = [
     "LoadedCheckpoint",
@@ -97,7 +95,7 @@ def default_checkpoint_dir() -> Path:
     return Path(platformdirs.user_cache_dir("trio-widgets")) / "checkpoints"
 
 
-def checkpoint_root(pool: LocalPool | None) -> Path:
+def checkpoint_root(pool: PoolLike | None) -> Path:
     configured = pool.checkpoint_dir if pool is not None else None
     return Path(configured).expanduser() if configured else default_checkpoint_dir()
 
@@ -150,7 +148,7 @@ def validate_run_dir(run_dir: Any, field: str = "run_dir") -> str:
 
 
 def run_dir(pool: Any, tenant: Tenant) -> Path:
-    return checkpoint_root(pool) / (tenant.run_dir or run_id_of(tenant))
+    return checkpoint_root(pool) / (tenant.run_dir or names.run_dirname(run_id_of(tenant)))
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -456,14 +454,22 @@ def tinker_path_dir(text: str, pool: Any = None) -> Path:
     """The directory of `tinker://<run>/<weights|sampler_weights>/<name>` under the pool's
     checkpoint_dir: the layout is tinker's, so its paths name our checkpoints too."""
     parsed = parse_tinker_path(text)
-    validate_name(parsed.run_id, "path")
+    directory = validate_name(names.run_dirname(parsed.run_id), "path")
     validate_name(parsed.name, "path")
-    return checkpoint_root(pool) / parsed.run_id / parsed.segment / parsed.name
+    root = checkpoint_root(pool)
+    run = root / directory
+    if not run.is_dir() and names.RUN_ID_RE.match(parsed.run_id):
+        # a run this pool served over HTTP lives in its API key's directory (the pool's owner, in
+        # this process, may read every key's; run ids are random, so at most one key has it)
+        with contextlib.suppress(OSError):
+            run = next((k / directory for k in (root / names.SERVED_DIR).iterdir() if (k / directory).is_dir()), run)
+    return run / parsed.segment / parsed.name
 
 
 def tinker_path_of(directory: Path) -> str:
     """`tinker://<run>/<segment>/<name>` for a checkpoint directory laid out under a checkpoint_dir."""
-    return f"{TINKER_SCHEME}{directory.parent.parent.name}/{directory.parent.name}/{directory.name}"
+    run = directory.parent.parent.name
+    return f"{TINKER_SCHEME}{names.run_id_of_dirname(run) or run}/{directory.parent.name}/{directory.name}"
 
 
 def resolve_path(path: Any, pool: Any = None) -> Path:
@@ -535,12 +541,12 @@ _O_READ = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK"
 _DIR_FD = os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd
 
 
-def _pool_max_rank(pool: LocalPool | None) -> int:
+def _pool_max_rank(pool: PoolLike | None) -> int:
     value = pool.max_rank if pool is not None else None
     return int(value) if isinstance(value, int) and value >= 1 else DEFAULT_MAX_RANK
 
 
-def file_limits(pool: LocalPool | None = None) -> dict[str, int]:
+def file_limits(pool: PoolLike | None = None) -> dict[str, int]:
     """The most bytes read from each file of a checkpoint (see MAX_LORA_FEATURES)."""
     weights = _pool_max_rank(pool) * MAX_LORA_FEATURES * 4 + _HEADER_BYTES
     limits = {MANIFEST: MAX_JSON_BYTES, ADAPTER_CONFIG: MAX_JSON_BYTES, ADAPTER_WEIGHTS: weights,
@@ -1039,12 +1045,12 @@ def _entries_of_run(root: Path, run_id: str, pool: Any, now: float, run_dir: str
                     ) -> list[CheckpointEntry]:
     entries = []
     for segment in SEGMENTS:
-        folder = root / (run_dir or run_id) / segment
+        folder = root / (run_dir or names.run_dirname(run_id)) / segment
         try:
-            names = sorted(os.listdir(folder))
+            found = sorted(os.listdir(folder))
         except OSError:
             continue
-        for name in names:
+        for name in found:
             directory = folder / name
             if name.startswith(".") or not is_checkpoint_dir(directory):
                 continue  # temporary and set-aside copies of an atomic write, stray files
@@ -1069,11 +1075,11 @@ def list_checkpoints(pool: Any, run_id: str | None = None, *, run_dir: str | Non
         entries = _entries_of_run(root, run_id, pool, now, validate_run_dir(run_dir))
         return sorted(entries, key=lambda e: (e.created, e.checkpoint_id))
     if run_id is not None:
-        validate_name(run_id, "training_run_id")
+        validate_name(names.run_dirname(run_id), "training_run_id")
         runs = [run_id]
     else:
-        try:
-            runs = sorted(n for n in os.listdir(root) if not n.startswith("."))
+        try:  # a directory holds the run whose run_dirname it is (older runs: the name itself)
+            runs = sorted(names.run_id_of_dirname(n) or n for n in os.listdir(root) if not n.startswith("."))
         except OSError:
             runs = []
     entries = [e for run in runs for e in _entries_of_run(root, run, pool, now)]
@@ -1086,7 +1092,7 @@ def checkpoint_dir_of(pool: Any, run_id: str, checkpoint_id: str, *, run_dir: st
     if run_dir is not None:
         run_id = validate_run_dir(run_dir)
     else:
-        validate_name(run_id, "training_run_id")
+        run_id = validate_name(names.run_dirname(run_id), "training_run_id")
     segment, _, name = checkpoint_id.partition("/") if isinstance(checkpoint_id, str) else ("", "", "")
     if segment not in SEGMENTS:
         raise InvalidInputError(f"must be 'weights/<name>', 'sampler_weights/<name>' or 'external_weights/<name>', "

@@ -29,6 +29,7 @@ import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -41,7 +42,7 @@ from ..gil import GilWatchdog, RunMeter
 from ..ops import OPS, OpKind, OpSpec
 from ..telemetry import ClientInfo, CycleRecord, QueueDepthRecord, RequestRecord, Telemetry
 from ..validation import RequestLimits
-from .checkpoints import checkpoint_root, recover_checkpoints
+from .checkpoints import checkpoint_root, recover_checkpoints, resolve_path
 from .handlers import HANDLERS
 from .models import BUILTIN_MODELS, BaseModel, auto_torch_threads, load_base_model, resolve_device
 from .sampling import StepBudget
@@ -292,6 +293,12 @@ class LocalPool:
         if gil_watchdog:
             self._clock.watchdog = GilWatchdog(self.telemetry, self.name).start()
 
+    def checkpoint_path(self, path: Any) -> Path:
+        """The directory on this machine that a save's `tinker://<run>/<segment>/<name>` path (or
+        its result) names, e.g. for `peft.PeftModel.from_pretrained(base, pool.checkpoint_path(p))`.
+        Every transport returns tinker:// paths; in-process, a directory also loads as it is."""
+        return resolve_path(path, self)
+
     def connect(self, *, user_metadata: dict[str, str] | None = None, display_name: str | None = None,
                 session: bool = True) -> Any:
         """A backend over this pool (trio_widgets.connect.Pool): a ServiceClient's session, or,
@@ -375,29 +382,29 @@ class LocalPool:
 
     # -- models and tenants ------------------------------------------------------
     def get_base_model(self, name: str) -> BaseModel:
+        """The loaded base model called `name`, loading it on first use (see Models)."""
         with self._models_lock:
             if name not in self._models:
                 self._models[name] = load_base_model(name, self.device, self.allow_download)
             return self._models[name]
 
     def supported_models(self) -> list[str]:
+        """The base models this pool can train: the built-in ones and those it has loaded."""
         return list(dict.fromkeys([*BUILTIN_MODELS, *self._models]))
-        """The loaded base model called `name`, loading it on first use (see Models)."""
 
     def new_client_id(self, prefix: str) -> str:
+        """A new client id, unique in this pool: `prefix-N`."""
         return f"{prefix}-{next(self._client_ids)}"
 
     def add_tenant(self, tenant: Tenant, label: str | None) -> None:
+        """Register a client's state (its adapter and optimizer) under `label`; raises if the pool is full."""
         self._check_open()
-        """The base models this pool can train: the built-in ones and those it has loaded."""
         with self._clock.cond:
             if len(self._tenants) >= self.max_tenants:
                 raise InvalidInputError(f"the pool {self.name!r} holds {len(self._tenants)} clients, its limit "
-        """A new client id, unique in this pool: `prefix-N`."""
                                         f"(max_tenants): close some clients first")
             self._tenants[tenant.client_id] = tenant
             self._queues[tenant.client_id] = deque()
-        """Register a client's state (its adapter and optimizer) under `label`; raises if the pool is full."""
         self.telemetry.add_client(ClientInfo(tenant.client_id, tenant.kind, tenant.base.name,
                                              label or tenant.client_id, tenant.rank or None,
                                              parent=tenant.parent))
@@ -496,6 +503,7 @@ class LocalPool:
         self.telemetry.request_delivered(request.record)
 
     def queue_depths(self) -> dict[str, int]:
+        """How many requests each client has queued, by client id."""
         with self._clock.cond:
             return {cid: len(q) for cid, q in self._queues.items()}
 
@@ -503,7 +511,6 @@ class LocalPool:
         failure = self._clock.failure
         if failure is not None:
             raise PoolClosedError(f"the pool {self.name!r} stopped: its clock thread died "
-        """How many requests each client has queued, by client id."""
                                   f"({type(failure).__name__}: {failure}); create a new pool")
         if self._closed:
             raise PoolClosedError(f"the pool {self.name!r} is closed")

@@ -30,6 +30,7 @@ from ..backend import (
     SaveRequest,
 )
 from ..errors import CheckpointExistsError, InvalidInputError, RequestFailedError
+from ..protocol import names
 from ..types import (
     AdapterSnapshot,
     LoadWeightsResponse,
@@ -49,10 +50,9 @@ from . import checkpoints as ckpt
 from .compute import make_forward_job, run_forward_jobs
 from .lora import LoRAAdapter
 from .sampling import run_sample_batch
-from .tenants import AddTenant, OpHandlers, Prepared, Request, Tenant
+from .tenants import AddTenant, OpHandlers, PoolLike, Prepared, Request, Tenant
 
 if TYPE_CHECKING:
-    from .clock import LocalPool
     from .models import BaseModel
 
 
@@ -77,7 +77,7 @@ def _adapter(tenant: Tenant) -> LoRAAdapter:
 
 # -- forward, forward_backward, forward_backward_custom ------------------------------------
 
-def prepare_forward(pool: LocalPool, tenant: Tenant, op: str, request: ForwardRequest) -> Prepared:
+def prepare_forward(pool: PoolLike, tenant: Tenant, op: str, request: ForwardRequest) -> Prepared:
     _expect(request, ForwardRequest, op)
     if op != "forward":
         _trained(tenant, op)
@@ -88,7 +88,7 @@ def prepare_forward(pool: LocalPool, tenant: Tenant, op: str, request: ForwardRe
     return Prepared(job, tokens=job.tokens, weight=0.0 if op == "forward_backward_custom" else weight)
 
 
-def run_forward(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
+def run_forward(pool: PoolLike, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
     items = [(tenant.adapter, request.payload, tenant.client_id) for tenant, request in group]
     outcomes = run_forward_jobs(base, items, pool.max_tokens_per_pass)
     for (_, request), outcome in zip(group, outcomes):
@@ -99,13 +99,13 @@ def run_forward(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Requ
 
 # -- optim_step ------------------------------------------------------------------------------
 
-def prepare_optim_step(pool: LocalPool, tenant: Tenant, op: str, request: OptimStepRequest) -> Prepared:
+def prepare_optim_step(pool: PoolLike, tenant: Tenant, op: str, request: OptimStepRequest) -> Prepared:
     _expect(request, OptimStepRequest, op)
     _trained(tenant, op)
     return Prepared(check_adam_params(request.adam_params))
 
 
-def run_optim_step(pool: LocalPool, tenant: Tenant, request: Request) -> OptimStepResponse:
+def run_optim_step(pool: PoolLike, tenant: Tenant, request: Request) -> OptimStepResponse:
     try:
         metrics = _trained(tenant, request.op).adamw_step(request.payload)
     except FloatingPointError as exc:
@@ -117,7 +117,7 @@ def run_optim_step(pool: LocalPool, tenant: Tenant, request: Request) -> OptimSt
 
 # -- save_state, save_weights_for_sampler ----------------------------------------------------
 
-def prepare_save(pool: LocalPool, tenant: Tenant, op: str, request: SaveRequest) -> Prepared:
+def prepare_save(pool: PoolLike, tenant: Tenant, op: str, request: SaveRequest) -> Prepared:
     _expect(request, SaveRequest, op)
     _trained(tenant, op)
     if request.name is not None or not request.make_sampler:  # only an in-memory sampler may go unnamed
@@ -130,23 +130,23 @@ def prepare_save(pool: LocalPool, tenant: Tenant, op: str, request: SaveRequest)
     return Prepared(request)
 
 
-def _save_target(pool: LocalPool, tenant: Tenant, op: str, save: SaveRequest) -> Any:
+def _save_target(pool: PoolLike, tenant: Tenant, op: str, save: SaveRequest) -> Any:
     segment = "external_weights" if save.external else "weights" if op == "save_state" else "sampler_weights"
     return ckpt.run_dir(pool, tenant) / segment / ckpt.validate_name(save.name)
 
 
-def _refuse_existing(pool: LocalPool, tenant: Tenant, save: SaveRequest, op: str = "save_state") -> None:
+def _refuse_existing(pool: PoolLike, tenant: Tenant, save: SaveRequest, op: str = "save_state") -> None:
     if save.overwrite or save.name is None:
         return
     target = _save_target(pool, tenant, op, save)
     if os.path.lexists(target):
         # named by its tinker:// path: a served pool's directories are the server's business
-        shown = f"tinker://{ckpt.run_id_of(tenant)}/{target.parent.name}/{save.name}"
+        shown = names.checkpoint_path(ckpt.run_id_of(tenant), target.parent.name, save.name)
         raise CheckpointExistsError(f"a checkpoint named {save.name!r} exists already ({shown}); pass "
                                     f"overwrite=True to replace it", path=shown)
 
 
-def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
+def run_save(pool: PoolLike, tenant: Tenant, request: Request) -> Any:
     save: SaveRequest = request.payload
     adapter = _trained(tenant, request.op)
     expires_at = time.time() + save.ttl_seconds if save.ttl_seconds is not None else None
@@ -157,7 +157,9 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
         size = ckpt.write_checkpoint(path, tenant, "state", name, user_metadata=save.user_metadata,
                                      expires_at=expires_at)
         request.record.metrics["step"] = float(adapter.adam.step)
-        return SaveWeightsResponse(path=str(path), model=tenant.base.name, size=size)
+        # every transport names it by its tinker:// path (LocalPool.checkpoint_path: the directory)
+        return SaveWeightsResponse(path=names.checkpoint_path(ckpt.run_id_of(tenant), "weights", name),
+                                   model=tenant.base.name, size=size)
     snapshot = adapter.snapshot()
     written = None
     size = 0
@@ -167,7 +169,7 @@ def run_save(pool: LocalPool, tenant: Tenant, request: Request) -> Any:
         size = ckpt.write_checkpoint(target, tenant, "sampler", save.name, adapter=snapshot,
                                      user_metadata=save.user_metadata, expires_at=expires_at,
                                      age_recipients=save.age_recipients)
-        written = str(target)
+        written = names.checkpoint_path(ckpt.run_id_of(tenant), target.parent.name, save.name)
     if not save.make_sampler:
         return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)
     sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
@@ -202,41 +204,42 @@ def _state_bytes(tenant: Tenant) -> int:
 class LoadJob:
     loaded: ckpt.LoadedCheckpoint
     with_optimizer: bool
+    shown: str  # the path as the caller named it (a tinker:// path, or an in-process directory)
 
 
-def prepare_load(pool: LocalPool, tenant: Tenant, op: str, request: LoadRequest) -> Prepared:
+def prepare_load(pool: PoolLike, tenant: Tenant, op: str, request: LoadRequest) -> Prepared:
     _expect(request, LoadRequest, op)
     _trained(tenant, op)
     with_optimizer = op == "load_state_with_optimizer"
     loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=with_optimizer)
     shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
     ckpt.check_compatible(loaded, tenant, shown)
-    return Prepared(LoadJob(loaded, with_optimizer))
+    return Prepared(LoadJob(loaded, with_optimizer, shown))
 
 
-def run_load(pool: LocalPool, tenant: Tenant, request: Request) -> LoadWeightsResponse:
+def run_load(pool: PoolLike, tenant: Tenant, request: Request) -> LoadWeightsResponse:
     job: LoadJob = request.payload
     adapter = _trained(tenant, request.op)
     adapter.load_state_dict(job.loaded.state_dict(), with_optimizer=job.with_optimizer)
     request.record.metrics["step"] = float(adapter.adam.step)
-    return LoadWeightsResponse(path=job.loaded.path, model_id=ckpt.run_id_of(tenant))
+    return LoadWeightsResponse(path=job.shown, model_id=ckpt.run_id_of(tenant))
 
 
 # -- inspect_adapter ---------------------------------------------------------------------------
 
-def prepare_inspect(pool: LocalPool, tenant: Tenant, op: str, request: InspectRequest) -> Prepared:
+def prepare_inspect(pool: PoolLike, tenant: Tenant, op: str, request: InspectRequest) -> Prepared:
     _expect(request, InspectRequest, op)
     _adapter(tenant)
     return Prepared(None)
 
 
-def run_inspect(pool: LocalPool, tenant: Tenant, request: Request) -> AdapterSnapshot:
+def run_inspect(pool: PoolLike, tenant: Tenant, request: Request) -> AdapterSnapshot:
     return _adapter(tenant).snapshot_state(tenant.client_id, tenant.base.name)
 
 
 # -- sample, compute_logprobs ---------------------------------------------------------------------
 
-def prepare_sample(pool: LocalPool, tenant: Tenant, op: str, request: SampleRequest) -> Prepared:
+def prepare_sample(pool: PoolLike, tenant: Tenant, op: str, request: SampleRequest) -> Prepared:
     _expect(request, SampleRequest, op)
     limits = tenant.base.limits
     spec = check_sample(request.prompt, request.num_samples, request.sampling_params,
@@ -250,7 +253,7 @@ def prepare_sample(pool: LocalPool, tenant: Tenant, op: str, request: SampleRequ
     return Prepared(spec, tokens=len(spec.prompt))
 
 
-def prepare_logprobs(pool: LocalPool, tenant: Tenant, op: str, request: ComputeLogprobsRequest) -> Prepared:
+def prepare_logprobs(pool: PoolLike, tenant: Tenant, op: str, request: ComputeLogprobsRequest) -> Prepared:
     _expect(request, ComputeLogprobsRequest, op)
     spec = check_logprobs_prompt(request.prompt, tenant.base.limits)
     spec = check_logprob_options(spec, include_prompt_logprobs=True,
@@ -258,7 +261,7 @@ def prepare_logprobs(pool: LocalPool, tenant: Tenant, op: str, request: ComputeL
     return Prepared(spec, tokens=len(spec.prompt))
 
 
-def run_sample(pool: LocalPool, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
+def run_sample(pool: PoolLike, base: BaseModel, group: list[tuple[Tenant, Request]]) -> list[Any]:
     """The cycle's sample requests on `base`, decoded together; those still decoding when the
     cycle's share is used up (pool.decode_budget: min_decode_steps, then until the cycle's minimum
     length) come back as `Later`, and the pool carries them on (engine/sampling.py)."""

@@ -14,7 +14,7 @@ from ..telemetry import RequestRecord
 from .lora import LoRAAdapter
 from .models import BaseModel
 
-__all__ = ["AddTenant", "Carry", "Later", "OpHandlers", "Prepared", "Request", "Tenant"]
+__all__ = ["AddTenant", "Carry", "Later", "OpHandlers", "PoolLike", "Prepared", "Request", "Tenant"]
 
 
 @dataclass
@@ -94,3 +94,38 @@ class Later:
     """A batched handler's outcome for a request whose work goes on in `carry`."""
 
     carry: Carry
+
+
+class PoolLike(Protocol):
+    """What the handlers, the checkpoints and LocalBackend use of the pool that runs them: the clock
+    (engine/clock.py, LocalPool) builds on those modules, so they name it by this shape, never by
+    its class (no import back, not even for annotations)."""
+
+    name: str
+    checkpoint_dir: str | None
+    max_rank: int
+    max_tokens_per_pass: int
+    max_checkpoint_bytes: int | None
+    limits: Any  # validation.RequestLimits
+    decode_budget: Any  # sampling.StepBudget: this cycle's decode steps (clock thread)
+
+    @property
+    def closed(self) -> bool: ...
+
+    def on_close(self, hook: Callable[[], None]) -> None: ...
+
+    def get_base_model(self, name: str) -> BaseModel: ...
+
+    def supported_models(self) -> list[str]: ...
+
+    def new_client_id(self, prefix: str) -> str: ...
+
+    def add_tenant(self, tenant: Tenant, label: str | None) -> None: ...
+
+    def tenant(self, client_id: str) -> Tenant: ...
+
+    def retire_tenant(self, client_id: str) -> None: ...
+
+    def submit(self, client_id: str, op: str, request: Any) -> APIFuture: ...
+
+    def reserve(self, client_id: str, op: str) -> Any: ...

@@ -11,6 +11,9 @@ import hmac
 import ipaddress
 import secrets
 import time
+from typing import Any
+
+from starlette.responses import JSONResponse
 
 from ..protocol import WireError, wire_error
 
@@ -122,3 +125,13 @@ class Signer:
             raise HttpError(403, f"this download URL expired at {expires} (Unix time): ask for a new one",
                             code="forbidden")
         return owner
+
+
+def error_response(error: WireError, *, close: bool = False) -> JSONResponse:
+    body: dict[str, Any] = {"detail": error.message, "code": error.code}
+    if error.field is not None:
+        body["field"] = error.field
+    if error.datum_index is not None:
+        body["datum_index"] = error.datum_index
+    # a client without a valid key, or whose body was not read, keeps no connection
+    return JSONResponse(body, status_code=error.status, headers={"Connection": "close"} if close else None)

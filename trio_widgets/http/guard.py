@@ -32,8 +32,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ..protocol import WireError
-from .auth import HttpError
-from .routes import error_response
+from .auth import HttpError, error_response
 
 __all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app"]
 

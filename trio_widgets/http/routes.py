@@ -19,10 +19,11 @@ from starlette.routing import Route
 from ..errors import ClientClosedError, InvalidInputError, NotSupportedError, PoolClosedError
 from ..protocol import WireError, wire_error
 from . import wire
-from .auth import HttpError, is_loopback, wire_of
+from .auth import HttpError, error_response, is_loopback, wire_of
+from .stream import telemetry_stream
 
 if TYPE_CHECKING:
-    from .server import Service
+    from .service import Service
 
 __all__ = ["API", "build_app", "error_response", "json_body", "read_body"]
 
@@ -30,16 +31,6 @@ log = logging.getLogger("trio_widgets.http.server")
 
 API = "/api/v1"
 _CLOSE = (401, 403, 408, 413, 415)  # refusals after which the connection is closed
-
-
-def error_response(error: WireError, *, close: bool = False) -> JSONResponse:
-    body: dict[str, Any] = {"detail": error.message, "code": error.code}
-    if error.field is not None:
-        body["field"] = error.field
-    if error.datum_index is not None:
-        body["datum_index"] = error.datum_index
-    # a client without a valid key, or whose body was not read, keeps no connection
-    return JSONResponse(body, status_code=error.status, headers={"Connection": "close"} if close else None)
 
 
 async def read_body(request: Request, service: Service, owner: str) -> bytes:
@@ -242,7 +233,7 @@ def build_app(service: Service) -> Starlette:
         return {**s.info(), **s.totals()}
 
     async def telemetry(s: Service, owner: str, request: Request) -> Response:
-        return await s.telemetry_stream(request)
+        return await telemetry_stream(s, request)
 
     def unsupported(what: str) -> Handler:
         async def handler(s: Service, owner: str, request: Request) -> Any:

@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from .auth import HttpError
 
 if TYPE_CHECKING:
-    from .server import Service
+    from .service import Service
 
 __all__ = ["STREAM_HZ", "TELEMETRY_KINDS", "sse", "telemetry_stream"]
 

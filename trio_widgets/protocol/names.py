@@ -1,0 +1,81 @@
+"""Every public name a pool makes, made and read here only: session ids, training-run ids (tinker's
+`model_id`), sampler ids, request ids, a run's directory under the checkpoint root, and the
+`tinker://<run>/<segment>/<name>` path of a checkpoint (trio_widgets/protocol/paths.py parses it).
+
+The same script gets the same names in-process and over HTTP: a run is `<session>:train:<n>`, a
+sampler `<session>:sample:<n>`, a checkpoint `tinker://<run>/weights/<name>`. A fleet's pools tag the
+ids they make (`sess-<tag>-<hex>`, `req-<tag>-<n>`, trio_widgets/http/fleet.py), so its ingress routes
+a request by the id it names without a table.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Literal
+
+from .paths import SEGMENTS, TinkerPath
+
+__all__ = [
+    "ID_TAG_RE", "RUN_ID_RE", "SAMPLER_ID_RE", "SERVED_DIR", "SESSION_ID_RE", "checkpoint_path", "id_prefix",
+    "new_session_id", "owner_run_dir", "request_id", "run_dirname", "run_id", "run_id_of_dirname", "sampler_id",
+]
+
+#: a fleet pool's tag: p<index>r<epoch>
+ID_TAG_RE = re.compile(r"^[a-z0-9]{1,24}$")
+_TAG = r"(?:[a-z0-9]{1,24}-)?"
+_SESSION = rf"sess-{_TAG}[0-9a-f]{{16}}"
+SESSION_ID_RE = re.compile(rf"^{_SESSION}$")
+RUN_ID_RE = re.compile(rf"^(?P<session>{_SESSION}):train:(?P<n>\d{{1,9}})$")
+SAMPLER_ID_RE = re.compile(rf"^(?P<session>{_SESSION}):sample:(?P<n>\d{{1,9}})$")
+#: where a served pool keeps each API key's runs, under the checkpoint root
+SERVED_DIR = "served"
+
+
+def id_prefix(tag: str = "") -> str:
+    """What a pool puts after `sess-` / `req-`: its fleet tag and a dash, or nothing."""
+    if tag and not ID_TAG_RE.match(tag):
+        raise ValueError(f"id_tag must be 1 to 24 lowercase letters and digits, got {tag!r:.40}")
+    return f"{tag}-" if tag else ""
+
+
+def new_session_id(tag: str = "") -> str:
+    """A new session's id: `sess-[<tag>-]<16 hex>` (random: pools sharing a checkpoint root never mix runs)."""
+    return f"sess-{id_prefix(tag)}{secrets.token_hex(8)}"
+
+
+def request_id(n: int, tag: str = "") -> str:
+    return f"req-{id_prefix(tag)}{n}"
+
+
+def run_id(session_id: str, n: int) -> str:
+    """The `n`th training run of a session (tinker's model_id; `n` is the SDK's model_seq_id)."""
+    return f"{session_id}:train:{n}"
+
+
+def sampler_id(session_id: str, n: int) -> str:
+    """The `n`th sampler of a session (tinker's sampling_session_id)."""
+    return f"{session_id}:sample:{n}"
+
+
+def run_dirname(run: str) -> str:
+    """A run's directory name: its id with ':' made '_' (a file name may not hold ':' everywhere)."""
+    return run.replace(":", "_")
+
+
+def run_id_of_dirname(name: str) -> str | None:
+    """The run id a directory of `run_dirname` holds, or None when the name is no run of ours."""
+    candidate = name.replace("_train_", ":train:")
+    return candidate if RUN_ID_RE.match(candidate) else None
+
+
+def owner_run_dir(owner: str | None, run: str) -> str:
+    """A run's directory relative to the checkpoint root: `<run>` in-process, `served/<key>/<run>` for
+    a served pool's API key (a key's runs are its own directory tree)."""
+    return run_dirname(run) if owner is None else f"{SERVED_DIR}/{owner}/{run_dirname(run)}"
+
+
+def checkpoint_path(run: str, segment: Literal["weights", "sampler_weights", "external_weights"], name: str) -> str:
+    """`tinker://<run>/<segment>/<name>`: what every save returns, on every transport."""
+    assert segment in SEGMENTS, segment
+    return str(TinkerPath(run, segment, name))
