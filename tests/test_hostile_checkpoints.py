@@ -565,3 +565,34 @@ def test_only_tokenizer_classes_are_loaded_as_tokenizers(tmp_path):
         with pytest.raises(trio.UnknownModelError, match=re.escape(message)) as info:
             load_base_model(str(forged), cpu)
         assert str(forged / fname) in str(info.value) and info.value.field == "base_model"
+
+
+def test_save_and_load_accept_the_same_metadata_and_names(svc, pool, tmp_path):
+    """What a save accepts, a load accepts (issue 36: 5 MiB of metadata saved, then never loadable):
+    metadata at its limits (entries, then bytes) and the longest name save and load back; one past
+    a limit is refused at save, naming the field, and nothing is written; a manifest someone else
+    wrote past the limit is refused at load, naming the key."""
+    from trio_widgets.validation import MAX_USER_METADATA_BYTES, MAX_USER_METADATA_ENTRIES
+
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=3)
+    most_entries = {f"k{i}": "v" for i in range(MAX_USER_METADATA_ENTRIES)}
+    overhead = len(json.dumps({"k": ""}).encode())
+    most_bytes = {"k": "x" * (MAX_USER_METADATA_BYTES - overhead)}
+    longest = "n" * min(ckpt.MAX_NAME_BYTES, 200)  # (names are at most 200 characters too)
+    for name, meta in [("entries", most_entries), ("bytes", most_bytes), (longest, {"a": "b"})]:
+        path = tc.save_state(name, user_metadata=meta).result(timeout=60).path
+        resumed = svc.create_training_client_from_state_with_optimizer(path)
+        assert _same_state(_state_of(resumed), _state_of(tc))
+        listed = {c.checkpoint_id: c for c in trio.RestClient(pool).list_checkpoints(tc.model_id).result().checkpoints}
+        assert listed[f"weights/{name}"].user_metadata == meta
+    run_dir = pool.checkpoint_path(path).parent
+    before = sorted(os.listdir(run_dir))
+    for meta in [{**most_entries, "one-more": "v"}, {"k": "x" * (MAX_USER_METADATA_BYTES - overhead + 1)}]:
+        with pytest.raises(trio.InvalidInputError) as info:
+            tc.save_state("over", user_metadata=meta)
+        assert info.value.field == "user_metadata"
+    assert sorted(os.listdir(run_dir)) == before
+    forged = _forge(pool.checkpoint_path(path), tmp_path / "forged",
+                    manifest=lambda m: m.__setitem__("user_metadata", {f"k{i}": "v" for i in range(65)}))
+    with pytest.raises(trio.CheckpointError, match="user_metadata"):
+        svc.create_training_client_from_state(str(forged))

@@ -75,3 +75,30 @@ def test_pulling_says_what_is_wrong(server, tmp_path):
     gone = _run(["-m", "trio_widgets", "pull-tokenizer", "--base-url", "http://127.0.0.1:9"], env)
     assert gone.returncode == 1 and "cannot reach" in gone.stderr
     assert not (tmp_path / "hf" / "hub").exists() or not any((tmp_path / "hf" / "hub").iterdir())
+
+
+def test_a_local_models_tokenizer_endpoint_serves_tokenizer_files_only(tmp_path):
+    """A base model served from a local directory: that directory holds its weights too, and the
+    tokenizer endpoint sends only files named in TOKENIZER_FILES (issue 36: 71.8 MiB of weights
+    were downloadable before), each under the size cap."""
+    import httpx
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trio_widgets.tokenizers import TOKENIZER_FILES
+
+    model_dir = tmp_path / "qwen2-tiny"
+    config = Qwen2Config(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    Qwen2ForCausalLM(config).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    (model_dir / "notes.txt").write_text("not a tokenizer file either")
+    on_disk = {p.name for p in model_dir.iterdir()}
+    assert {"model.safetensors", "notes.txt"} <= on_disk  # what must not leave
+    with trio.LocalPool(min_cycle_s=0.01, checkpoint_dir=str(tmp_path / "ckpt"), name="tokfiles") as pool, \
+            served(pool, api_keys=[KEY], models=[str(model_dir)]) as server:
+        got = httpx.get(f"{server.url}/api/v1/trio/tokenizer", params={"base_model": str(model_dir)},
+                        headers={"X-API-Key": KEY}, timeout=60)
+    assert got.status_code == 200, got.text
+    sent = set(got.json()["files"])
+    assert sent and sent <= TOKENIZER_FILES, sent - TOKENIZER_FILES
+    assert "tokenizer_config.json" in sent and not sent & {"model.safetensors", "notes.txt"}

@@ -406,7 +406,7 @@ def test_a_sampler_handle_passes_the_sampler_to_another_process(svc, server, poo
             "print(json.dumps({'other': len(other.result(60).prompt_logprobs), "
             "'same': same.sequences[0].tokens}))\n"
             "s.close()\n")
-    env = {**os.environ, "TRIO_API_KEY": KEY}
+    env = {**os.environ, "TRIO_API_KEY": KEY, "TRIO_BASE_URL": server.url}
     run = subprocess.run([sys.executable, "-c", code, handle, jsonlib.dumps(TEXT[:9])], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -417,7 +417,7 @@ def test_a_sampler_handle_passes_the_sampler_to_another_process(svc, server, poo
     assert again.sequences[0].tokens == mine.sequences[0].tokens
     # another key may not use it; a malformed handle says so; an in-process pool's sampler cannot leave
     with pytest.raises(trio.NotFoundError):
-        trio.SamplingClient.from_sampler_handle(handle, api_key="tml-someone-else")
+        trio.SamplingClient.from_sampler_handle(handle, api_key="tml-someone-else", base_url=server.url)
     with pytest.raises(trio.InvalidInputError) as info:
         trio.SamplingClient.from_sampler_handle("not-a-handle", api_key=KEY)
     assert info.value.field == "handle"
@@ -425,3 +425,55 @@ def test_a_sampler_handle_passes_the_sampler_to_another_process(svc, server, poo
     with pytest.raises(trio.NotSupportedError, match="in-process pool"):
         local.get_sampler_handle()
     local.close()
+
+
+def test_a_key_goes_only_to_the_server_it_was_configured_for(svc, server, monkeypatch):
+    """A sampler handle is data from elsewhere: one naming another server (here a second local
+    server that records what reaches it) is refused before any request, so the key never leaves;
+    with the configured server it works; the same server spelled another way is the same."""
+    import base64
+    import http.server
+    import json as jsonlib
+    import threading
+
+    seen: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(f"{self.path} {self.headers.get('X-API-Key')}")
+            self.send_response(404)
+            self.end_headers()
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    recorder = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=recorder.serve_forever, name="test-recorder", daemon=True)
+    thread.start()
+    try:
+        elsewhere = f"http://127.0.0.1:{recorder.server_address[1]}"
+        tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+        sampler = tc.save_weights_and_get_sampling_client("handle-host")  # (kept: a dropped sampler is released)
+        real = sampler.get_sampler_handle()
+        fields = jsonlib.loads(base64.urlsafe_b64decode(real))
+        crafted = base64.urlsafe_b64encode(jsonlib.dumps({**fields, "base_url": elsewhere}).encode()).decode()
+        monkeypatch.setenv("TRIO_BASE_URL", server.url)
+        for handle, kwargs in [(crafted, {"api_key": KEY}), (crafted, {"api_key": KEY, "base_url": server.url}),
+                               (real, {"api_key": KEY, "base_url": elsewhere})]:
+            with pytest.raises(trio.InvalidInputError, match="goes only to the server you configured") as info:
+                trio.SamplingClient.from_sampler_handle(handle, **kwargs)
+            assert info.value.field == "handle" and KEY not in str(info.value)
+        monkeypatch.delenv("TRIO_BASE_URL")
+        with pytest.raises(trio.InvalidInputError, match="pass base_url"):
+            trio.SamplingClient.from_sampler_handle(real, api_key=KEY)  # nothing configured: nowhere to send it
+        assert seen == []  # not one request reached the other server
+        spelled = server.url.replace("127.0.0.1", "127.0.0.1.") + "/"  # the same origin, written another way
+        same = trio.SamplingClient.from_sampler_handle(real, api_key=KEY, base_url=spelled)
+        assert same.sample([5, 6], 1, trio.SamplingParams(max_tokens=2, seed=0)).result(60).sequences
+        same.close()
+    finally:
+        recorder.shutdown()
+        recorder.server_close()
+        thread.join(10)

@@ -54,6 +54,7 @@ from .connect import default_pool as default_pool
 from .errors import ClientClosedError, InvalidInputError, NotSupportedError, RequestErrorCategory, RequestFailedError
 from .futures import APIFuture
 from .hosted import hosted_only
+from .protocol.names import same_origin
 from .types import (
     AdamOptimizerConfig,
     AdamParams,
@@ -669,13 +670,22 @@ class SamplingClient(_Client):
         return self._backend.sampler_handle(self.client_id)
 
     @staticmethod
-    def from_sampler_handle(handle: str, *, api_key: str | None = None) -> SamplingClient:
+    def from_sampler_handle(handle: str, *, api_key: str | None = None, base_url: str | None = None
+                            ) -> SamplingClient:
         """tinker: a client of the sampler behind `handle` (from `get_sampler_handle`, in any
         process), on its own connection, authenticated with `api_key` (default: $TRIO_API_KEY;
         it must be the key the sampler was made with). Closing it ends that connection; the
-        sampler stays its maker's."""
+        sampler stays its maker's. A key goes only to the server you configured (`base_url`,
+        default $TRIO_BASE_URL): a handle naming another server is refused before any request."""
         fields = _handle_fields(handle)
         key = api_key if api_key is not None else os.environ.get("TRIO_API_KEY")
+        trusted = base_url if base_url is not None else os.environ.get("TRIO_BASE_URL")
+        if key and (trusted is None or not same_origin(trusted, fields["base_url"])):
+            # the handle is data from elsewhere: it may say where the sampler is, never where the key goes
+            raise InvalidInputError(
+                f"the handle names the server {fields['base_url'][:80]!r}, and your API key goes only to the server "
+                f"you configured ({'none: pass base_url=... or set TRIO_BASE_URL' if trusted is None else trusted}); "
+                f"nothing was sent", field="handle")
         service = ServiceClient(base_url=fields["base_url"], api_key=key)
         try:
             client = SamplingClient(service.backend, service.backend.attach_sampler(fields["sampler_id"]))

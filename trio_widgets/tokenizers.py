@@ -14,7 +14,24 @@ from typing import Any
 
 from .errors import UnknownModelError
 
-__all__ = ["byte_tokenizer", "load_tokenizer", "pull_tokenizer"]
+__all__ = ["MAX_TOKENIZER_FILE_BYTES", "TOKENIZER_FILES", "byte_tokenizer", "is_tokenizer_file", "load_tokenizer",
+           "pull_tokenizer"]
+
+#: What a tokenizer is made of, and all a server sends for pull-tokenizer (never a model's weights,
+#: whatever else its directory holds): transformers' tokenizer files, sentencepiece / tiktoken
+#: vocabularies, chat templates, and the model's config.json (AutoTokenizer reads its model_type).
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "tokenizer.tiktoken", "chat_template.jinja", "chat_template.json", "config.json",
+})
+#: One file's bound: the largest real tokenizer.json files are ~20 MiB (large multilingual vocabularies).
+MAX_TOKENIZER_FILE_BYTES = 32 << 20
+
+
+def is_tokenizer_file(name: str) -> bool:
+    """Whether a file of this name is part of a tokenizer (TOKENIZER_FILES)."""
+    return name in TOKENIZER_FILES
 
 
 # transformers' lazy module is not safe to import from two threads at once the first time (a
@@ -147,7 +164,8 @@ def pull_tokenizer(base_url: str, api_key: str | None = None, model: str | None 
         raise UnknownModelError(f"{base_url} sent no tokenizer files for {model}", field="base_model")
     contents = {}
     for name, data in files.items():
-        if not isinstance(name, str) or not _FILE_NAME.match(name) or not isinstance(data, str):
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or not is_tokenizer_file(name) \
+                or not isinstance(data, str):
             raise UnknownModelError(f"the server sent a file named {str(name)[:80]!r}, not a tokenizer file name",
                                     field="base_model")
         contents[name] = base64.b64decode(data, validate=True)

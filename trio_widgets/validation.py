@@ -9,6 +9,7 @@ datum, and nothing is queued or changed.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -458,14 +459,30 @@ def check_ttl(ttl_seconds: Any, field_name: str = "ttl_seconds") -> int | None:
     return int(ttl_seconds)
 
 
+#: A checkpoint's user_metadata: at most this many entries and this many bytes as JSON. Saving and
+#: loading check the same bound (a checkpoint that saved always loads).
+MAX_USER_METADATA_ENTRIES = 64
+MAX_USER_METADATA_BYTES = 64 << 10
+
+
 def check_user_metadata(user_metadata: Any, field_name: str = "user_metadata") -> dict[str, str] | None:
     if user_metadata is None:
         return None
     if not isinstance(user_metadata, dict):
         raise InvalidInputError(f"must be a dict of strings, got {type(user_metadata).__name__}", field=field_name)
+    if len(user_metadata) > MAX_USER_METADATA_ENTRIES:
+        raise InvalidInputError(f"must have at most {MAX_USER_METADATA_ENTRIES} entries, got {len(user_metadata)}",
+                                field=field_name)
     for key, value in user_metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise InvalidInputError(f"must map strings to strings, got {key!r}: {value!r}", field=field_name)
+            raise InvalidInputError(f"must map strings to strings, got {key!r:.80}: {value!r:.80}", field=field_name)
+    try:
+        size = len(json.dumps(user_metadata).encode())
+    except UnicodeError:  # e.g. a lone surrogate: no file can hold it
+        raise InvalidInputError("must be text a file can store (no lone surrogates)", field=field_name) from None
+    if size > MAX_USER_METADATA_BYTES:
+        raise InvalidInputError(f"must be at most {MAX_USER_METADATA_BYTES} bytes as JSON, got {size}",
+                                field=field_name)
     return dict(user_metadata)
 
 

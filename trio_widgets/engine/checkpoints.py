@@ -62,6 +62,7 @@ from ..types import (
     SaveWeightsForSamplerResponse,
     SaveWeightsResponse,
 )
+from ..validation import check_user_metadata
 from .lora import AdamState, LoRAAdapter, all_finite
 from .models import BaseModel
 from .tenants import PoolLike, Tenant
@@ -800,6 +801,11 @@ def _check_manifest(meta: dict, shown: str, max_rank: int) -> tuple[str, str, in
         raise _invalid(shown, MANIFEST, "targets", "a list of distinct module names", targets)
     for key in ("train_attn", "train_mlp", "train_unembed"):
         _bool_field(meta, key, shown)
+    try:  # the bound a save checks: what saved always loads, and nothing else does
+        check_user_metadata(meta.get("user_metadata"))
+    except InvalidInputError as exc:
+        raise _invalid(shown, MANIFEST, "user_metadata", f"a dict of strings or null ({exc})",
+                       meta.get("user_metadata")) from None
     return kind, base_model, rank, alpha, seed
 
 
@@ -988,10 +994,6 @@ def read_manifest(directory: Path, pool: Any = None) -> dict:
         meta = _load_json(files.read(MANIFEST), MANIFEST, shown)
     _check_manifest(meta, shown, _pool_max_rank(pool))
     expired(meta, shown)  # a bad expires_at is refused here, not later
-    user_metadata = meta.get("user_metadata")
-    if user_metadata is not None and not (isinstance(user_metadata, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in user_metadata.items())):
-        raise _invalid(shown, MANIFEST, "user_metadata", "a dict of strings or null", user_metadata)
     return meta
 
 

@@ -50,6 +50,7 @@ from ..errors import (
 from ..export import DEFAULT_MAX_EXPORT_BYTES
 from ..futures import APIFuture
 from ..protocol import WireError, names, parse_tinker_path, row_of
+from ..tokenizers import MAX_TOKENIZER_FILE_BYTES, is_tokenizer_file
 from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
 from ..validation import check_loss
 from . import wire
@@ -639,12 +640,15 @@ class Service:
             raise InvalidInputError(f"{name} has no tokenizer", field="base_model")
         files, total = {}, 0
         for path in sorted(Path(where).iterdir()):
-            if not path.is_file() or path.is_symlink() or path.name.startswith("."):
-                continue  # the tokenizer's own files only (save_pretrained writes regular files)
-            total += path.stat().st_size
-            if total > _MAX_TOKENIZER_BYTES:
-                raise InvalidInputError(f"{name}'s tokenizer files are more than {_MAX_TOKENIZER_BYTES >> 20} MiB",
-                                        field="base_model")
+            # the tokenizer's own files only, by name: a model directory holds its weights too
+            if not is_tokenizer_file(path.name) or path.is_symlink() or not path.is_file():
+                continue
+            size = path.stat().st_size
+            total += size
+            if size > MAX_TOKENIZER_FILE_BYTES or total > _MAX_TOKENIZER_BYTES:
+                raise InvalidInputError(f"{name}'s tokenizer file {path.name} ({size} bytes) is over the limits "
+                                        f"({MAX_TOKENIZER_FILE_BYTES >> 20} MiB a file, "
+                                        f"{_MAX_TOKENIZER_BYTES >> 20} MiB in all)", field="base_model")
             files[path.name] = base64.b64encode(path.read_bytes()).decode("ascii")
         config = getattr(self.pool.get_base_model(name).model, "config", None)
         if "config.json" not in files and config is not None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import re
 import secrets
+import urllib.parse
 from typing import Literal
 
 from .paths import SEGMENTS, TinkerPath
 
 __all__ = [
     "ID_TAG_RE", "RUN_ID_RE", "SAMPLER_ID_RE", "SERVED_DIR", "SESSION_ID_RE", "checkpoint_path", "id_prefix",
-    "new_session_id", "owner_run_dir", "request_id", "run_dirname", "run_id", "run_id_of_dirname", "sampler_id",
+    "new_session_id", "owner_run_dir", "request_id", "run_dirname", "run_id", "run_id_of_dirname", "same_origin",
+    "sampler_id",
 ]
 
 #: a fleet pool's tag: p<index>r<epoch>
@@ -79,3 +81,20 @@ def checkpoint_path(run: str, segment: Literal["weights", "sampler_weights", "ex
     """`tinker://<run>/<segment>/<name>`: what every save returns, on every transport."""
     assert segment in SEGMENTS, segment
     return str(TinkerPath(run, segment, name))
+
+
+def same_origin(a: str, b: str) -> bool:
+    """Whether two server URLs are the same server: scheme, host and port (a default port
+    spelled out or not), and path. A key configured for one is never sent to the other."""
+    def origin(url: str) -> tuple[str, str, int | None, str] | None:
+        try:
+            u = urllib.parse.urlsplit(url.strip())
+            port = u.port or {"http": 80, "https": 443}.get(u.scheme)
+        except ValueError:  # e.g. a port out of range
+            return None
+        if u.scheme not in ("http", "https") or not u.hostname or u.username or u.password:
+            return None
+        return u.scheme, u.hostname.lower().rstrip("."), port, u.path.rstrip("/")
+
+    left, right = origin(a), origin(b)
+    return left is not None and left == right
