@@ -167,9 +167,9 @@ def rss_mb(pid: int) -> float:
 @contextlib.contextmanager
 def server_process(port: int, ckpt: str, min_cycle_s: float, clients: int):
     keys = ",".join(f"{KEY_PREFIX}{i:04d}" for i in range(clients))  # one key per client: isolated
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRIO_API_KEYS": keys}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRIO_API_KEYS": keys, "TRIO_OBSERVER_KEYS": "tml-serve-load-watch"}
     proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port), "--checkpoint-dir",
-                             ckpt, "--min-cycle-s", str(min_cycle_s), "--observer-key", "tml-serve-load-watch"],
+                             ckpt, "--min-cycle-s", str(min_cycle_s)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

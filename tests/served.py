@@ -101,17 +101,18 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving_process(where: Path, *, keys: str, min_cycle_s: float, args: Sequence[str] = (),
-                  env: dict[str, str] | None = None) -> Iterator[tuple[str, Path]]:
+                  env: dict[str, str] | None = None, observers: str = "") -> Iterator[tuple[str, Path]]:
     """A real `python -m trio_widgets serve` on a free 127.0.0.1 port (one torch thread, `keys` as
-    $TRIO_API_KEYS, checkpoints in `where`/ckpt, its log in `where`/server.log; `env`: its
-    environment, by default this one's without TRIO_ and TINKER_ variables). Yields (its URL, its
-    log); terminated after."""
+    $TRIO_API_KEYS and `observers` as $TRIO_OBSERVER_KEYS: never on its command line, checkpoints in
+    `where`/ckpt, its log in `where`/server.log; `env`: its environment, by default this one's without
+    TRIO_ and TINKER_ variables). Yields (its URL, its log); terminated after."""
     port, log = free_port(), where / "server.log"
     base = env if env is not None else {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_"))}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port), "--checkpoint-dir",
                                  str(where / "ckpt"), "--min-cycle-s", str(min_cycle_s), *args],
-                                env={**base, "TRIO_API_KEYS": keys, "TRIO_TORCH_THREADS": "1"},
+                                env={**base, "TRIO_API_KEYS": keys, "TRIO_OBSERVER_KEYS": observers,
+                                     "TRIO_TORCH_THREADS": "1"},
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "serving" in log.read_text() or proc.poll() is not None, "the server to start", 120)
@@ -134,10 +135,10 @@ def fleet_process(where: Path, *, keys: str, observer: str, min_cycle_s: float, 
 
     port, log = free_port(), where / "fleet.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_", "RAY_"))}
-    env.update(TRIO_API_KEYS=keys, TRIO_TORCH_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    env.update(TRIO_API_KEYS=keys, TRIO_OBSERVER_KEYS=observer, TRIO_TORCH_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--pools", str(pools),
-                                 "--port", str(port), "--observer-key", observer, "--checkpoint-dir",
+                                 "--port", str(port), "--checkpoint-dir",
                                  str(where / "ckpt"), "--min-cycle-s", str(min_cycle_s),
                                  "--session-timeout-s", str(session_timeout_s)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -307,3 +308,20 @@ def served(pool: trio.LocalPool, **settings: Any) -> Iterator[Any]:
         yield server
     finally:
         server.stop()
+
+
+def assert_no_secret_in_arguments(secrets: Sequence[str]) -> int:
+    """No process this one started (children, their children: a server, a fleet's Ray workers and
+    replicas) has a key in its arguments, which `ps` shows every user; returns how many were read."""
+    import psutil
+
+    read = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            argv = " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        read += 1
+        leaked = [k for k in secrets if k and k in argv]
+        assert not leaked, f"process {child.pid} has a key in its arguments: {argv[:300]}"
+    return read

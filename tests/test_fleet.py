@@ -15,7 +15,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import check_three_loops, fleet_process, free_port, in_threads, same_tensors, three_loops, wait_for
+from served import (
+    assert_no_secret_in_arguments,
+    check_three_loops,
+    fleet_process,
+    free_port,
+    in_threads,
+    same_tensors,
+    three_loops,
+    wait_for,
+)
 
 import trio_widgets as trio
 
@@ -230,6 +239,8 @@ def test_samplers_listings_and_unknown_pools_across_the_fleet(fleet):
                         json={"model_id": f"sess-p1r{stale}-0123456789abcdef:train:0", "seq_id": 0}, timeout=60)
     assert answer.status_code == 410 and answer.json()["code"] == "pool_failed", answer.text
     assert httpx.get(f"{fleet.url}/trio/pools/5/api/v1/healthz", timeout=60).status_code == 404
+    # no key in any process the fleet started (its driver, Ray's workers, each pool's replica): `ps` shows them
+    assert assert_no_secret_in_arguments([KEY, OBSERVER]) >= 3
 
 
 def test_a_killed_pool_fails_its_sessions_futures_naming_it_and_the_other_loses_nothing(fleet):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from served import served, wait_for
+from served import assert_no_secret_in_arguments, served, serving_process, wait_for
 
 import trio_widgets as trio
 from trio_widgets.http import wire
@@ -227,3 +227,28 @@ def test_a_served_pool_stops_with_its_pool(tmp_path):
     with pytest.raises(httpx.ConnectError):
         call(server, "GET", "/healthz", None)
     assert not [t for t in threading.enumerate() if t.name.startswith("trio-serve-short-lived")]
+
+
+def test_no_key_is_in_a_served_pools_arguments(tmp_path):
+    """`python -m trio_widgets serve` takes keys from the environment or a file, never its command line
+    (which `ps` shows every user of the machine); a key given there still works, and is warned about."""
+    keys, observer = "tml-argv-a,tml-argv-b", "tml-argv-watch"
+    with serving_process(tmp_path, keys=keys, observers=observer, min_cycle_s=0.05) as (url, log):
+        assert assert_no_secret_in_arguments(["tml-argv-a", "tml-argv-b", observer]) >= 1
+        assert httpx.get(f"{url}/api/v1/healthz", timeout=30).status_code == 200
+        listed = httpx.get(f"{url}/api/v1/training_runs", headers={"X-API-Key": "tml-argv-b"}, timeout=30)
+        assert listed.status_code == 200, listed.text
+    assert "shows in `ps`" not in log.read_text()
+    (tmp_path / "flag").mkdir()
+    keys_file = tmp_path / "observers.txt"
+    keys_file.write_text("# one a line\ntml-argv-file\n")
+    with serving_process(tmp_path / "flag", keys="", min_cycle_s=0.05,
+                         args=["--observer-keys-file", str(keys_file), "--api-key", "tml-argv-flag"]) as (url, log):
+        assert httpx.get(f"{url}/api/v1/training_runs", headers={"X-API-Key": "tml-argv-flag"},
+                         timeout=30).status_code == 200
+        stream = httpx.get(f"{url}/api/v1/trio/info", headers={"X-API-Key": "tml-argv-file"}, timeout=30)
+        assert stream.status_code == 200, stream.text
+        assert httpx.get(f"{url}/api/v1/trio/info", headers={"X-API-Key": "tml-nope"}, timeout=30).status_code == 401
+        with pytest.raises(AssertionError, match="has a key in its arguments"):  # the check sees a flag's key
+            assert_no_secret_in_arguments(["tml-argv-flag"])
+    assert "shows in `ps` to every user of this machine" in log.read_text()

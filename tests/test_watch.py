@@ -371,7 +371,7 @@ def serve_process(tmp_path_factory):
     """A real `python -m trio_widgets serve` (the pool in another process, as a room's or a hosted
     service's is), with the served pool's cycle of these tests; yields its URL."""
     with serving_process(tmp_path_factory.mktemp("watch-serve"), keys=serve_tests.KEY, min_cycle_s=serve_tests.CYCLE_S,
-                       args=["--observer-key", OBSERVER]) as (url, _):
+                       observers=OBSERVER) as (url, _):
         yield url
 
 

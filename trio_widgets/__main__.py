@@ -89,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-keys-file", help="a file of API keys, one per line (also: $TRIO_API_KEYS, "
                                                "comma-separated)")
     serve.add_argument("--observer-key", action="append", default=[],
-                       help="a key that may also watch the whole pool (trio.Dashboard(url, api_key=...))")
+                       help="a key that may also watch the whole pool (trio.Dashboard(url, api_key=...)); it shows "
+                            "in `ps`: prefer --observer-keys-file or $TRIO_OBSERVER_KEYS")
+    serve.add_argument("--observer-keys-file", help="a file of observer keys, one per line (also: "
+                                                    "$TRIO_OBSERVER_KEYS, comma-separated)")
     serve.add_argument("--min-cycle-s", type=float, default=0.05)
     serve.add_argument("--checkpoint-dir", help="where checkpoints go (default: the user cache directory)")
     serve.add_argument("--session-timeout-s", type=float, default=60.0,
@@ -204,6 +207,16 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_keys_file:
         with open(args.api_keys_file, encoding="utf-8") as f:
             keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    if args.api_key or args.observer_key:  # (kept working, and said: a script may rely on them)
+        print("trio serve: a key given on the command line shows in `ps` to every user of this machine; "
+              "give keys in a file (--api-keys-file, --observer-keys-file) or the environment "
+              "($TRIO_API_KEYS, $TRIO_OBSERVER_KEYS)", file=sys.stderr)
+    observers = list(args.observer_key)
+    observers += [k.strip() for k in os.environ.get("TRIO_OBSERVER_KEYS", "").split(",") if k.strip()]
+    if args.observer_keys_file:
+        with open(args.observer_keys_file, encoding="utf-8") as f:
+            observers += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    args.observer_key = observers
     try:
         check_bind(args.host, [*keys, *args.observer_key])  # before loading anything
     except ValueError as exc:
