@@ -789,3 +789,73 @@ def test_notices_go_with_the_pool_they_are_about():
         a.close()
         if b is not None:
             b.close()
+
+
+def test_the_page_holds_the_bars_of_the_cycles_it_shows():
+    """One client, two ops a cycle, far more cycles than the window: the bars held are those of
+    the window's cycles (and a few more), not three times as many left of the time axis."""
+    from trio_widgets.telemetry import ClientInfo, CycleRecord, RequestRecord
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(0.0, window=24)
+    figs.add_client(ClientInfo("c0", "training", "m", "alone"))
+    rid = 0
+    for i in range(120):
+        t = 0.1 * i
+        done = []
+        for op, (a, b) in (("forward_backward", (0.0, 0.06)), ("optim_step", (0.06, 0.08))):
+            rid += 1
+            done.append(RequestRecord(rid, "c0", op, queued_at=t, cycle=i, started_at=t + a, finished_at=t + b,
+                                      status="ok"))
+        figs.update([CycleRecord(i, t, t + 0.1, 0.08, 2, 10)], [], done)
+    lefts = figs.bars.data["left"]
+    inside = sum(1 for x in lefts if figs.x_range.start <= x <= figs.x_range.end)
+    assert len(lefts) <= 2 * 24 + 2 * 4 and inside >= 0.8 * len(lefts), (len(lefts), inside, figs.x_range.start)
+
+
+def test_a_room_names_each_participant_sorts_and_keeps_a_finished_ones_verdict():
+    """Issue 34 point 3, without a browser: eight named participants, one row each (name, cycles
+    per update, verdict, loss, status); the status and advisor lines sum the room up; sorting by
+    loss orders the rows; one participant finishes and keeps its last verdict, marked finished;
+    picking one shows its lane on the timeline."""
+    with trio.LocalPool(min_cycle_s=0.02, name="room") as pool:
+        dash = trio.Dashboard(pool, room=True, lanes=3)
+        try:
+            service = trio.ServiceClient(pool)
+            names = [f"participant {i:02d}" for i in range(8)]
+            tcs = [service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=i, user_metadata={"name": n})
+                   for i, n in enumerate(names)]
+            batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8]), {"target_tokens": [6, 7, 8, 9]})]
+            adam = trio.AdamParams(learning_rate=1e-2)
+            for _ in range(6):
+                futures = [(tc.forward_backward(batch), tc.optim_step(adam)) for tc in tcs]
+                for fb, opt in futures:
+                    fb.result(timeout=60)
+                    opt.result(timeout=60)
+            room = dash._room
+            assert room is not None
+            asyncio.run(until(lambda: len(room.people) == 8 and all(p.cause and p.cycles is not None and p.loss > 0
+                                                                    for p in room.people.values()),
+                              "every participant judged", 60))
+            assert sorted(p.name for p in room.people.values()) == names
+            assert "8 clients: one row each in the room table" in dash.status_text
+            assert "participant 00" not in dash.status_text  # summed up, not listed
+            first = tcs[0].client_id
+            kept = room.people[first].cause
+            tcs[0].close()
+            asyncio.run(until(lambda: room.people[first].finished, "the finished participant", 30))
+            dash._request("room", ("sort", "loss"))
+            asyncio.run(until(lambda: room.sort_key == "loss", "the sort", 10))
+            losses = [p.loss for p in room.rows(time.perf_counter())]
+            assert losses == sorted(losses)
+            asyncio.run(until(lambda: "(last, finished)" in room.table.value, "the finished row drawn", 10))
+            assert room.people[first].cause == kept and room.people[first].status(time.perf_counter()) == "finished"
+            last = tcs[-1].client_id
+            dash._request("room", ("pick", last))
+            lane = dash.figures.clients[last].lane
+            assert lane is not None and lane >= 3
+            asyncio.run(until(lambda: dash.figures.first_lane <= lane < dash.figures.first_lane + 3,
+                              "the picked lane shown", 10))
+            assert room.picked == last and "picked" in room.table.value
+        finally:
+            dash.close()

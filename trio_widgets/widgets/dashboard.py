@@ -58,6 +58,7 @@ from ._comms import closing
 from .controls import INT_RANGES, Controls, check_setting
 from .feed import TelemetryFeed
 from .figures import CLIENT_COLORS, DashboardFigures
+from .room import RoomTable
 from .sweep import SweepLauncher, lr_multipliers
 
 if TYPE_CHECKING:  # the dashboard drives in-process pools; it reads any pool as pools.PoolView
@@ -78,6 +79,9 @@ _TEXT_EVERY_S = 1.0
 #: an idle stretch (empty cycles, nothing queued or delivered) is drawn for this long, then the
 #: timeline stands still until something happens: an idle pool sends the page nothing
 _IDLE_DRAWN_S = 1.0
+#: a room with more live participants than this is summed up in the status and advisor lines
+#: (one row each is in the room table)
+ROOM_INLINE = 6
 
 _CSS = """<style>
 .trio-dashboard { font-family: Inter, 'Segoe UI', Helvetica, Arial, sans-serif; background: #ffffff;
@@ -135,6 +139,15 @@ def _si(value: float) -> str:
     return f"{value:.0f}"
 
 
+def _badge(d: Diagnosis | WatchedDiagnosis) -> tuple[str, str]:
+    """The advisor's badge for a diagnosis: (class, word). Causes are the advisor's own words."""
+    if d.cause == "pipelined":
+        return "ok", "pipelined"
+    if d.cause == "warming-up":
+        return "wait", "measuring"
+    return ("waste" if d.wasted else "wait"), str(d.cause)
+
+
 def _newest_pool() -> LocalPool | None:
     return pools.newest_pool()
 
@@ -186,7 +199,7 @@ class Dashboard(W.VBox):
                  learning_rate: float = 3e-3, batch_size: int = 8, runs: int = 3, mode: str = "pipelined",
                  lookahead: int = 1, export_dir: str | os.PathLike = "trio-exports",
                  title: str = "trio · live training", max_clients: int | None = None, watch: Any = None,
-                 owned_by_cell: bool = True):
+                 owned_by_cell: bool = True, room: bool | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
         if not (0 < refresh_hz <= 10):
@@ -247,7 +260,10 @@ class Dashboard(W.VBox):
         settings: dict[str, Any] = {"mode": mode, "lookahead": lookahead, "lr": learning_rate,
                                     "batch_size": batch_size, "runs": runs, "log": False}
         controls = Controls(settings, self._request)
-        super().__init__(children=[header, status, controls.bar, plot, advisor, controls.exports],
+        # a room: a served pool's participants, one row each (None: a served pool's dashboard has one)
+        self._room = RoomTable(self._request) if (room if room is not None else remote is not None) else None
+        room_box = [self._room.box] if self._room is not None else []
+        super().__init__(children=[header, status, controls.bar, *room_box, plot, advisor, controls.exports],
                          layout=W.Layout(width="100%", max_width="100%", overflow="hidden"))
         self.add_class("trio-dashboard")
 
@@ -264,7 +280,7 @@ class Dashboard(W.VBox):
         self._status = status
         self._advisor_w = advisor
         self._header = header
-        self._owned = [header, status, *controls.widgets, plot, advisor]
+        self._owned = [header, status, *controls.widgets, *(self._room.widgets if self._room else []), plot, advisor]
         self.export_dir = os.fspath(export_dir)
         self.refresh_hz = float(refresh_hz)
         self._closed = False
@@ -490,6 +506,12 @@ class Dashboard(W.VBox):
                 self.controls.ask(None)
         elif command == "lanes":
             self._figs.scroll_lanes(int(arg) - 1)
+        elif command == "room" and self._room is not None:
+            what, value = arg
+            picked = self._room.command(what, value)
+            if what == "pick":
+                self._show_picked(picked)
+            self._room.render(time.perf_counter())
         elif command == "export":
             what = {"trace": self.export_trace, "metrics": self.export_metrics, "html": self.save_html}[arg]
             path = what()
@@ -595,16 +617,24 @@ class Dashboard(W.VBox):
                 for info in clients:
                     self._figs.add_client(info, self._label_of(info.client_id, info.label))
                     self._shown_ids.append(info.client_id)
+                    view = self._figs.clients.get(info.client_id)
+                    if self._room is not None and info.kind == "training" and view is not None:
+                        self._room.join(info.client_id, view.label, view.color)
                 # a Start run's client can reach the feed before the run exists (it then got the
                 # client's own name): its label is its name and current lr, whenever it was drawn
                 for run in self.sweep.runs:
                     if run.client_id is not None:
                         self._figs.relabel(run.client_id, self.sweep.label(run))
                 self._figs.update(cycles, boundaries, delivered)
+                if self._room is not None:
+                    self._room.observe(delivered, time.perf_counter())
                 self._figs.stream_gil(self._feed.drain_gil())
                 self._note_activity(cycles, delivered)
                 for info in self._feed.drain_retired():
                     self._forget(self._scope(info.client_id))  # e.g. its interrupted wait: it closed
+                    if self._room is not None:  # its row keeps its last verdict, marked finished
+                        self._judge(info.client_id)
+                        self._room.finish(info.client_id)
                     self._update_cycles.pop(info.client_id, None)
                     self._figs.retire_client(info.client_id)
             if not hidden:
@@ -624,6 +654,7 @@ class Dashboard(W.VBox):
         if now - self._advised_at >= 1.0:  # the advisor reads whole buffers: once a second
             self._advised_at = now
             self._update_advisor()
+            self._update_room(now)
         self._update_status(now)
         self._update_buttons()
 
@@ -734,6 +765,8 @@ class Dashboard(W.VBox):
             self._feed.close()
         self._forget(self._scope())  # what was said about the old pool and its clients
         self._figs.reset()
+        if self._room is not None:
+            self._room.reset()
         self._update_cycles.clear()
         self._diagnoses = {}
         self._attach(pool)
@@ -831,8 +864,12 @@ class Dashboard(W.VBox):
             head += "<span class='trio-runs'>· starting runs…</span>"
         parts = [head]
         per_client = []
+        live = [v for v in self._figs.clients.values() if not v.retired]
+        crowd = self._room is not None and len(live) > ROOM_INLINE
+        if crowd:  # one row each is in the room table
+            parts.append(f"<br>{len(live)} clients: one row each in the room table below")
         for cid, view in self._figs.clients.items():
-            if view.retired:
+            if view.retired or crowd:
                 continue
             if self._watcher is not None:  # round trips, as the watcher counts them (no cycles here)
                 trips = getattr(self._diagnoses.get(cid), "round_trips_per_update", None)
@@ -869,14 +906,19 @@ class Dashboard(W.VBox):
                 continue
             color = view.color if view is not None else CLIENT_COLORS[-1]
             label = view.label if view is not None else d.label
-            badge = ("ok", "pipelined") if d.cause == "pipelined" else (
-                ("wait", "measuring") if d.cause == "warming-up" else ("waste" if d.wasted else "wait", d.cause))
+            badge = _badge(d)
             # the evidence (what was measured, against which threshold) on hover
             rows.append(f"<div class='trio-adv-row' title='{html.escape(d.evidence)}'>"
                         f"<span class='trio-dot' style='background:{color}'></span>"
                         f"<b>{html.escape(label)}</b><span class='trio-badge {badge[0]}'>{badge[1]}</span>"
                         f"{html.escape(d.message)}</div>")
         body = "".join(rows) or "<i>waiting for training requests…</i>"
+        if self._room is not None and len(rows) > ROOM_INLINE:  # one verdict each is in the room table
+            counts = self._room.verdicts()
+            body = ("<div class='trio-adv-row'>" + " · ".join(f"<b>{n}</b> {html.escape(cause)}" for cause, n in
+                                                              sorted(counts.items(), key=lambda kv: -kv[1]))
+                    + f" ({len(rows)} clients: each one's verdict, with what it measured, is in the room table)"
+                    + "</div>")
         if self._watcher is not None and rows:
             from ..watch import UNKNOWN
 
@@ -885,6 +927,41 @@ class Dashboard(W.VBox):
         if text != self._advisor_text:
             self._advisor_text = text
             self._advisor_w.value = text
+
+    def _judge(self, client_id: str) -> None:
+        """The room row's cycles per update and verdict, from what the status and advisor read."""
+        assert self._room is not None
+        p = cycles_per_update(self._update_cycles.get(client_id, ()))
+        d = self._diagnoses.get(client_id)
+        if d is None:
+            self._room.judge(client_id, p, None, "wait", "")
+            return
+        badge, word = _badge(d)
+        self._room.judge(client_id, p if p is not None else getattr(d, "cycles_per_update", None), word, badge,
+                         d.evidence)
+
+    def _update_room(self, now: float) -> None:
+        room = self._room
+        if room is None:
+            return
+        for cid, view in self._figs.clients.items():
+            if not view.retired and cid in room.people:
+                room.people[cid].name = view.label  # (a relabelled client)
+                self._judge(cid)
+        self._show_picked(room.picked, keep=True)
+        room.render(now)
+
+    def _show_picked(self, client_id: str | None, keep: bool = False) -> None:
+        """The timeline shows the picked participant's lane first (`keep`: only if it is out of view)."""
+        view = self._figs.clients.get(client_id) if client_id is not None else None
+        figs = self._figs
+        if view is None or view.lane is None:
+            if client_id is None and not keep:
+                figs.scroll_lanes(0)
+            return
+        if keep and figs.first_lane <= view.lane < figs.first_lane + figs.lanes_visible:
+            return
+        figs.scroll_lanes(view.lane)
 
     def _update_buttons(self) -> None:
         # ("watching", a served pool's dashboard, enables none)

@@ -23,6 +23,7 @@ visibility. Loss curves live in `max_curves` slots, reused oldest-retired first.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from bisect import bisect_right
@@ -164,6 +165,7 @@ class DashboardFigures:
         self._boundary_t: deque[float] = deque(maxlen=4096)
         self._boundary_i: deque[int] = deque(maxlen=4096)
         self._depth_max: deque[int] = deque(maxlen=self.window)
+        self._bar_lefts: deque[float] = deque(maxlen=4096)  # each bar's left, as streamed (newest last)
         # trio.watch: no cycles, so the time axis follows the bars and in-flight marks (client_side)
         self._client_side = False
 
@@ -501,6 +503,7 @@ class DashboardFigures:
         self.gil.data = {k: [] for k in self.gil.data}  # the old pool's stalls are not the new one's
         self._gil_item.visible = False
         self._band_starts.clear()
+        self._bar_lefts.clear()
         self._band_rows.clear()
         self._last_end = None
         self._boundary_t.clear()
@@ -642,9 +645,21 @@ class DashboardFigures:
             bars["status"].append(r.status)
         if not bars["left"]:
             return False
-        keep = self.bar_rollover
+        self._bar_lefts.extend(bars["left"])
+        keep = self._bars_to_keep()
         self._stream(self.bars, {k: v[-keep:] for k, v in bars.items()}, keep)
         return True
+
+    def _bars_to_keep(self) -> int:
+        """The bars of the cycles the window shows, and a few more (the page holds no bars left of
+        the time axis: a client with fewer ops a cycle than `bar_rollover` assumes left two thirds
+        of them there). Without cycles (trio.watch) the time axis follows the bars instead."""
+        most = self.bar_rollover
+        if self._client_side or not self._band_starts:
+            return most
+        start = self._band_starts[0]
+        shown = sum(1 for left in itertools.islice(reversed(self._bar_lefts), most) if left >= start)
+        return max(1, min(most, shown + 2 * max(1, self.lane_count)))
 
     @property
     def bar_rollover(self) -> int:
