@@ -49,6 +49,8 @@ class PackPlan:
     _cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
     # (a stacked A or B leaf of one layer's segment group, the adapters' gradient views it feeds)
     grad_leaves: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    # Decoding: one token per row, each row through its own adapter (then `segments` is unused)
+    rows: RowLoRA | None = None
 
     def flush_grads(self) -> None:
         """Add what the backward left on this pass's stacked LoRA weights into each adapter's
@@ -139,6 +141,92 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
+class RowLoRA:
+    """Per-row adapters of a decode batch ([rows, 1, in] inputs), for many decode steps.
+
+    Each adapter's A and B are stacked once (ranks zero-padded to the largest: a zero row of A
+    and column of B add exact zeros) and kept for the whole decode; each step the rows are
+    scattered into [adapters, slots, in] (the rows of one adapter side by side, zero padding
+    after) and go through two batched matmuls, whatever the mix of adapters and however many
+    rows have finished. The per-step cost is a few tensor ops per layer, none per row.
+    """
+
+    def __init__(self, adapters: list[LoRAAdapter | None], device: torch.device):
+        distinct: dict[int, LoRAAdapter] = {}
+        for adapter in adapters:
+            if adapter is not None:
+                distinct.setdefault(id(adapter), adapter)
+        self.adapters = list(distinct.values())
+        index = {key: i for i, key in enumerate(distinct)}
+        # a row without an adapter goes through an all-zero one (its delta is exactly 0)
+        self.zero = any(a is None for a in adapters)
+        count = len(self.adapters) + self.zero
+        self.row_adapter = torch.tensor([index[id(a)] if a is not None else count - 1 for a in adapters],
+                                        dtype=torch.long, device=device)
+        self.count = count
+        self.device = device
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+        self._slots: torch.Tensor | None = None
+        self._in_place = False
+        self._width = 0
+        self.select(torch.arange(len(adapters), device=device))
+
+    def select(self, rows: torch.Tensor) -> None:
+        """The rows of the next steps (indices into the rows this was made with, in batch order)."""
+        which = self.row_adapter.index_select(0, rows)
+        counts = torch.bincount(which, minlength=self.count)
+        order = torch.sort(which, stable=True).indices
+        starts = torch.cumsum(counts, 0) - counts
+        ranked = which.index_select(0, order)
+        self._width = max(1, int(counts.max()))
+        slot_sorted = ranked * self._width + (torch.arange(len(order), device=self.device)
+                                               - starts.index_select(0, ranked))
+        self._slots = torch.empty_like(slot_sorted).index_copy_(0, order, slot_sorted)
+        # every adapter's rows side by side, as many each: the rows are the padded layout already
+        self._in_place = len(order) == self.count * self._width and bool(
+            (self._slots == torch.arange(len(order), device=self.device)).all())
+
+    def _weights(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A^T [adapters, in, rank] and B^T [adapters, rank, out] of layer `name`, contiguous
+        (the batched matmuls read them as they are), and each adapter's scale [adapters, 1, 1]."""
+        if name not in self._stacked:
+            pairs = [a.weights.get(name) for a in self.adapters]
+            present = [p for p in pairs if p is not None]
+            if not present:
+                self._stacked[name] = None
+            else:
+                rank = max(a.shape[0] for a, _ in present)
+                a0, b0 = present[0]
+                a_t = a0.new_zeros(self.count, a0.shape[1], rank)
+                b_t = b0.new_zeros(self.count, rank, b0.shape[0])
+                scale = a0.new_zeros(self.count, 1, 1)
+                for i, (adapter, pair) in enumerate(zip(self.adapters, pairs)):
+                    if pair is not None:
+                        a_t[i, :, :pair[0].shape[0]] = pair[0].t()
+                        b_t[i, :pair[1].shape[1]] = pair[1].t()
+                        scale[i] = adapter.scale
+                self._stacked[name] = (a_t, b_t, scale)
+        return self._stacked[name]
+
+    def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (the base layer's output) plus each row's own delta; added in the LoRA dtype and
+        rounded once, as the packed path does."""
+        weights = self._weights(name)
+        if weights is None:
+            return out
+        a_t, b_t, scale = weights
+        assert self._slots is not None
+        flat = x.reshape(-1, x.shape[-1]).to(a_t.dtype)
+        if not self._in_place:
+            flat = flat.new_zeros(self.count * self._width, flat.shape[-1]).index_copy_(0, self._slots, flat)
+        # alpha/rank applied to the rank-sized activations, as `lora_delta` does
+        hidden = torch.bmm(flat.view(self.count, self._width, -1), a_t) * scale
+        delta = torch.bmm(hidden, b_t).view(-1, b_t.shape[-1])
+        if not self._in_place:
+            delta = delta.index_select(0, self._slots)
+        return (out.to(a_t.dtype) + delta.view(out.shape)).to(out.dtype)
+
+
 def segment_scales(adapters: list[LoRAAdapter], dtype: torch.dtype, device: torch.device
                    ) -> float | torch.Tensor:
     """Each segment's own LoRA scale (alpha / rank of its adapter): one number when they
@@ -227,6 +315,8 @@ class MultiLoRALinear(nn.Module):
         plan = _ACTIVE_PLAN.get()
         if plan is None:
             return out
+        if plan.rows is not None:
+            return plan.rows.apply(self.name, x, out)
         flat = x.reshape(-1, x.shape[-1])
         # Segments of equal length and rank go through one batched matmul pair: far fewer
         # ops than one pair per tenant, which is what small per-tenant batches pay for.

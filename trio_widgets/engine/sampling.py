@@ -2,14 +2,17 @@
 
 Every `sample` and `compute_logprobs` request of a cycle on one base model is served
 by one batch (cut only to respect the pool's token budget): the distinct prompts are
-left-padded into one [jobs, length] prefill, the KV cache is then expanded to one row
-per sample, and a single decode loop advances all rows together, each row with its own
-tenant's LoRA delta (a `PackPlan` segment per run of rows with the same adapter).
+left-padded into one [jobs, length] prefill (each prompt once, whatever its
+`num_samples`), the KV cache is then expanded to one row per sample, and a single decode
+loop advances all rows together, each row through its own tenant's LoRA delta
+(`packing.RowLoRA`: every adapter's weights stacked once, two batched matmuls per layer).
 Rows that stop are dropped from the batch, so finished samples cost nothing.
 
 Determinism: row j of a request with seed s draws its uniforms from its own generator
-seeded by (s, j), and a token is picked by inverse CDF over the filtered distribution,
-so the same seed gives the same samples whatever else shares the cycle.
+seeded by (s, j), and a token is picked by inverse CDF over the filtered distribution
+(over token ids in order when nothing is filtered out; over the tokens by descending
+probability, stable, once top-k or top-p cuts it), so the same seed gives the same
+samples whatever else shares the cycle and however the decode is cut into cycles.
 
 `logprobs` are the model's own log-probabilities (temperature 1, no top-k / top-p),
 the quantity importance-sampling losses need and what `compute_logprobs` returns.
@@ -18,6 +21,7 @@ the quantity importance-sampling losses need and what `compute_logprobs` returns
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +29,14 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..errors import RequestErrorCategory, RequestFailedError
 from ..types import PromptAltTokens, SampledSequence, SampleResponse, TensorData
 from ..validation import SampleSpec
 from .lora import LoRAAdapter
 from .models import BaseModel
-from .packing import PackPlan, Segment, active_plan
+from .packing import PackPlan, RowLoRA, Segment, active_plan
 from .tenants import Later
 
 __all__ = ["SampleCarry", "StepBudget", "forward_logits", "run_sample_batch"]
@@ -109,6 +114,43 @@ def forward_logits(base: BaseModel, adapter: LoRAAdapter | None, prompts: Sequen
     return [logits[i, length - len(p):].float().cpu() for i, p in enumerate(prompts)]
 
 
+def _is_llama(model: Any) -> bool:
+    """Whether `_llama_step` runs this model: transformers' own Llama (whose layers it calls
+    directly; other architectures decode through their own forward and a DynamicCache)."""
+    return type(model).__name__ == "LlamaForCausalLM" and type(model).__module__.startswith("transformers.")
+
+
+def _llama_step(model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], at: int) -> torch.Tensor:
+    """One decode step of a Llama: next-token logits [rows, vocab] for `ids` [rows, 1] at
+    `positions`, its keys and values written at cache index `at` of `kv` ([layers, rows, kv heads,
+    length, head dim] each) and attending to [0, at] where `mask` [rows, 1, 1, at + 1] allows.
+
+    The same modules and ops as transformers' LlamaForCausalLM.forward, called directly: its
+    per-call machinery (cache objects growing by concatenation, mask building, output records)
+    costs more than a small model's whole step, and a preallocated cache is bounded up front."""
+    rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
+    inner = model.model
+    keys, values = kv
+    n = ids.shape[0]
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q = attn.q_proj(x).view(n, 1, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(n, 1, -1, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(n, 1, -1, attn.head_dim).transpose(1, 2)
+        q, k = rotary(q, k, cos, sin)
+        keys[i, :, :, at] = k[:, :, 0]
+        values[i, :, :, at] = v[:, :, 0]
+        out = F.scaled_dot_product_attention(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1], attn_mask=mask,
+                                             scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(inner.norm(hidden))[:, -1]
+
+
 # -- choosing tokens ------------------------------------------------------------------------
 
 def _row_seed(seed: int, index: int) -> int:
@@ -122,9 +164,7 @@ class _Row:
     adapter: LoRAAdapter | None
     spec: SampleSpec
     uniforms: torch.Tensor  # float64 [max_tokens]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    topk: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # kept only for rows with stop strings (their text)
     stop_reason: str | None = None
     # incremental decoding for stop strings: tokens[prefix_at:read_at] were decoded last step
     # (context for the next), `tail` the last characters a stop string could still end across
@@ -143,39 +183,27 @@ def _topk_lists(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
-def _choose(logits: torch.Tensor, rows: list[_Row], step: int) -> tuple[list[int], list[float]]:
-    """The next token of each row and its model log-probability (and, for rows that asked for
-    top-k sample logprobs, the top k of the same distribution)."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    n, vocab = logits.shape
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
-    greedy = torch.tensor([r.spec.temperature == 0 for r in rows], device=logits.device)
-    if greedy.any():
-        out[greedy] = logits[greedy].argmax(dim=-1)
-    stochastic = ~greedy
-    if stochastic.any():
-        picked = [r for r in rows if r.spec.temperature != 0]
-        dev = logits.device
-        temps = torch.tensor([r.spec.temperature for r in picked], dtype=torch.float64, device=dev)
-        top_k = torch.tensor([r.spec.top_k or vocab for r in picked], device=dev)
-        top_p = torch.tensor([r.spec.top_p for r in picked], dtype=torch.float64, device=dev)
-        u = torch.stack([r.uniforms[step] for r in picked]).to(dev)
-        z = logits[stochastic].double() / temps[:, None]
-        z_sorted, order = torch.sort(z, dim=-1, descending=True, stable=True)
-        probs = torch.softmax(z_sorted, dim=-1)
-        keep = torch.arange(vocab, device=dev)[None] < top_k[:, None]
-        keep &= (probs.cumsum(-1) - probs) < top_p[:, None]  # the most likely token is always kept
-        cdf = (probs * keep).cumsum(-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
-        out[stochastic] = order.gather(1, pick).squeeze(1)
-    chosen = logp.gather(1, out[:, None]).squeeze(1)
-    k = max(r.spec.topk_sample_logprobs for r in rows)
-    if k:
-        for row, top in zip(rows, _topk_lists(logp, k)):
-            if row.spec.topk_sample_logprobs:
-                row.topk.append(top[:row.spec.topk_sample_logprobs])
-    return out.tolist(), chosen.tolist()
+def _pick(logits: torch.Tensor, u: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+          filtered: torch.Tensor | None) -> torch.Tensor:
+    """One token per row by inverse CDF at uniform `u` (float64): over the vocabulary in id
+    order when the row keeps the whole distribution, over the tokens by descending probability
+    (stable) once top-k / top-p cut it (`filtered`: those rows' positions). Each row's pick
+    depends only on its own logits and uniform."""
+    vocab = logits.shape[-1]
+    z = logits.double() / temps[:, None]
+    probs = torch.softmax(z, dim=-1)
+    cdf = probs.cumsum(-1)
+    out = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1).squeeze(1)
+    if filtered is not None:
+        zf = z.index_select(0, filtered)
+        z_sorted, order = torch.sort(zf, dim=-1, descending=True, stable=True)
+        ps = torch.softmax(z_sorted, dim=-1)
+        keep = torch.arange(vocab, device=z.device)[None] < top_k.index_select(0, filtered)[:, None]
+        keep &= (ps.cumsum(-1) - ps) < top_p.index_select(0, filtered)[:, None]  # the most likely is always kept
+        cdf_f = (ps * keep).cumsum(-1)
+        pick = torch.searchsorted(cdf_f, (u.index_select(0, filtered) * cdf_f[:, -1])[:, None], right=True)
+        out = out.index_copy(0, filtered, order.gather(1, pick.clamp(max=vocab - 1)).squeeze(1))
+    return out
 
 
 # Tokens held back while they end inside a character (a byte-level tokenizer's partial UTF-8)
@@ -196,12 +224,13 @@ def _new_text(row: _Row, tokenizer: Any) -> str:
     return full[len(prefix):]
 
 
-def _stopped(row: _Row, tokenizer: Any) -> bool:
+def _stopped(row: _Row, token: int, tokenizer: Any) -> bool:
     """Whether the newest token is a stop token or completes a stop string. A stop string can
     only newly appear ending at one of the characters this token added, so only those ends are
     checked, against the stop strings ending in that character (bounded by the submit limits of
     validation.py)."""
-    if row.tokens[-1] in row.spec.stop_ids:
+    row.tokens.append(token)
+    if token in row.spec.stop_ids:
         return True
     if not row.spec.stop_strings:
         return False
@@ -225,7 +254,13 @@ class _Decoding:
     """One chunk's samples: the prefill when made, then `advance()` a bounded number of decode
     steps per cycle, so a long sample shares the clock instead of holding it (the KV cache and
     each row's place are kept between cycles). A row's choices depend only on its own uniforms
-    and step, so how the decode is cut into cycles does not change a sample."""
+    and step, so how the decode is cut into cycles does not change a sample.
+
+    Each prompt is prefilled once and its KV cache expanded to its `num_samples` rows; then
+    every row of every tenant advances in one batched forward per token, each through its own
+    adapter (`RowLoRA`). A row's state lives in tensors ([rows, max_tokens] tokens, logprobs,
+    uniforms; per-row temperature, top-k, top-p, stop ids, length limit), so a step's work in
+    Python does not grow with the rows; only rows with stop strings decode their text."""
 
     def __init__(self, base: BaseModel, items: list[tuple[LoRAAdapter | None, SampleSpec]]):
         self.base, self.items = base, items
@@ -239,21 +274,80 @@ class _Decoding:
                 gen = torch.Generator(device="cpu").manual_seed(_row_seed(job.seed, k))
                 self.rows.append(_Row(j, adapter, job, torch.rand(job.max_tokens, generator=gen, dtype=torch.float64)))
         self.cache = _new_cache(model) if self.rows else None
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
         logits = _forward(model, ids, _prefill_mask(valid), positions, [a for a, _ in items], self.cache)
         self.prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1], job)
                             for i, (_, job) in enumerate(items)]
         self.left = [job.num_samples if not job.logprobs_only else 0 for _, job in items]  # rows still running
         self.reported: set[int] = set()
-        self.active: list[int] = []
+        self.active_rows: list[int] = []
         self.step_logits: torch.Tensor | None = None
-        if self.rows and self.cache is not None:
-            index = torch.tensor([r.job for r in self.rows], device=device)
-            self.step_logits = logits[index, -1]
-            self.cache.batch_select_indices(index)
-            self.valid = valid[index]
-            self.next_pos = positions[index, -1] + 1
-            self.active = list(range(len(self.rows)))
         self.step = 0
+        if self.rows:
+            self._init_rows(logits, valid, positions, length)
+
+    def _init_rows(self, logits: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, length: int) -> None:
+        rows, device, vocab = self.rows, self.base.device, logits.shape[-1]
+        longest = max(r.spec.max_tokens for r in rows)
+        n = len(rows)
+        index = torch.tensor([r.job for r in rows], device=device)
+        self.step_logits = logits[index, -1]
+        assert self.cache is not None
+        self.cache.batch_select_indices(index)
+        # the mask of every position a row will attend to: its prompt's, then all generated tokens
+        self.valid = torch.cat([valid[index], valid.new_ones(n, longest)], dim=1)
+        self.prompt_len = length
+        self.pos0 = positions[index, -1] + 1
+        uniforms = torch.zeros(n, longest, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            uniforms[i, :r.spec.max_tokens] = r.uniforms
+        self.uniforms = uniforms.to(device)
+        specs = [r.spec for r in rows]
+        self.greedy = torch.tensor([s.temperature == 0 for s in specs], device=device)
+        self.temps = torch.tensor([s.temperature or 1.0 for s in specs], dtype=torch.float64, device=device)
+        self.top_k = torch.tensor([s.top_k or vocab for s in specs], device=device)
+        self.top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float64, device=device)
+        self.filtered = torch.tensor([s.temperature != 0 and (0 < s.top_k < vocab or s.top_p < 1) for s in specs],
+                                     device=device)
+        self.max_tokens = torch.tensor([s.max_tokens for s in specs], device=device)
+        width = max(len(s.stop_ids) for s in specs)
+        self.stop_ids = None
+        if width:
+            table = torch.full((n, width), -1, dtype=torch.long)
+            for i, s in enumerate(specs):
+                table[i, :len(s.stop_ids)] = torch.tensor(sorted(s.stop_ids), dtype=torch.long)
+            self.stop_ids = table.to(device)
+        self.tokens = torch.zeros(n, longest, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(n, longest, dtype=torch.float32, device=device)
+        self.ends = [0] * n
+        self.topk_width = max(s.topk_sample_logprobs for s in specs)
+        if self.topk_width:
+            self.topk_ids = torch.zeros(n, longest, self.topk_width, dtype=torch.long, device=device)
+            self.topk_values = torch.zeros(n, longest, self.topk_width, dtype=torch.float32, device=device)
+        self.lora = RowLoRA([r.adapter for r in rows], device)
+        if _is_llama(self.base.model):  # its KV cache in two preallocated tensors, the prompt's copied in
+            keys = [layer.keys for layer in self.cache.layers]
+            values = [layer.values for layer in self.cache.layers]
+            shape = (len(keys), n, keys[0].shape[1], length + longest, keys[0].shape[-1])
+            kv = (keys[0].new_zeros(shape), values[0].new_zeros(shape))
+            for i, (k, v) in enumerate(zip(keys, values)):
+                kv[0][i, :, :, :length] = k
+                kv[1][i, :, :, :length] = v
+            self.kv = kv
+            self.cache = None
+        self.active_rows = list(range(n))
+        self._select(torch.arange(n, device=device))
+
+    def _select(self, active: torch.Tensor) -> None:
+        """The rows that go on (indices into `rows`), and what each step needs about them."""
+        self.active = active
+        self.lora.select(active)
+        self.text_rows = [a for a, i in enumerate(self.active_rows) if self.rows[i].spec.stop_strings]
+        stochastic = (~self.greedy.index_select(0, active)).nonzero().squeeze(1)
+        self.stochastic = stochastic if len(stochastic) else None
+        if self.stochastic is not None:
+            filtered = self.filtered.index_select(0, active.index_select(0, stochastic)).nonzero().squeeze(1)
+            self.filtered_now = filtered if len(filtered) else None
 
     @property
     def done(self) -> bool:
@@ -262,7 +356,7 @@ class _Decoding:
     def advance(self, budget: StepBudget) -> dict[int, Any]:
         """Decode while the cycle's `budget` allows; returns the results of the jobs that
         finished, by index."""
-        while self.active and budget.take():
+        while self.active_rows and budget.take():
             self._step()
         finished = {}
         for j, left in enumerate(self.left):
@@ -270,50 +364,94 @@ class _Decoding:
                 finished[j] = self._result(j)
                 self.reported.add(j)
         if self.done:
-            self.cache = self.step_logits = None  # the KV cache is the large part: let it go now
+            self.release()
         return finished
 
+    def release(self) -> None:
+        """Let go of the KV cache and the per-row buffers (the large part) now."""
+        self.cache = self.step_logits = self.kv = None
+        self.active_rows = []
+        if hasattr(self, "lora"):
+            del self.lora, self.valid, self.uniforms
+
     def _step(self) -> None:
-        assert self.step_logits is not None and self.cache is not None
-        rows, device = self.rows, self.base.device
-        chosen, lps = _choose(self.step_logits, [rows[i] for i in self.active], self.step)
-        keep = []
-        for a, (i, tok, token_lp) in enumerate(zip(self.active, chosen, lps)):
-            row = rows[i]
-            row.tokens.append(tok)
-            row.logprobs.append(token_lp)
-            if _stopped(row, self.base.tokenizer):
-                row.stop_reason = "stop"
-            elif len(row.tokens) >= row.spec.max_tokens:
-                row.stop_reason = "length"
+        assert self.step_logits is not None
+        step, active = self.step, self.active
+        logits = self.step_logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logits.argmax(dim=-1)
+        if self.stochastic is not None:
+            rows = active.index_select(0, self.stochastic)
+            u = self.uniforms.index_select(0, rows)[:, step]
+            picked = _pick(logits.index_select(0, self.stochastic), u, self.temps.index_select(0, rows),
+                           self.top_k.index_select(0, rows), self.top_p.index_select(0, rows), self.filtered_now)
+            chosen = chosen.index_copy(0, self.stochastic, picked)
+        token_lp = logp.gather(1, chosen[:, None]).squeeze(1)
+        self.tokens[active, step] = chosen
+        self.logprobs[active, step] = token_lp
+        if self.topk_width:
+            values, ids = logp.topk(self.topk_width, dim=-1)
+            self.topk_ids[active, step] = ids
+            self.topk_values[active, step] = values
+        stop = torch.zeros_like(chosen, dtype=torch.bool)
+        if self.stop_ids is not None:
+            stop = (self.stop_ids.index_select(0, active) == chosen[:, None]).any(dim=1)
+        if self.text_rows:  # stop strings: the text each token adds, row by row (only these rows)
+            where = torch.tensor(self.text_rows, device=chosen.device)
+            text_stop = [_stopped(self.rows[self.active_rows[a]], tok, self.base.tokenizer)
+                         for a, tok in zip(self.text_rows, chosen.index_select(0, where).tolist())]
+            stop = stop.index_copy(0, where, torch.tensor(text_stop, device=chosen.device))
+        length = self.max_tokens.index_select(0, active) <= step + 1
+        ended = stop | length
+        self.step = step + 1
+        if bool(ended.any()):  # one sync a step: which rows, if any, finished
+            for a, is_stop in zip(ended.nonzero().squeeze(1).tolist(), stop[ended].tolist()):
+                i = self.active_rows[a]
+                self.rows[i].stop_reason = "stop" if is_stop else "length"
+                self.ends[i] = self.step
+                self.left[self.rows[i].job] -= 1
+            keep = (~ended).nonzero().squeeze(1)
+            if len(keep) == 0:
+                self.active_rows = []
+                return
+            if self.kv is not None:
+                self.kv = (self.kv[0][:, keep], self.kv[1][:, keep])
             else:
-                keep.append(a)
-            if row.stop_reason is not None:
-                self.left[row.job] -= 1
-        if not keep:
-            self.active = []
-            return
-        last = torch.tensor(chosen, dtype=torch.long, device=device)
-        if len(keep) < len(self.active):
-            sel = torch.tensor(keep, device=device)
-            self.cache.batch_select_indices(sel)
-            self.valid, self.next_pos, last = self.valid[sel], self.next_pos[sel], last[sel]
-            self.active = [self.active[a] for a in keep]
-        self.valid = torch.cat([self.valid, self.valid.new_ones(len(self.active), 1)], dim=1)
-        self.step_logits = _forward(self.base.model, last[:, None], self.valid[:, None, None, :],
-                                    self.next_pos[:, None], [rows[i].adapter for i in self.active],
-                                    self.cache)[:, -1]
-        self.next_pos = self.next_pos + 1
-        self.step += 1
+                assert self.cache is not None
+                self.cache.batch_select_indices(keep)
+            self.valid, self.pos0, chosen = self.valid[keep], self.pos0[keep], chosen[keep]
+            self.active_rows = [self.active_rows[a] for a in keep.tolist()]
+            self._select(active[keep])
+        mask = self.valid[:, None, None, :self.prompt_len + self.step]
+        positions = (self.pos0 + step)[:, None]
+        with torch.no_grad(), active_plan(PackPlan(segments=[], seq_lens=None, rows=self.lora)):
+            if self.kv is not None:
+                self.step_logits = _llama_step(self.base.model, chosen[:, None], positions, mask, self.kv,
+                                               self.prompt_len + step)
+            else:
+                kwargs: dict[str, Any] = dict(input_ids=chosen[:, None], attention_mask=mask,
+                                              position_ids=positions, use_cache=True)
+                kwargs[_cache_kwarg(self.base.model)] = self.cache
+                self.step_logits = self.base.model(**kwargs).logits[:, -1]
 
     def _result(self, j: int) -> Any:
         job, side = self.items[j][1], self.prompt_side[j]
         if job.logprobs_only:
             return side.logprobs
-        sequences = [SampledSequence(tokens=r.tokens, logprobs=r.logprobs,
-                                     stop_reason="stop" if r.stop_reason == "stop" else "length",
-                                     topk_logprobs=list(r.topk) if job.topk_sample_logprobs else None)
-                     for r in self.rows if r.job == j]
+        sequences = []
+        for i, r in enumerate(self.rows):
+            if r.job != j:
+                continue
+            end = self.ends[i]
+            topk: list[list[tuple[int, float]] | None] | None = None
+            if job.topk_sample_logprobs:
+                k = job.topk_sample_logprobs
+                topk = [list(zip(ids, values)) for ids, values in
+                        zip(self.topk_ids[i, :end, :k].tolist(), self.topk_values[i, :end, :k].tolist())]
+            sequences.append(SampledSequence(tokens=self.tokens[i, :end].tolist(),
+                                             logprobs=self.logprobs[i, :end].tolist(),
+                                             stop_reason="stop" if r.stop_reason == "stop" else "length",
+                                             topk_logprobs=topk))
         return SampleResponse(sequences=sequences, prompt_logprobs=side.logprobs, topk_prompt_logprobs=side.topk,
                               target_prompt_logprobs=side.targets, prompt_alt_tokens=side.alt)
 
@@ -442,7 +580,7 @@ class SampleCarry:
             except Exception as exc:
                 finished = {j: _sampling_failed(exc) for j in range(len(chunk)) if j not in decoding.reported}
                 decoding.reported.update(finished)
-                decoding.cache = decoding.step_logits = None
+                decoding.release()
             for j, result in finished.items():
                 out[chunk[j]] = self._finish(chunk[j], result)
         return out
