@@ -17,6 +17,13 @@ Nothing here instruments the user's loop: everything is read from the pool's
   least half as long as it worked, while another thread's Python held it (the watchdog
   names the function and line). The pool shares the process, so that Python stretches
   every cycle; sleeping or waiting on I/O holds no GIL and is never this;
+* cpu: the loop is slow (more than ~1 cycle per update, or the clock waited in the OS run queue at
+  least half as long as it worked: its cycles stretch) while this process's threads wanted about
+  every CPU core (BLAS or OpenMP workers on every core: the GIL watchdog's CoreSamples, from
+  /proc/self/task/*/schedstat): the waits are for a core, not for the GIL, and moving work to a
+  process would not help; fewer math-library threads, fewer processes or more cores would;
+* gil-or-cpu: the clock waited as for `gil`, on a platform without per-thread run-queue times:
+  a held GIL and a busy CPU look the same there, and the advisor says so rather than guess;
 * client-side stall: results were delivered, but the client's next request came more than
   one cycle later (CPU-heavy Python on the event loop, a slow data loader, sleeping, ...);
   reported when the loop is otherwise pipelined and takes more than ~1 cycle per update (a
@@ -38,12 +45,14 @@ from typing import Literal
 
 from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cycles
 from .ops import OPS, UPDATE_OPS
-from .telemetry import ClientInfo, CycleRecord, GilStall, RequestRecord, Telemetry, UserFrame
+from .telemetry import ClientInfo, CoreSample, CycleRecord, GilStall, RequestRecord, Telemetry, UserFrame
 
-__all__ = ["Diagnosis", "cycle_seconds", "diagnose", "diagnose_client", "diagnose_telemetry", "gil_held", "gil_where",
+__all__ = ["Diagnosis", "core_demand", "cpu_message", "cycle_seconds", "diagnose", "diagnose_client",
+           "diagnose_telemetry", "gil_held", "gil_where",
            "recent_records", "recent_stalls", "segment_start", "step_kinds", "update_pairs"]
 
-Cause = Literal["pipelined", "naive", "together", "stall", "gil", "sampling", "warming-up", "slow"]
+Cause = Literal["pipelined", "naive", "together", "stall", "gil", "cpu", "gil-or-cpu", "sampling", "warming-up",
+                "slow"]
 
 #: Cycles an update takes for each loop structure, without stalls.
 STRUCTURE_PERIOD = {"naive": 4, "together": 2, "pipelined": 1}
@@ -53,6 +62,10 @@ MIN_UPDATES = 3
 GIL_SHARE = 0.5
 #: ... and other threads' Python held it (the watchdog's stalls) for this share of that time.
 GIL_COVERAGE = 0.2
+#: cpu: this process's threads wanted at least this share of the cores it may run on
+CPU_CORES = 0.9
+#: what the cause names count as time lost
+WASTED = ("naive", "together", "stall", "slow", "gil", "cpu", "gil-or-cpu")
 
 
 @dataclass(frozen=True)
@@ -75,7 +88,7 @@ class Diagnosis:
 
     @property
     def wasted(self) -> bool:
-        return self.cause in ("naive", "together", "stall", "slow", "gil")
+        return self.cause in WASTED
 
 
 def _plural(value: float, word: str) -> str:
@@ -241,13 +254,43 @@ def _gil_message(wait: float, compute: float, cycle: float, culprit: GilStall) -
             f"compute — move that work out of the loop, precompute it, or run it in a subprocess")
 
 
+def core_demand(samples: Sequence[CoreSample], t0: float, t1: float) -> tuple[float | None, int] | None:
+    """(cores this process's threads wanted on average over [t0, t1], the cores it may use), by
+    the GIL watchdog's CoreSamples; demand None where the platform has no per-thread schedstat;
+    None without samples then (a remote view, or a pool without a watchdog)."""
+    inside = [c for c in samples if c.at > t0 and c.at - c.window_s < t1]
+    if not inside:
+        return None
+    if any(c.demand_s is None for c in inside):
+        return None, inside[-1].cpus
+    return sum(c.demand_s or 0.0 for c in inside) / max(sum(c.window_s for c in inside), 1e-9), inside[-1].cpus
+
+
+def cpu_message(demand: float, cpus: int, slow: str) -> str:
+    """The `cpu` cause in words: what was measured and what helps. (It never names the GIL: the
+    waits were for a core, and moving work to a process would not help.)"""
+    return (f"the CPU is busy: this process's threads wanted {demand:.1f} of the {cpus} cores it may use, so "
+            f"{slow} waited for a core — its own math-library threads (BLAS / OpenMP, e.g. numpy or torch on "
+            f"every core), other processes, or a container too small for the work: limit the libraries' threads "
+            f"(OMP_NUM_THREADS=1 / OPENBLAS_NUM_THREADS=1 before starting, or threadpoolctl's "
+            f"threadpool_limits(1) around the loader), run fewer processes beside it, or give it more cores")
+
+
+def _undetermined(share: float, what: str) -> str:
+    return (f"{what} waited ~{share:.0%} of its CPU time beyond it, for the interpreter lock (GIL) or for a CPU "
+            f"core: this platform gives no per-thread run-queue times (/proc/self/task/*/schedstat), so trio "
+            f"cannot tell the two apart — check the machine's load (top) before moving work to a subprocess")
+
+
 def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, client_id: str = "",
                     label: str = "", window: int = PERIOD_WINDOW, cycles: Mapping[int, CycleRecord] | None = None,
-                    stalls: Sequence[GilStall] = (), pool_work: Sequence[RequestRecord] = ()) -> Diagnosis:
+                    stalls: Sequence[GilStall] = (), pool_work: Sequence[RequestRecord] = (),
+                    cores: Sequence[CoreSample] = ()) -> Diagnosis:
     """The diagnosis of one client from its own records (any order; all of one client).
 
-    `cycles` (by index) and `stalls` let it tell GIL starvation; `pool_work` are sampling
-    requests (of any client) whose time in the pool is not the loop's stall.
+    `cycles` (by index) and `stalls` let it tell GIL starvation, `cores` (the watchdog's CoreSamples)
+    a busy CPU; `pool_work` are sampling requests (of any client) whose time in the pool is not the
+    loop's stall.
     """
     records = sorted(records, key=lambda r: r.request_id)
     client_id = client_id or (records[0].client_id if records else "")
@@ -309,6 +352,27 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
         return Diagnosis(client_id, label, "gil", _gil_message(wait, compute, cycle, culprit), p, stall_cycles, n,
                          gil_share=share, gil_frames=culprit.frames, sampling_cycles=sampling_cycles,
                          evidence=evidence)
+    ran = [c for c in (cycles.get(fb.cycle) for fb, _ in window_updates if fb.cycle is not None) if c is not None] \
+        if cycles else []
+    demand = core_demand(cores, min(c.started_at for c in ran), max(c.ended_at for c in ran)) if ran else None
+    undetermined = None
+    if demand is not None and demand[0] is None and len(ran) >= MIN_UPDATES:
+        share = statistics.median(c.gil_wait_s / max(c.cpu_s, 1e-3) for c in ran)
+        if share >= GIL_SHARE:  # the clock's wait counts its run-queue wait here: GIL or CPU, who knows
+            undetermined = Diagnosis(client_id, label, "gil-or-cpu", _undetermined(share, "the pool's clock"), p,
+                                     stall_cycles, n, gil_share=share,
+                                     evidence=f"clock's wait: {share:.0%} of its CPU time (from {GIL_SHARE:.0%}); "
+                                              f"no per-thread schedstat on this platform; " + shape)
+    # the clock's run-queue wait per cycle, against its CPU time: what is left of its working time
+    queued = statistics.median(max(0.0, c.busy_s - c.cpu_s - c.gil_wait_s) / max(c.cpu_s, 1e-3) for c in ran) \
+        if ran else 0.0
+    if demand is not None and demand[0] is not None and demand[0] >= CPU_CORES * demand[1] and (
+            p > 1.25 or queued >= GIL_SHARE):  # the loop misses cycles, or its cycles stretch waiting for a core
+        return Diagnosis(client_id, label, "cpu", cpu_message(demand[0], demand[1], f"the loop ({period_text} per "
+                         f"update) and the pool's clock"), p, stall_cycles, n, sampling_cycles=sampling_cycles,
+                         evidence=f"this process's threads wanted {demand[0]:.1f} of {demand[1]} cores (cpu from "
+                                  f"{CPU_CORES:.0%} of them); clock's run-queue wait: {queued:.0%} of its CPU time "
+                                  f"(from {GIL_SHARE:.0%}, or over 1.25 cycles per update); " + shape)
     measured = (f"{shape}; next request {stall_cycles:.1f} cycles after results were ready (stall from "
                 f"{max(1.0, sampling_cycles):.1f}), {sampling_cycles:.1f} cycles waiting for samples "
                 f"(sampling from 1.0)")
@@ -326,6 +390,8 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
                    f"read ahead in a thread)")
         return Diagnosis(client_id, label, "stall", message, p, stall_cycles, n, sampling_cycles=sampling_cycles,
                          evidence=measured)
+    if undetermined is not None:  # (a loop that waited for its data is a stall, whatever the clock did)
+        return undetermined
     if sampling_cycles >= 1.0:
         message = (f"{period_text} per update, ~{_plural(sampling_cycles, 'cycle')} of them waiting for samples: "
                    f"the loop samples, then trains on them (on-policy RL), and that time is the pool's work — to "
@@ -351,11 +417,12 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
 
 def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
              clients: dict[str, ClientInfo] | None = None, *, window: int = PERIOD_WINDOW,
-             cycles: Iterable[CycleRecord] = (), stalls: Sequence[GilStall] = ()) -> dict[str, Diagnosis]:
+             cycles: Iterable[CycleRecord] = (), stalls: Sequence[GilStall] = (),
+             cores: Sequence[CoreSample] = ()) -> dict[str, Diagnosis]:
     """One diagnosis per client that sent forward_backward requests (label from `clients`; when
     `clients` is given, only those it names: a client a view has no lane for is not diagnosed,
     e.g. one that left a served pool before a remote view connected); `cycles` and `stalls` (the
-    pool's) let it tell GIL starvation."""
+    pool's) let it tell GIL starvation, `cores` (the watchdog's CoreSamples) a busy CPU."""
     by_client: dict[str, list[RequestRecord]] = {}
     pool_work = []
     for record in records:
@@ -369,7 +436,7 @@ def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
             continue
         info = (clients or {}).get(cid)
         out[cid] = diagnose_client(mine, cycle_s, client_id=cid, label=info.label if info else cid, window=window,
-                                   cycles=by_index, stalls=stalls, pool_work=pool_work)
+                                   cycles=by_index, stalls=stalls, pool_work=pool_work, cores=cores)
     return out
 
 
@@ -400,7 +467,7 @@ def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
     return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),
-                    window=window, cycles=cycles, stalls=recent_stalls(telemetry))
+                    window=window, cycles=cycles, stalls=recent_stalls(telemetry), cores=list(telemetry.cores))
 
 
 def recent_stalls(telemetry: Telemetry) -> list[GilStall]:

@@ -20,9 +20,18 @@ both cheap enough to run all the time:
   bytecodes hands the GIL over at each switch interval, so a heartbeat may get it at once
   while the clock, wanting it for each torch call, waits again and again (a convoy).
 
+A busy machine is not a held GIL. A thread that holds the GIL and is then preempted (its core
+taken by BLAS or OpenMP workers, or by other processes) keeps it while it waits in the run queue:
+the heartbeat is late for the GIL, but the wait is one for a core. So the watchdog also reads
+every thread's run-queue time (`/proc/self/task/*/schedstat`): a few times a second it records a
+:class:`~trio_widgets.telemetry.CoreSample` (how many cores this process's threads wanted), and a
+stretch in which this process's threads wanted every core while the holder waited for one at
+least as long as it ran is contention, not a GilStall (the advisor's `cpu`).
+
 Sleeping or waiting on I/O releases the GIL: it makes neither measurement move. The run-queue
 share and the blame need Linux's /proc; elsewhere the clock's wait includes its run-queue
-wait and stalls are not recorded (so the advisor never says `gil` there).
+wait, stalls are not recorded and the core samples say so (demand None): the advisor then says
+it cannot tell the GIL from a busy CPU.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import time
 from collections import Counter
 from types import FrameType
 
-from .telemetry import GilStall, Telemetry, UserFrame
+from .telemetry import CoreSample, GilStall, Telemetry, UserFrame
 
 __all__ = ["GilWatchdog", "RunMeter", "user_frames"]
 
@@ -63,15 +72,23 @@ def _runqueue_s(fd: int) -> float | None:
         return None
 
 
-def _busy_s(fd: int) -> float | None:
-    """Seconds the thread behind `fd` ran on a CPU or waited in the run queue for one, ever
-    (updated when it is switched out): a thread that runs Python all the time is in one of
+def _times_s(fd: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds waiting in the run queue for one) of the thread behind `fd`,
+    ever (updated when it is switched out): a thread that runs Python all the time is in one of
     the two, however loaded the machine, except when it hands the GIL over."""
     try:
         fields = os.pread(fd, 96, 0).split()
-        return (int(fields[0]) + int(fields[1])) / 1e9
+        return int(fields[0]) / 1e9, int(fields[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity; a container's CPU quota is not seen)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 class RunMeter:
@@ -196,14 +213,21 @@ HOLDER_SHARE = 0.1
 #: hands the GIL over at every switch interval, so a heartbeat may get it at once, and yet
 #: the clock waits for it again and again (a convoy) as long as that thread runs.
 CONVOY_SHARE = 0.5
+#: Seconds between the watchdog's looks at every thread's run-queue time (a CoreSample).
+CORE_EVERY_S = 0.1
+#: A stretch is contention, not the GIL, when this process's native threads (BLAS, OpenMP workers:
+#: no Python thread) wanted at least this share of the cores the holder leaves meanwhile, and the
+#: holder waited for a core at least as long as it ran: it held the GIL while they preempted it.
+CONTENDED_SHARE = 0.75
 
 
 class _Stretch:
     """Late heartbeats in a row: becomes one GilStall."""
 
-    __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "samples", "frames", "cpu")
+    __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "samples", "frames", "cpu",
+                 "times", "tasks0")
 
-    def __init__(self, started_at: float) -> None:
+    def __init__(self, started_at: float, tasks0: dict[int, tuple[float, float]] | None = None) -> None:
         self.started_at = self.ended_at = started_at
         self.lag_s = 0.0
         self.heartbeats = 0
@@ -212,7 +236,10 @@ class _Stretch:
         # blamed on the most sampled one (a sample taken just as the holder moved on is outvoted).
         self.samples: Counter[tuple[str, str, str]] = Counter()
         self.frames: dict[tuple[str, str, str], tuple[UserFrame, ...]] = {}
-        self.cpu: dict[int, float] = {}  # native thread id -> its _busy_s at the last sample
+        self.cpu: dict[int, float] = {}  # native thread id -> its CPU + run-queue s at the last sample
+        # native thread id -> [on a CPU, in the run queue] seconds at its first sample, then at its last
+        self.times: dict[int, list[float]] = {}
+        self.tasks0 = tasks0  # every thread's (CPU s, run-queue s) at its start
 
 
 class GilWatchdog:
@@ -237,7 +264,11 @@ class GilWatchdog:
         self._thread: threading.Thread | None = None
         self._stretch: _Stretch | None = None
         self._task_fds: dict[int, int] = {}
+        self._all_fds: dict[int, int] = {}  # every thread's schedstat, native ones (BLAS) too
         self._last_sample = 0.0
+        self.cpus = cpu_count()
+        #: stretches that were contention (the holder preempted while every core was wanted), not the GIL
+        self.contended = 0
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -262,6 +293,8 @@ class GilWatchdog:
         cpu0 = time.thread_time()
         try:
             rq = _runqueue_s(own) if own is not None else 0.0
+            looked = (time.perf_counter(), _total(self._tasks()) if own is not None else None)
+            lags = 0.0
             while not self._stop.is_set():
                 asked = time.perf_counter()
                 time.sleep(self.interval_s)  # one C call: cheaper than Event.wait (stop() waits <= 20 ms)
@@ -269,6 +302,10 @@ class GilWatchdog:
                 rq_now = (_runqueue_s(own) or 0.0) if own is not None else 0.0
                 lag = (woke - asked - self.interval_s) - (rq_now - (rq or 0.0))
                 rq = rq_now
+                lags += max(0.0, woke - asked - self.interval_s)
+                if woke - looked[0] >= CORE_EVERY_S:
+                    looked = self._look(looked, woke, lags, own is not None)
+                    lags = 0.0
                 self.heartbeats += 1
                 self.cpu_s = time.thread_time() - cpu0
                 if self._stop.is_set():
@@ -289,9 +326,46 @@ class GilWatchdog:
         finally:
             if own is not None:
                 os.close(own)
-            for fd in self._task_fds.values():
-                os.close(fd)
-            self._task_fds.clear()
+            for fds in (self._task_fds, self._all_fds):
+                for fd in fds.values():
+                    os.close(fd)
+                fds.clear()
+
+    def _tasks(self) -> dict[int, tuple[float, float]] | None:
+        """native thread id -> (CPU s, run-queue s) ever, for every thread of this process alive now."""
+        try:
+            natives = [int(n) for n in os.listdir("/proc/self/task")]
+        except (OSError, ValueError):
+            return None
+        alive = set(natives)
+        for gone in [n for n in self._all_fds if n not in alive]:
+            os.close(self._all_fds.pop(gone))
+        out = {}
+        for native in natives:
+            fd = self._all_fds.get(native)
+            if fd is None:
+                fd = _schedstat_fd(f"/proc/self/task/{native}/schedstat")
+                if fd is None:
+                    continue  # ended meanwhile
+                self._all_fds[native] = fd
+            times = _times_s(fd)
+            if times is not None:
+                out[native] = times
+        return out
+
+    def _look(self, looked: tuple[float, tuple[float, float] | None], now: float, lags: float,
+              schedstat: bool) -> tuple[float, tuple[float, float] | None]:
+        """Record a CoreSample for the window since `looked` (time, _tasks()); returns the next
+        baseline. A thread that ended in the window takes its time along: demand is a lower bound."""
+        tasks = _total(self._tasks()) if schedstat else None
+        before = looked[1]
+        demand = rq = None
+        if tasks is not None and before is not None:
+            demand = max(0.0, tasks[0] + tasks[1] - before[0] - before[1])
+            rq = max(0.0, tasks[1] - before[1])
+        self.telemetry.add_core_sample(CoreSample(at=now, window_s=now - looked[0], cpus=self.cpus,
+                                                  demand_s=demand, runqueue_s=rq, lag_s=lags))
+        return now, tasks
 
     def _late(self, due: float, woke: float, lag: float) -> None:
         stretch = self._stretch
@@ -299,7 +373,7 @@ class GilWatchdog:
             self._close_stretch()  # bounded stretches: the views and the advisor see them soon
             stretch = None
         if stretch is None:
-            stretch = self._stretch = _Stretch(due)
+            stretch = self._stretch = _Stretch(due, self._tasks())
             self._last_sample = woke
         stretch.ended_at = woke
         stretch.on_time = 0
@@ -353,10 +427,16 @@ class GilWatchdog:
             native = thread.native_id
             if thread.ident == me or native is None or thread.name.startswith(_OWN_THREADS):
                 continue
-            used = self._busy_of(native)
-            if used is None:
+            times = self._times_of(native)
+            if times is None:
                 continue
+            used = times[0] + times[1]
             cpu[native] = used
+            seen = stretch.times.get(native)
+            if seen is None:
+                stretch.times[native] = [*times, *times]
+            else:
+                seen[2], seen[3] = times
             before = stretch.cpu.get(native)
             if before is not None and (best is None or used - before > best[0]):
                 best = (used - before, thread)
@@ -373,7 +453,7 @@ class GilWatchdog:
             # their locals (a pool the user just dropped) alive until the next garbage collection.
             frames.clear()
 
-    def _busy_of(self, native_id: int) -> float | None:
+    def _times_of(self, native_id: int) -> tuple[float, float] | None:
         fd = self._task_fds.get(native_id)
         if fd is None:
             if len(self._task_fds) > 256:  # threads come and go: forget the ones seen long ago
@@ -383,7 +463,7 @@ class GilWatchdog:
             if fd is None:
                 return None
             self._task_fds[native_id] = fd
-        value = _busy_s(fd)
+        value = _times_s(fd)
         if value is None:  # that thread ended
             os.close(self._task_fds.pop(native_id))
         return value
@@ -393,7 +473,38 @@ class GilWatchdog:
         self.telemetry.gil_ongoing = None
         if stretch is None or not stretch.samples:
             return  # a single late heartbeat: too short to say who held the GIL
+        if self._contended(stretch):
+            self.contended += 1
+            return
         self.telemetry.add_gil_stall(_as_stall(stretch))
+
+    def _contended(self, stretch: _Stretch) -> bool:
+        """This process's native threads (BLAS workers) wanted the cores the holder left during the
+        stretch, and the holder waited in the run queue at least as long as it ran: it held the GIL
+        while they preempted it. A wait for a core, which moving work to another process does not
+        cure (fewer BLAS threads do); Python threads preempted by other processes stay GIL."""
+        before, after = stretch.tasks0, self._tasks()
+        window = stretch.ended_at - stretch.started_at
+        if before is None or after is None or window <= 0:
+            return False
+        python = {t.native_id for t in threading.enumerate()}
+        native = sum(sum(after[n]) - sum(before[n]) for n in after if n in before and n not in python)
+        if native < CONTENDED_SHARE * max(1, self.cpus - 1) * window:
+            return False
+        holder = _leading_thread(stretch)
+        natives = {t.name: t.native_id for t in threading.enumerate()}
+        seen = stretch.times.get(natives.get(holder) or -1)
+        if seen is None:
+            return False
+        ran, queued = seen[2] - seen[0], seen[3] - seen[1]
+        return queued >= ran
+
+
+def _total(tasks: dict[int, tuple[float, float]] | None) -> tuple[float, float] | None:
+    """(CPU s, run-queue s) summed over the threads of a `_tasks()` answer."""
+    if tasks is None:
+        return None
+    return sum(t[0] for t in tasks.values()), sum(t[1] for t in tasks.values())
 
 
 def _leading_thread(stretch: _Stretch) -> str:

@@ -17,8 +17,8 @@ from typing import Literal
 
 from .ops import OPS
 
-__all__ = ["ClientInfo", "CycleRecord", "GilStall", "QueueDepthRecord", "RequestRecord", "Telemetry", "TelemetryEvent",
-           "UserFrame"]
+__all__ = ["ClientInfo", "CoreSample", "CycleRecord", "GilStall", "QueueDepthRecord", "RequestRecord", "Telemetry",
+           "TelemetryEvent", "UserFrame"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,29 @@ class GilStall:
         return max(0.0, self.ended_at - self.started_at)
 
 
+@dataclass(frozen=True, slots=True)
+class CoreSample:
+    """The GIL watchdog's look at the CPU cores, a few times a second (trio_widgets/gil.py): how
+    many cores this process's threads wanted (ran on one, or waited in the OS run queue for one)
+    and how long its own heartbeats waited for a core. The advisor's evidence for `cpu`."""
+
+    at: float  # the end of the window
+    window_s: float
+    cpus: int  # the cores this process may run on
+    #: CPU + run-queue seconds of all this process's threads (BLAS and OpenMP workers too) in the
+    #: window; None where the platform gives no per-thread schedstat (the two cannot be told apart)
+    demand_s: float | None
+    #: of which waiting in the run queue; None as demand_s
+    runqueue_s: float | None
+    #: the heartbeats' summed wake-up lag in the window, their run-queue wait included
+    lag_s: float = 0.0
+
+    @property
+    def cores(self) -> float | None:
+        """Cores this process's threads wanted, on average over the window."""
+        return None if self.demand_s is None else self.demand_s / max(self.window_s, 1e-9)
+
+
 @dataclass(slots=True)
 class TelemetryEvent:
     kind: EventKind
@@ -136,6 +159,8 @@ class Telemetry:
         #: the stretch the GIL watchdog is in now (None between stretches): it joins `gil` when it
         #: ends, at most max_stretch_s later; the advisor reads it meanwhile
         self.gil_ongoing: GilStall | None = None
+        #: the watchdog's looks at the cores (not streamed: the advisor of this process reads them)
+        self.cores: deque[CoreSample] = deque(maxlen=capacity)
         self.clients: dict[str, ClientInfo] = {}  # live clients
         # Retired clients, newest last, so records still in the buffers keep their labels;
         # bounded like everything here (clients may come and go all day).
@@ -209,6 +234,9 @@ class Telemetry:
     def add_gil_stall(self, record: GilStall) -> None:
         self.gil.append(record)
         self.emit("gil", record)
+
+    def add_core_sample(self, record: CoreSample) -> None:
+        self.cores.append(record)
 
     def request_delivered(self, record: RequestRecord) -> None:
         spec = OPS.get(record.op)

@@ -41,10 +41,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .advisor import (
+    CPU_CORES,
     GIL_COVERAGE,
     MIN_UPDATES,
     STRUCTURE_PERIOD,
+    WASTED,
     Cause,
+    core_demand,
+    cpu_message,
     gil_held,
     gil_where,
     recent_stalls,
@@ -55,7 +59,7 @@ from .advisor import (
 from .gil import GilWatchdog
 from .metrics import PERIOD_WINDOW, batch_weight, json_safe, record_loss
 from .ops import OPS, UPDATE_OPS
-from .telemetry import ClientInfo, GilStall, QueueDepthRecord, RequestRecord, Telemetry, UserFrame
+from .telemetry import ClientInfo, CoreSample, GilStall, QueueDepthRecord, RequestRecord, Telemetry, UserFrame
 from .trace import chrome_trace, write_metrics_jsonl
 
 __all__ = ["SUPPORTED_SDKS", "UnsupportedSDKError", "WatchedDiagnosis", "WatchedRequest", "Watcher",
@@ -204,7 +208,7 @@ class Watcher:
 
     def diagnose(self, window: int = PERIOD_WINDOW) -> dict[str, WatchedDiagnosis]:
         return diagnose_watched(self.records(), self.telemetry.all_clients(), window=window,
-                                stalls=recent_stalls(self.telemetry))
+                                stalls=recent_stalls(self.telemetry), cores=list(self.telemetry.cores))
 
     def chrome_trace(self, name: str | None = None) -> dict[str, Any]:
         """The Perfetto / Chrome trace: a lane per client with a bar per request (submitted →
@@ -733,7 +737,7 @@ class WatchedDiagnosis:
 
     @property
     def wasted(self) -> bool:
-        return self.cause in ("naive", "together", "stall", "slow", "gil")
+        return self.cause in WASTED
 
 
 def _done(r: RequestRecord) -> float:
@@ -776,9 +780,11 @@ def in_flight_depth(records: Iterable[RequestRecord], ops: Iterable[str] | None 
 
 
 def diagnose_watched(records: Iterable[RequestRecord], clients: dict[str, ClientInfo] | None = None, *,
-                     window: int = PERIOD_WINDOW, stalls: Sequence[GilStall] = ()) -> dict[str, WatchedDiagnosis]:
+                     window: int = PERIOD_WINDOW, stalls: Sequence[GilStall] = (),
+                     cores: Sequence[CoreSample] = ()) -> dict[str, WatchedDiagnosis]:
     """One diagnosis per client that sent forward_backward, from client-side records alone
-    (`stalls`: the GIL watchdog's, of this process, to tell the user's Python starving the SDK)."""
+    (`stalls`: the GIL watchdog's, of this process, to tell the user's Python starving the SDK;
+    `cores`: its CoreSamples, to tell a busy CPU)."""
     by_client: dict[str, list[RequestRecord]] = {}
     for r in records:
         by_client.setdefault(r.client_id, []).append(r)
@@ -789,12 +795,12 @@ def diagnose_watched(records: Iterable[RequestRecord], clients: dict[str, Client
         if any(r.op in UPDATE_OPS for r in mine):
             info = (clients or {}).get(cid)
             out[cid] = _diagnose_client(sorted(mine, key=lambda r: r.request_id), cid,
-                                        info.label if info else cid, window, mine_held)
+                                        info.label if info else cid, window, mine_held, cores)
     return out
 
 
 def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window: int,
-                     stalls: Sequence[GilStall]) -> WatchedDiagnosis:
+                     stalls: Sequence[GilStall], cores: Sequence[CoreSample] = ()) -> WatchedDiagnosis:
     updates = update_pairs(records, need_cycle=False)[-(window + 1):]
     if len(updates) < MIN_UPDATES:
         return WatchedDiagnosis(cid, label, "warming-up", "measuring: waiting for a few updates",
@@ -804,6 +810,7 @@ def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window:
     # the GIL over the whole window, as the advisor judges it (a heavy loader makes a loop flip shapes)
     w0, w1 = updates[0][0].queued_at, _done(updates[-1][1] or updates[-1][0])
     held = gil_held(stalls, w0, w1)
+    demand = core_demand(cores, w0, w1)
     updates, kinds = updates[start:], kinds[start:]
     structure = max(STRUCTURE_PERIOD, key=lambda k: (kinds.count(k), -STRUCTURE_PERIOD[k]))
 
@@ -851,6 +858,17 @@ def _diagnose_client(records: list[RequestRecord], cid: str, label: str, window:
             f"your Python held the interpreter {share:.0%} of the loop's time ({gil_where(culprit)}); the SDK's "
             f"threads share this process and wait for it to send requests and read results — move that work out "
             f"of the loop, precompute it, or run it in a subprocess", gil_share=share, gil_frames=culprit.frames)
+    if demand is not None and demand[0] is None and stall >= threshold * round_trip:
+        return made(
+            cid, label, "gil-or-cpu",
+            f"results were ready but your next request came {stall * 1e3:.0f} ms later, and this platform gives no "
+            f"per-thread run-queue times (/proc/self/task/*/schedstat): trio cannot tell whether your Python held "
+            f"the interpreter lock (GIL) or the loop waited for a CPU core — check the machine's load (top)")
+    if demand is not None and demand[0] is not None and demand[0] >= CPU_CORES * demand[1] and \
+            stall >= threshold * round_trip:
+        return made(cid, label, "cpu", cpu_message(demand[0], demand[1], "your loop"),
+                    evidence=f"this process's threads wanted {demand[0]:.1f} of {demand[1]} cores (cpu from "
+                             f"{CPU_CORES:.0%} of them); " + evidence)
     if stall >= threshold * round_trip:
         return made(
             cid, label, "stall",
