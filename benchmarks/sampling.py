@@ -160,15 +160,20 @@ def measure(shape: str, name: str, device: torch.device, args) -> Result:
                 assert out.shape[1] == ids.shape[1] + new
                 sync()
 
-        def limit() -> None:
+        best = [float("inf")]
+
+        def limit() -> None:  # a limit is a best case: the fastest of 5 tries, kept over the reps
             with pool.hold(), torch.no_grad():
-                for x, w in matmuls:
-                    F.linear(x, w)
-                sync()
+                for _ in range(5):
+                    start = time.perf_counter()
+                    for x, w in matmuls:
+                        F.linear(x, w)
+                    sync()
+                    best[0] = min(best[0], time.perf_counter() - start)
 
         arms = {"pool": ours, "sequential": sequential, "fused": fused, "limit": limit}
         seconds = side_by_side(arms, args.reps)
-        seconds["limit"] *= new  # one step's matmuls -> a whole sample's
+        seconds["limit"] = best[0] * new  # one step's matmuls -> a whole sample's
         rss_ok = _reset_peak_rss()
         before = _rss_mib("VmRSS")
         ours()
