@@ -17,8 +17,14 @@ the kernel's comm messages the page received per second (counted on the kernel w
    neighbour; ThreadTime (the main thread's CPU time) is printed beside it;
 5. scrolled away: visible tab, the dashboard scrolled out of view (IntersectionObserver).
 
+`--room N` measures a workshop instead (issue 34): `trio.Dashboard(url)` of a served pool with N
+participants training on it from another process (tests/browser/room.py), its room table
+filled; the floor (the notebook before the dashboard), then the room `--rounds` times
+(target <= 0.15 s/s busy).
+
     .venv/bin/python benchmarks/browser_cost.py             # about 3 minutes on 2 shared cores
     .venv/bin/python benchmarks/browser_cost.py --window 5  # shorter windows
+    .venv/bin/python benchmarks/browser_cost.py --room 40   # a room of 40 participants
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "browser"))
 
 from lab import EMULATE_HIDDEN_JS, chromium, jupyter_lab, open_notebook, write_notebook  # noqa: E402
+from room import room  # noqa: E402
 
 SETUP = """\
 import trio_widgets as trio
@@ -102,9 +109,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="training phases, seen and hidden in turn")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("-v", "--verbose", action="store_true", help="show the first comm messages of each phase")
+    ap.add_argument("--room", type=int, default=0, metavar="N",
+                    help="measure a served pool's dashboard with N participants training instead")
     args = ap.parse_args()
     global VERBOSE
     VERBOSE = args.verbose
+    if args.room:
+        room_cost(args.room, args.window, args.rounds, args.json)
+        return
     w = args.window
     figures: dict[str, Any] = {}
     with jupyter_lab() as lab, chromium() as browser:
@@ -175,6 +187,41 @@ def main() -> None:
           f"{max(m['comm_msgs_per_s'] for m in figures['hidden tab']):.1f} comm messages/s at most")
     print(f"scrolled away: {figures['scrolled away']['busy_s_per_s']:.3f} s/s busy, "
           f"{figures['scrolled away']['comm_msgs_per_s']:.1f} comm messages/s")
+
+
+ROOM_ROWS_JS = "() => document.querySelectorAll('.trio-dashboard .trio-room tbody tr').length"
+
+
+def room_cost(n: int, window: float, rounds: int, json_path: Path | None) -> None:
+    """A served pool's dashboard with `n` participants training (see the module doc)."""
+    figures: dict[str, Any] = {}
+    with room(n) as url, jupyter_lab() as lab, chromium() as browser:
+        cell = f"import trio_widgets as trio\ndash = trio.Dashboard({url!r})\ndash"
+        write_notebook(lab.root_dir / "room.ipynb", [cell])
+        with open_notebook(browser, lab, "room.ipynb", viewport=(1280, 900)) as nb:
+            page = nb.page
+            cdp = page.context.new_cdp_session(page)
+            cdp.send("Performance.enable")
+            time.sleep(2.0)
+            figures["nothing live"] = measure("nothing live", cdp, nb, window)
+            nb.run_all_cells()
+            nb.wait_cells_done(timeout=120)
+            started = time.monotonic()
+            page.wait_for_function(f"() => ({ROOM_ROWS_JS})() >= {n}", timeout=600_000)
+            print(f"{n} participants in the room table after {time.monotonic() - started:.0f} s", flush=True)
+            time.sleep(3.0)
+            figures["room"] = [measure(f"room of {n} ({i + 1})", cdp, nb, window) for i in range(rounds)]
+            figures["kernel"] = kernel_value(nb, "{'patches': dash.bokeh_widget.patches_sent, "
+                                                 "'updates': dash.pool.telemetry.total_updates}")
+            print("kernel:", figures["kernel"])
+            nb.run_cell("dash.close()", timeout=60)
+    if json_path:
+        json_path.write_text(json.dumps(figures, indent=1))
+    busy = [m["busy_s_per_s"] for m in figures["room"]]
+    floor = figures["nothing live"]["busy_s_per_s"]
+    print(f"\nroom of {n}: {statistics.median(busy):.3f} s/s busy, median of "
+          f"{', '.join(f'{b:.3f}' for b in busy)} (target <= 0.15; floor {floor:.3f}); "
+          f"CPU {statistics.median(m['cpu_s_per_s'] for m in figures['room']):.3f} s/s")
 
 
 if __name__ == "__main__":

@@ -41,10 +41,11 @@ _CSS = """<style>
 .trio-room table { border-collapse: collapse; font-size: 12px; width: 100%; font-variant-numeric: tabular-nums; }
 .trio-room th { text-align: left; font-weight: 600; color: #374151; border-bottom: 1px solid #e5e7eb;
   padding: 2px 8px; white-space: nowrap; }
-.trio-room td { padding: 1px 8px; color: #111827; white-space: nowrap; border-bottom: 1px solid #f3f4f6; }
+.trio-room td { padding: 0 8px; line-height: 1.5; color: #111827; white-space: nowrap;
+  border-bottom: 1px solid #f3f4f6; }
+.trio-room td .trio-badge { margin: 0; line-height: 1.45; }
 .trio-room tr.finished td { color: #6b7280; }
 .trio-room tr.picked td { background: #eff6ff; }
-.trio-room .trio-room-scroll { max-height: 430px; overflow-y: auto; }
 .trio-room .trio-room-note { font-size: 11.5px; color: #6b7280; }
 </style>"""
 
@@ -93,10 +94,11 @@ class RoomTable:
                                layout=W.Layout(width="320px"))
         self.pick.observe(lambda change: on_command("room", ("pick", change["new"])), names="value")
         self.table = W.HTML("")
-        self.table.add_class("trio-room")
+        self.table.add_class("trio-room-table")
         row = W.Layout(flex_flow="row wrap", align_items="center", margin="2px 0")
         self.bar = W.HBox([self.sort, self.order, self.pick], layout=row)
         self.box = W.VBox([self.bar, self.table], layout=W.Layout(margin="2px 0 6px 0", display="none"))
+        self.box.add_class("trio-room")
 
     @property
     def widgets(self) -> list[W.Widget]:
@@ -221,8 +223,8 @@ class RoomTable:
         text = (f"{_CSS}<div class='trio-room-note'>Room: {live} training client{'s' if live != 1 else ''}"
                 f"{f', {len(people) - live} finished' if len(people) > live else ''}. Cycles per update: 1 is "
                 f"pipelined; the verdict's words are the advisor's (hover: what it measured); loss: smoothed, "
-                f"per token.</div><div class='trio-room-scroll'><table><thead><tr>{head}</tr></thead>"
-                f"<tbody>{''.join(body)}</tbody></table></div>")
+                f"per token.</div><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{''.join(body)}</tbody></table>")
         if text != self._text:
             self._text = text
             self.table.value = text
