@@ -141,6 +141,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(0, 1).unsqueeze(0).contiguous(), None
 
 
+_Group = tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]  # A^T, B^T, scales, output widths
+
+
 class RowLoRA:
     """Per-row adapters of a decode batch ([rows, 1, in] inputs), for many decode steps.
 
@@ -166,6 +169,8 @@ class RowLoRA:
         self.count = count
         self.device = device
         self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+        self._stacked_groups: dict[tuple[str, ...], _Group | None] = {}
+        self._out_features: dict[str, int] = {}
         self._slots: torch.Tensor | None = None
         self._in_place = False
         self._width = 0
@@ -211,10 +216,44 @@ class RowLoRA:
     def apply(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base layer's output) plus each row's own delta; added in the LoRA dtype and
         rounded once, as the packed path does."""
-        weights = self._weights(name)
-        if weights is None:
-            return out
-        a_t, b_t, scale = weights
+        return self.apply_group((name,), x, [out])[0]
+
+    def _group(self, names: tuple[str, ...]) -> _Group | None:
+        """Layers fed the same input (q/k/v, gate/up) as one: A^T side by side [adapters, in,
+        sum of ranks] and B^T block-diagonal [adapters, sum of ranks, sum of outputs] (the
+        zero blocks add exact zeros), so the group costs two batched matmuls, not two per layer."""
+        if names not in self._stacked_groups:
+            parts = [self._weights(name) for name in names]
+            if all(p is None for p in parts):
+                self._stacked_groups[names] = None
+            elif len(names) == 1:
+                a_t, b_t, scale = parts[0]  # type: ignore[misc]
+                self._stacked_groups[names] = (a_t, b_t, scale, [b_t.shape[-1]])
+            else:
+                present = [p for p in parts if p is not None]
+                a0, b0, scale = present[0]
+                outs = [self._out_features[name] for name in names]
+                ranks = [p[0].shape[-1] if p is not None else 0 for p in parts]
+                a_cat = a0.new_zeros(self.count, a0.shape[1], sum(ranks))
+                b_cat = b0.new_zeros(self.count, sum(ranks), sum(outs))
+                r_at = o_at = 0
+                for p, rank, out in zip(parts, ranks, outs):
+                    if p is not None:
+                        a_cat[:, :, r_at:r_at + rank] = p[0]
+                        b_cat[:, r_at:r_at + rank, o_at:o_at + out] = p[1]
+                        scale = torch.maximum(scale, p[2])  # an adapter's scale is one for all its layers
+                    r_at, o_at = r_at + rank, o_at + out
+                self._stacked_groups[names] = (a_cat, b_cat, scale, outs)
+        return self._stacked_groups[names]
+
+    def apply_group(self, names: tuple[str, ...], x: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each of `outs` (the base outputs of layers `names`, all fed `x`) plus each row's delta."""
+        for name, out in zip(names, outs):
+            self._out_features.setdefault(name, out.shape[-1])
+        group = self._group(names)
+        if group is None:
+            return outs
+        a_t, b_t, scale, widths = group
         assert self._slots is not None
         flat = x.reshape(-1, x.shape[-1]).to(a_t.dtype)
         if not self._in_place:
@@ -224,7 +263,10 @@ class RowLoRA:
         delta = torch.bmm(hidden, b_t).view(-1, b_t.shape[-1])
         if not self._in_place:
             delta = delta.index_select(0, self._slots)
-        return (out.to(a_t.dtype) + delta.view(out.shape)).to(out.dtype)
+        if len(outs) == 1:
+            return [(outs[0].to(a_t.dtype) + delta.view(outs[0].shape)).to(outs[0].dtype)]
+        return [(out.to(a_t.dtype) + d.reshape(out.shape)).to(out.dtype)
+                for out, d in zip(outs, delta.split(widths, dim=-1))]
 
 
 def segment_scales(adapters: list[LoRAAdapter], dtype: torch.dtype, device: torch.device

@@ -36,7 +36,7 @@ from ..types import PromptAltTokens, SampledSequence, SampleResponse, TensorData
 from ..validation import SampleSpec
 from .lora import LoRAAdapter
 from .models import BaseModel
-from .packing import PackPlan, RowLoRA, Segment, active_plan
+from .packing import MultiLoRALinear, PackPlan, RowLoRA, Segment, active_plan
 from .tenants import Later
 
 __all__ = ["SampleCarry", "StepBudget", "forward_logits", "run_sample_batch"]
@@ -120,8 +120,15 @@ def _is_llama(model: Any) -> bool:
     return type(model).__name__ == "LlamaForCausalLM" and type(model).__module__.startswith("transformers.")
 
 
+def _grouped(lora: RowLoRA, layers: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """The outputs of `layers` (all fed `x`): each base layer, then their LoRA deltas together."""
+    if not all(isinstance(layer, MultiLoRALinear) for layer in layers):
+        return [layer(x) for layer in layers]
+    return lora.apply_group(tuple(layer.name for layer in layers), x, [layer.base(x) for layer in layers])
+
+
 def _llama_step(model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], at: int) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], at: int, lora: RowLoRA) -> torch.Tensor:
     """One decode step of a Llama: next-token logits [rows, vocab] for `ids` [rows, 1] at
     `positions`, its keys and values written at cache index `at` of `kv` ([layers, rows, kv heads,
     length, head dim] each) and attending to [0, at] where `mask` [rows, 1, 1, at + 1] allows.
@@ -138,16 +145,18 @@ def _llama_step(model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: to
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(n, 1, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(n, 1, -1, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(n, 1, -1, attn.head_dim).transpose(1, 2)
+        q, k, v = (t.view(n, 1, -1, attn.head_dim).transpose(1, 2)
+                   for t in _grouped(lora, (attn.q_proj, attn.k_proj, attn.v_proj), x))
         q, k = rotary(q, k, cos, sin)
         keys[i, :, :, at] = k[:, :, 0]
         values[i, :, :, at] = v[:, :, 0]
         out = F.scaled_dot_product_attention(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1], attn_mask=mask,
                                              scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
         hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        mlp = layer.mlp
+        x = layer.post_attention_layernorm(hidden)
+        gate, up = _grouped(lora, (mlp.gate_proj, mlp.up_proj), x)
+        hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
     return model.lm_head(inner.norm(hidden))[:, -1]
 
 
@@ -427,7 +436,7 @@ class _Decoding:
         with torch.no_grad(), active_plan(PackPlan(segments=[], seq_lens=None, rows=self.lora)):
             if self.kv is not None:
                 self.step_logits = _llama_step(self.base.model, chosen[:, None], positions, mask, self.kv,
-                                               self.prompt_len + step)
+                                               self.prompt_len + step, self.lora)
             else:
                 kwargs: dict[str, Any] = dict(input_ids=chosen[:, None], attention_mask=mask,
                                               position_ids=positions, use_cache=True)
