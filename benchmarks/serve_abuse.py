@@ -11,6 +11,10 @@ Attacks, each held while the neighbour makes `--updates` updates:
   64-sessions   another key opens 64 sessions with a training client each, then idles
   long-sample   another key samples 480 tokens per request (decoded over many cycles, a few steps
                 a cycle: engine/sampling.py)
+  listing       another key, with 2,000 checkpoints saved, lists them (runs, checkpoints, its
+                user checkpoints) in a loop from 4 threads; besides the ratio, the neighbour's
+                heartbeat latency while it goes on (target: max <= 100 ms: listings run off the
+                server's event loop)
 
 Prints, per attack: the neighbour's median seconds per update quiet (measured just before) and
 under attack, their ratio (target <= 2), and what the attacker was answered; then the server's
@@ -90,6 +94,7 @@ class Attack:
         self.answers: Counter[str] = Counter()
         self.cleanup: list[Callable[[], None]] = []
         self.threads: list[threading.Thread] = []
+        self.latencies: list[float] = []  # the neighbour's heartbeat round trips, where a row times them
 
     def background(self, work: Callable[[], None], n: int = 1) -> None:
         for _ in range(n):
@@ -128,6 +133,44 @@ def stop_strings(url: str, max_tokens: int, label: str, n_stops: int = 64) -> Ca
                     a.answers[type(exc).__name__] += 1
 
         a.background(run, 4)
+    return start
+
+
+def listing(url: str, n_checkpoints: int = 2000) -> Callable[[Attack], None]:
+    """Another key lists 2,000 checkpoints in a loop; the neighbour's heartbeats are timed meanwhile."""
+    service = trio.ServiceClient(base_url=url, api_key=MALLORY)
+    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=1, seed=0)
+    saves = [tc.save_weights_for_sampler(f"c{i:04d}") for i in range(n_checkpoints)]  # made before the row
+    for f in saves:
+        f.result(timeout=600)
+
+    def start(a: Attack) -> None:
+        a.cleanup.append(service.close)
+        rest = service.create_rest_client()
+
+        def run() -> None:
+            while not a.stop.is_set():
+                try:
+                    found = rest.list_user_checkpoints(limit=1000).result(timeout=300).cursor.total_count
+                    rest.list_checkpoints(tc.model_id).result(timeout=300)
+                    rest.list_training_runs().result(timeout=300)
+                    a.answers[f"listings of {found}"] += 1
+                except Exception as exc:
+                    a.answers[type(exc).__name__] += 1
+
+        def heartbeats() -> None:  # the neighbour's session staying alive: what a blocked loop delays
+            with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": ALICE}, timeout=30) as http:
+                session = http.post("/create_session", json={"type": "create_session", "tags": [],
+                                                             "user_metadata": {}, "sdk_version": "bench"}).json()
+                while not a.stop.is_set():
+                    start = time.perf_counter()
+                    http.post("/session_heartbeat", json={"session_id": session["session_id"],
+                                                          "type": "session_heartbeat"})
+                    a.latencies.append(time.perf_counter() - start)
+                    time.sleep(0.05)
+
+        a.background(run, 4)
+        a.background(heartbeats)
     return start
 
 
@@ -207,17 +250,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--updates", type=int, default=20)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--only", default="", help="comma-separated rows to run (default: all)")
     args = parser.parse_args()
+    only = {name for name in args.only.split(",") if name}
     port = args.port or _free_port()
     with server_process(port) as (url, pid):
         neighbour = trio.ServiceClient(base_url=url, api_key=ALICE)
         tc = neighbour.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         seconds_per_update(tc, 3)  # warm up
-        attacks = [Attack("stop-strings", stop_strings(url, 16, "samples")),
-                   Attack("plain-samples", stop_strings(url, 16, "samples", n_stops=0)),
-                   Attack("slowloris", slowloris(port)),
-                   Attack("body-stall", body_stall(port)), Attack("64-sessions", many_sessions(url)),
-                   Attack("long-sample", stop_strings(url, 480, "samples of 480 tokens"))]
+        rows: dict[str, Callable[[], Callable[[Attack], None]]] = {
+            "stop-strings": lambda: stop_strings(url, 16, "samples"),
+            "plain-samples": lambda: stop_strings(url, 16, "samples", n_stops=0),
+            "slowloris": lambda: slowloris(port), "body-stall": lambda: body_stall(port),
+            "64-sessions": lambda: many_sessions(url),
+            "long-sample": lambda: stop_strings(url, 480, "samples of 480 tokens"),
+            "listing": lambda: listing(url)}
+        if only - set(rows):
+            parser.error(f"--only: no rows {sorted(only - set(rows))}; the rows are {', '.join(rows)}")
+        attacks = [Attack(name, make()) for name, make in rows.items() if not only or name in only]
         print(f"{'attack':<14} {'quiet s/update':>15} {'attacked':>10} {'ratio':>7}  target <= 2   attacker's answers")
         for attack in attacks:
             quiet = seconds_per_update(tc, args.updates)
@@ -230,8 +280,14 @@ def main() -> None:
             answers = ", ".join(f"{k}: {v}" for k, v in attack.answers.items())
             print(f"{attack.name:<14} {quiet:>15.3f} {attacked:>10.3f} {ratio:>7.2f}  {verdict:<12} {answers}; "
                   f"healthz {healthy}", flush=True)
+            if attack.latencies:
+                worst = max(attack.latencies) * 1000
+                print(f"{'':<14} heartbeat latency meanwhile: median {statistics.median(attack.latencies) * 1000:.1f} "
+                      f"ms, max {worst:.1f} ms over {len(attack.latencies)} (target max <= 100 ms) "
+                      f"{'ok' if worst <= 100 else 'OVER'}", flush=True)
         neighbour.close()
-        memory(url, pid)
+        if not only:
+            memory(url, pid)
 
 
 def _rss_mb(pid: int) -> float:

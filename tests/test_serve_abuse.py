@@ -111,6 +111,39 @@ def test_the_telemetry_stream_refuses_a_foreign_origin(pool):
             assert r.status_code == 200  # the page its host allowed
 
 
+def test_hostile_pages_cannot_fill_the_telemetry_streams(pool):
+    """32 no-cors GETs from pages (a *.localhost name, which browsers resolve here; a cross-site page,
+    which sends no Origin on a GET but Sec-Fetch-Site) are refused, and one key or address holds at
+    most MAX_STREAMS_PER_KEY streams: the real dashboards still connect (issue 36)."""
+    from trio_widgets.http.stream import MAX_STREAMS_PER_KEY
+
+    def stream(url: str, key: str | None = None, **headers: str) -> contextlib.AbstractContextManager:
+        return httpx.stream("GET", f"{url}/api/v1/trio/telemetry", timeout=30,
+                            headers={**({"X-API-Key": key} if key else {}), **headers})
+
+    with served(pool) as server, contextlib.ExitStack() as open_streams:
+        port = server.url.rsplit(":", 1)[1]
+        for i in range(32):
+            page = raw(server.url, "GET", "/trio/telemetry", headers={"Host": f"evil{i}.localhost:{port}"})
+            assert page.status_code == 403 and page.json()["code"] == "forbidden_host", page.text
+            cross = raw(server.url, "GET", "/trio/telemetry",
+                        headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"})
+            assert cross.status_code == 403 and "another site" in cross.json()["detail"], cross.text
+        for _ in range(MAX_STREAMS_PER_KEY):  # one address (no keys): its share, then refused
+            assert open_streams.enter_context(stream(server.url)).status_code == 200
+        over = open_streams.enter_context(stream(server.url))
+        assert over.status_code == 429 and "per key" in over.read().decode()
+    keys = ["tml-viewer-a", "tml-viewer-b"]
+    with served(pool, api_keys=keys, observer_keys=keys) as server, contextlib.ExitStack() as open_streams:
+        for _ in range(MAX_STREAMS_PER_KEY):
+            assert open_streams.enter_context(stream(server.url, keys[0])).status_code == 200
+        assert open_streams.enter_context(stream(server.url, keys[0])).status_code == 429
+        assert open_streams.enter_context(stream(server.url, keys[1])).status_code == 200  # another key connects
+    with served(pool) as server:  # the streams closed: their places are free again
+        with stream(server.url) as again:
+            assert again.status_code == 200
+
+
 # -- connections: slowloris, stalled bodies ---------------------------------------------------------
 
 def _silent_sockets(port: int, n: int) -> list[socket.socket]:

@@ -39,7 +39,11 @@ __all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app"]
 log = logging.getLogger("trio_widgets.http.server")
 
 _JSON, _PROTOBUF = "application/json", "application/x-protobuf"
-_LOOKED_AT = frozenset((b"host", b"origin", b"content-type", b"content-length", b"transfer-encoding"))
+_LOOKED_AT = frozenset((b"host", b"origin", b"content-type", b"content-length", b"transfer-encoding",
+                        b"sec-fetch-site"))
+# what a browser says of a request a page of another site made (Fetch Metadata); no client of ours
+# sends the header, and a page's no-cors GET carries no Origin, only this
+_FROM_ANOTHER_SITE = frozenset(("cross-site", "same-site"))
 
 
 def _machine_names() -> set[str]:
@@ -88,7 +92,9 @@ class Policy:
 @functools.lru_cache(maxsize=256)  # asked on every request; a client sends the same Host each time
 def _host_ok(policy: Policy, host: str) -> bool:
     name = _host_name(host)
-    return "*" in policy.allowed_hosts or _is_ip(name) or name in policy.allowed_hosts or name.endswith(".localhost")
+    # (not `*.localhost`: a browser resolves any such name to this machine, so a page of
+    # evil.localhost is a page of another site that reaches us; list one in allowed_hosts to allow it)
+    return "*" in policy.allowed_hosts or _is_ip(name) or name in policy.allowed_hosts
 
 
 def _refuse(status: int, message: str, code: str) -> JSONResponse:
@@ -110,6 +116,10 @@ def policy_app(app: Any, policy: Policy, connections: Connections | None = None)
             refused = _refuse(403, f"this server does not answer to the host name {host[:80]!r} (a web page may "
                                    f"have pointed that name here); serve with --allowed-hosts {_host_name(host)[:80]} "
                                    f"(allowed_hosts=[...]) if it is yours", "forbidden_host")
+        elif origin is None and headers.get("sec-fetch-site", "").strip().lower() in _FROM_ANOTHER_SITE:
+            refused = _refuse(403, "requests a web page of another site made are refused (Sec-Fetch-Site "
+                                   f"{headers['sec-fetch-site'][:20]!r}, no Origin): the SDKs and trio's clients are "
+                                   "no web page", "forbidden_origin")
         elif origin is not None and not policy.origin_ok(origin):
             refused = _refuse(403, f"requests from a web page (Origin {origin[:80]!r}) are refused: the SDKs and "
                                    f"trio's clients send none; serve with allowed_origins=[...] to allow a page",

@@ -184,11 +184,14 @@ def build_app(service: Service) -> Starlette:
         request.state.client = body.get("model_id")
         return s.get_info(owner, body, local=_local(request))
 
+    # the catalog's handlers read and write checkpoints on disk: off the event loop (Service.off_loop)
     async def tokenizer(s: Service, owner: str, request: Request) -> dict:
-        return s.tokenizer_files(owner, request.query_params.get("base_model"))
+        model = request.query_params.get("base_model")
+        return await s.off_loop(lambda: s.tokenizer_files(owner, model))
 
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
-        return s.list_checkpoints(owner, request.path_params["model_id"])
+        model_id = request.path_params["model_id"]
+        return await s.off_loop(lambda: s.list_checkpoints(owner, model_id))
 
     def page(request: Request) -> tuple[int, int]:
         values = []
@@ -200,21 +203,25 @@ def build_app(service: Service) -> Starlette:
         return values[0], values[1]
 
     async def training_runs(s: Service, owner: str, request: Request) -> dict:
-        return s.training_runs(owner, *page(request))
+        limit, offset = page(request)
+        return await s.off_loop(lambda: s.training_runs(owner, limit, offset))
 
     async def training_run(s: Service, owner: str, request: Request) -> dict:
-        return s.training_run(owner, request.path_params["model_id"])
+        model_id = request.path_params["model_id"]
+        return await s.off_loop(lambda: s.training_run(owner, model_id))
 
     async def user_checkpoints(s: Service, owner: str, request: Request) -> dict:
-        return s.user_checkpoints(owner, *page(request))
+        limit, offset = page(request)
+        return await s.off_loop(lambda: s.user_checkpoints(owner, limit, offset))
 
     async def delete_checkpoint(s: Service, owner: str, request: Request) -> dict:
-        return s.delete_checkpoint(owner, request.path_params["model_id"], request.path_params["checkpoint_id"])
+        p = request.path_params
+        return await s.off_loop(lambda: s.delete_checkpoint(owner, p["model_id"], p["checkpoint_id"]))
 
     async def set_ttl(s: Service, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, s, owner))
-        return s.set_checkpoint_ttl(owner, request.path_params["model_id"], request.path_params["checkpoint_id"],
-                                    body)
+        p = request.path_params
+        return await s.off_loop(lambda: s.set_checkpoint_ttl(owner, p["model_id"], p["checkpoint_id"], body))
 
     async def export_urls(s: Service, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, s, owner))
@@ -233,7 +240,7 @@ def build_app(service: Service) -> Starlette:
         return {**s.info(), **s.totals()}
 
     async def telemetry(s: Service, owner: str, request: Request) -> Response:
-        return await telemetry_stream(s, request)
+        return await telemetry_stream(s, request, owner)
 
     def unsupported(what: str) -> Handler:
         async def handler(s: Service, owner: str, request: Request) -> Any:
@@ -281,7 +288,7 @@ def build_app(service: Service) -> Starlette:
         get("/training_runs/{model_id}/checkpoints", checkpoints),
         get("/training_runs", training_runs), get("/training_runs/{model_id}", training_run),
         get("/checkpoints", user_checkpoints),
-        post("/weights_info", _json_handler(lambda s, o, b: s.weights_info(o, b))),
+        post("/weights_info", _json_handler(lambda s, o, b: s.off_loop(lambda: s.weights_info(o, b)))),
         route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", delete_checkpoint),
         route("PUT", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", set_ttl),
         post("/save_weights_external", _json_handler(lambda s, o, b: s.save_weights_external(o, b))),

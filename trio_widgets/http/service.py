@@ -253,12 +253,17 @@ class Service:
         self.entries: dict[str, _Entry] = {}
         self.unretrieved: dict[str, int] = {}  # per key: results not yet retrieved (bounded)
         self.streams = 0
+        self.streams_of: dict[str, int] = {}  # open telemetry streams per key (or address, without keys)
         self.stopping = False
         # what happened, for tests and benchmarks: submits, repeats answered from the table, early
         # arrivals held for their predecessors, gaps given up on, sessions expired
         self.stats = {"submitted": 0, "duplicates": 0, "held": 0, "gaps_skipped": 0, "sessions_expired": 0}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set when the server starts
         self.executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"trio-serve-{pool.name}")
+        # the checkpoint catalog's disk work (listings, manifests, tokenizer files): never on the event
+        # loop, whose heartbeats and long-polls must answer while a key lists thousands of checkpoints;
+        # one thread of its own, so a flood of listings cannot hold up creating models either
+        self.catalog = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"trio-serve-{pool.name}-catalog")
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self._tokenizer_dirs: dict[str, str] = {}
@@ -1038,8 +1043,13 @@ class Service:
         for task in list(self._tasks):
             task.cancel()
 
+    async def off_loop(self, work: Callable[[], Any]) -> Any:
+        """`work()` on the catalog's thread (disk reads and writes of checkpoints), awaited."""
+        return await self.loop.run_in_executor(self.catalog, work)
+
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.catalog.shutdown(wait=True, cancel_futures=True)
         self.backend.close()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -19,7 +19,7 @@ from .auth import HttpError
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["STREAM_HZ", "TELEMETRY_KINDS", "sse", "telemetry_stream"]
+__all__ = ["MAX_STREAMS", "MAX_STREAMS_PER_KEY", "STREAM_HZ", "TELEMETRY_KINDS", "sse", "telemetry_stream"]
 
 TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered", "gil")
 STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
@@ -45,9 +45,19 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), allow_nan=True)}\n\n"
 
 
-async def telemetry_stream(service: Service, request: Request) -> StreamingResponse:
-    if service.streams >= 32:
-        raise HttpError(400, "32 telemetry streams are open, the server's limit")
+MAX_STREAMS = 32  # telemetry streams open at once, in all
+MAX_STREAMS_PER_KEY = 8  # ... and of one key (or, without keys, of one client address)
+
+
+async def telemetry_stream(service: Service, request: Request, owner: str) -> StreamingResponse:
+    # without keys every viewer is "anonymous": its address stands in for the key
+    who = owner if owner != "anonymous" else f"address {request.client.host if request.client else '?'}"
+    mine = service.streams_of.get(who, 0)
+    if mine >= MAX_STREAMS_PER_KEY:
+        raise HttpError(429, f"{mine} telemetry streams of this {'key' if who == owner else who} are open, the "
+                             f"server's limit per key ({MAX_STREAMS_PER_KEY}); close some dashboards")
+    if service.streams >= MAX_STREAMS:
+        raise HttpError(429, f"{MAX_STREAMS} telemetry streams are open, the server's limit")
     events: deque = deque(maxlen=16384)  # bounded: a slow reader loses the oldest (views are windows)
     telemetry = service.pool.telemetry
 
@@ -57,6 +67,7 @@ async def telemetry_stream(service: Service, request: Request) -> StreamingRespo
 
     unsubscribe = telemetry.subscribe(keep)
     service.streams += 1
+    service.streams_of[who] = mine + 1
     asked = request.query_params.get("backfill", "2048")
     n = min(int(asked), 4096) if asked.isdigit() else 2048
     clients = [dataclasses.asdict(c) for c in list(telemetry.live_clients().values())[-256:]]
@@ -86,6 +97,9 @@ async def telemetry_stream(service: Service, request: Request) -> StreamingRespo
         finally:
             unsubscribe()
             service.streams -= 1
+            left = service.streams_of.pop(who, 1) - 1
+            if left > 0:
+                service.streams_of[who] = left
 
     return StreamingResponse(batches(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
