@@ -209,7 +209,7 @@ if (view != null && !view.__trio_no_position && typeof view.update_position === 
 """
 
 #: Runs in the page once a view's document has rendered: it tells the kernel whether the view
-#: can be seen (the tab is visible and the view is on screen: Page Visibility API and an
+#: can be seen (the tab is visible and the dashboard it is in is on screen: Page Visibility API and an
 #: IntersectionObserver), so that the kernel sends nothing to a view nobody sees (BokehJS lays
 #: out and redraws on every patch, hidden or not). A MessageSent event is the one kind the
 #: view still passes to the kernel (QUIET_VIEW_JS). While hidden it says so again every
@@ -266,7 +266,8 @@ const observe = () => {
     on_screen = entries[entries.length - 1].isIntersecting;
     report();
   });
-  observer.observe(el);
+  // the whole dashboard counts: its text (status, a room's table) is read with the figures scrolled away
+  observer.observe(el.closest(".trio-dashboard") || el);
   document.addEventListener("visibilitychange", report);
 };
 observe();

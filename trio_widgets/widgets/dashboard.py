@@ -82,6 +82,9 @@ _IDLE_DRAWN_S = 1.0
 #: a room with more live participants than this is summed up in the status and advisor lines
 #: (one row each is in the room table)
 ROOM_INLINE = 6
+#: such a room's figures are redrawn at most this often: a room of 40 at the default 5 Hz cost
+#: the page ~0.18 s/s (benchmarks/browser_cost.py --room 40), over its 0.15 s/s bound
+ROOM_TICK_S = 0.5
 
 _CSS = """<style>
 .trio-dashboard { font-family: Inter, 'Segoe UI', Helvetica, Arial, sans-serif; background: #ffffff;
@@ -577,7 +580,8 @@ class Dashboard(W.VBox):
         while not self._stopping:
             # nothing to draw without an open pool: look for one twice a second
             idle = self.pool is None or self._pool_closed
-            await asyncio.sleep(max(interval, 0.5) if idle else interval)
+            slowest = 0.5 if idle else ROOM_TICK_S if self._crowded() else 0.0
+            await asyncio.sleep(max(interval, slowest))
             if self._stopping:
                 break
             try:
@@ -927,6 +931,10 @@ class Dashboard(W.VBox):
         if text != self._advisor_text:
             self._advisor_text = text
             self._advisor_w.value = text
+
+    def _crowded(self) -> bool:
+        """A room with more live participants than the status lists (see ROOM_TICK_S)."""
+        return self._room is not None and sum(1 for v in self._figs.clients.values() if not v.retired) > ROOM_INLINE
 
     def _judge(self, client_id: str) -> None:
         """The room row's cycles per update and verdict, from what the status and advisor read."""
