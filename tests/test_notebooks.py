@@ -143,6 +143,17 @@ def check_04(text: str) -> None:
     assert events > 0 and spans > 0
     assert re.search(r"held longest, in total: GIL held: encode_dataset \(cell In\[\d+\] line \d+\)", text), text
     assert "read back: 20 rows from slow_metrics.jsonl" in text
+    # each lesson is stated from the run's own numbers (the causes asserted above: shown) ...
+    for shown in ("the loop is pipelined, yet the pool waited for your Python (gil)", "the gil diagnosis is gone",
+                  "a loader that waits is a stall, not the GIL"):
+        assert f"this run shows it: {shown}" in text, shown
+    # ... and where the run does not show it (a loaded machine: the slow loop missed cycles instead of
+    # stretching them), the notebook says so rather than the expected result
+    (per_update,) = _floats(r"\n  cycles\s+([\d.]+)\n", text)
+    (total_ms,) = _floats(r"\n  time/total\s+([\d.]+) ms\n", text)
+    stretched = per_update <= 1.5 and total_ms / 50 / max(per_update, 1) >= 2
+    assert ("this run shows it: " if stretched else "this run does not show the expected lesson: ") + \
+        f"{per_update:g} cycle" in text, (per_update, total_ms)
 
 
 def check_05(text: str) -> None:
