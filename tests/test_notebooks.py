@@ -200,6 +200,13 @@ def check_07(text: str) -> None:
     # the GIL-heavy loader, named from the watcher's own watchdog: function and cell line
     m = re.search(r"advisor on loader: gil: (.*)", text)
     assert m and "in `busy_batches`, cell In[" in m.group(1), text
+    assert "this run shows it: your Python held the interpreter while the SDK's thread waited (gil)" in text
+    # the time per update, as measured in this run: the notebook says whether pipelining paid off
+    naive_ms, pipelined_ms = (_floats(rf"\n{loop}\s+[\d.]+\s+\d+\s+(\d+)\n", text)[0]
+                              for loop in ("naive", "pipelined"))
+    if pipelined_ms != naive_ms:  # (printed rounded: equal ones may go either way)
+        assert ("this run shows it: pipelined" if pipelined_ms < naive_ms else
+                "this run does not show the expected lesson: pipelined") in text, (naive_ms, pipelined_ms)
     # the same loops seen from the pool's side (its own telemetry): the same causes
     for loop in ("naive", "pipelined"):
         m = re.search(rf"\n{loop}\s+([a-z-]+)\s+[\d.]+\s+([a-z-]+)\s+[\d.]+\n", text)
