@@ -82,9 +82,9 @@ _IDLE_DRAWN_S = 1.0
 #: a room with more live participants than this is summed up in the status and advisor lines
 #: (one row each is in the room table)
 ROOM_INLINE = 6
-#: such a room's figures are redrawn at most this often: a room of 40 at the default 5 Hz cost
-#: the page ~0.18 s/s (benchmarks/browser_cost.py --room 40), over its 0.15 s/s bound
-ROOM_TICK_S = 0.5
+#: such a room's figures are redrawn at most this often: a room of 40 cost the page ~0.18 s/s
+#: at the default 5 Hz and ~0.15 s/s at 2 Hz (benchmarks/browser_cost.py --room 40), its bound
+ROOM_TICK_S = 1.0
 
 _CSS = """<style>
 .trio-dashboard { font-family: Inter, 'Segoe UI', Helvetica, Arial, sans-serif; background: #ffffff;
