@@ -5,7 +5,10 @@
 #   2. benchmarks/vs_peft.py on CUDA: the built-in model and a random-init ~0.5B-shaped Llama
 #      (24 layers, d=896, vocab 151936), tokens/s and peak memory for ours and PEFT's.
 #      Targets: >= 1.0x PEFT's tokens/s for one tenant that saturates the device (16x512
-#      tokens), >= 4x for 8 tenants of 2x128 tokens packed vs one after another.
+#      tokens), >= 4x for 8 tenants of 2x128 tokens packed vs one after another;
+#   3. benchmarks/sampling.py on CUDA: 8 tenants x 4 samples, the pool's tokens/s against PEFT
+#      generate (one adapter after another, and one fused batch) and the device's matmul limit,
+#      on the built-in model and the Llama shape (8 layers, d=512, vocab 32000; bf16 base).
 #
 # Usage: benchmarks/gpu_check.sh [--dry-run]
 #   --dry-run  the same steps on CPU with tiny shapes and one repetition: proves the plumbing
@@ -80,10 +83,13 @@ if [[ $DRY_RUN -eq 1 ]]; then
     step "CUDA tests (on CPU: dry run)" 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -W ignore::FutureWarning tests/test_cuda.py
   step "vs_peft.py (on CPU: dry run)" 240 "$PYTHON" benchmarks/vs_peft.py --device cpu --threads auto \
     --shape tiny --reps 1 --tenants 3 --batch 2x16 --single-batch 4x16
+  step "sampling.py (on CPU: dry run)" 120 "$PYTHON" benchmarks/sampling.py --device cpu --shapes builtin \
+    --reps 1 --new 4
 else
   step "CUDA tests" 150 "$PYTHON" -m pytest -q -rs -p no:cacheprovider -W ignore::FutureWarning tests/test_cuda.py
   step "vs_peft.py on CUDA" 300 "$PYTHON" benchmarks/vs_peft.py --device cuda --shape 0.5b --reps 7 \
     --batch 2x128 --single-batch 16x512
+  step "sampling.py on CUDA" 240 "$PYTHON" benchmarks/sampling.py --device cuda --shapes builtin,llama --reps 3
 fi
 
 echo "== gpu_check done in $((SECONDS - started)) s: ${#failed[@]} step(s) failed =="

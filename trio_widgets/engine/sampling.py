@@ -388,13 +388,16 @@ class _Decoding:
         step, active = self.step, self.active
         logits = self.step_logits.float()
         logp = torch.log_softmax(logits, dim=-1)
-        chosen = logits.argmax(dim=-1)
-        if self.stochastic is not None:
+        if self.stochastic is None:
+            chosen = logits.argmax(dim=-1)
+        else:
             rows = active.index_select(0, self.stochastic)
             u = self.uniforms.index_select(0, rows)[:, step]
-            picked = _pick(logits.index_select(0, self.stochastic), u, self.temps.index_select(0, rows),
-                           self.top_k.index_select(0, rows), self.top_p.index_select(0, rows), self.filtered_now)
-            chosen = chosen.index_copy(0, self.stochastic, picked)
+            everyone = len(self.stochastic) == len(active)  # (then no argmax over the vocabulary)
+            picked = _pick(logits if everyone else logits.index_select(0, self.stochastic), u,
+                           self.temps.index_select(0, rows), self.top_k.index_select(0, rows),
+                           self.top_p.index_select(0, rows), self.filtered_now)
+            chosen = picked if everyone else logits.argmax(dim=-1).index_copy(0, self.stochastic, picked)
         token_lp = logp.gather(1, chosen[:, None]).squeeze(1)
         self.tokens[active, step] = chosen
         self.logprobs[active, step] = token_lp
