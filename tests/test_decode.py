@@ -188,3 +188,20 @@ def test_the_kv_cache_is_bounded_and_freed_when_the_decode_ends(setup):
     assert decoding.kv[0].nbytes == decoding.kv[1].nbytes == bound
     decoding.advance(StepBudget(None))
     assert decoding.done and decoding.kv is None and decoding.cache is None and decoding.step_logits is None
+
+
+def test_other_architectures_decode_through_their_own_forward_alike(setup, monkeypatch):
+    """The generic path (the model's forward over a DynamicCache, RowLoRA per layer) gives the
+    Llama step's greedy tokens and logprobs."""
+    from trio_widgets.engine import sampling
+
+    base = setup[0]
+    items = _items(setup, temperature=0.0)
+    direct = run_sample_batch(base, items, 4096)
+    monkeypatch.setattr(sampling, "_is_llama", lambda model: False)
+    generic = run_sample_batch(base, items, 4096)
+    terms = model_terms(setup[1].config, max(PROMPT_LENGTHS) + max(MAX_TOKENS))
+    for a, b in zip(direct, generic):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences):
+            assert_fp32_close(x.logprobs, y.logprobs, terms, "Llama step vs the model's forward")
