@@ -167,6 +167,10 @@ class Dashboard(W.VBox):
     LoRA clients (a learning-rate sweep ×0.5/×1/×2 for 3 runs) on the built-in addition task
     with :func:`trio_widgets.loop.train`.
 
+    A served pool's dashboard (or ``room=True``) has a room table: a row per participant by
+    name (cycles per update, verdict, loss, status; sortable; finished ones keep their last
+    verdict) and a picker that shows one participant's lane (widgets/room.py).
+
     Methods `start()`, `pause()`, `resume()`, `stop()` do what the buttons do, from any
     thread. Exports (`export_trace()`, `export_metrics()`, `save_html()`) write into
     `export_dir` ("trio-exports" by default).
