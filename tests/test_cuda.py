@@ -192,7 +192,9 @@ def test_checkpoints_round_trip(pool, adapters, base_dtype):
 
     resumed = service.create_training_client_from_state_with_optimizer(state)
     with trio.LocalPool(min_cycle_s=0.0, device="cpu", name="cuda-tests-cpu-side") as cpu_pool:
-        on_cpu = trio.ServiceClient(cpu_pool).create_training_client_from_state_with_optimizer(state)
+        # another pool, another checkpoint_dir: the checkpoint by its directory (tinker:// paths name a pool's own)
+        on_cpu = trio.ServiceClient(cpu_pool).create_training_client_from_state_with_optimizer(
+            str(pool.checkpoint_path(state)))
         for where, client in ((DEVICE, resumed), ("a CPU pool", on_cpu)):
             after = client.inspect_adapter().result(timeout=300)
             assert after.step == before.step == 2 and after.alpha == before.alpha and after.rank == before.rank
