@@ -404,3 +404,16 @@ def test_lanes_are_labelled_by_the_names_a_session_gives(pool):
             label = pool.telemetry.clients[server.clients()[model_id]].label
             assert label == (expected or f"{sid[:13]}:train:0"), label
             raw(server.url, "POST", f"/sessions/{sid}/finish", json={})
+    # a key given with a participant's name (a keys file's "KEY Name" line): its sessions say the name,
+    # unless a session names itself; a key without one is as before
+    with served(pool, api_keys={"tml-ada-000001": "Ada Lovelace", "tml-anon-000002": ""}) as server:
+        for key, meta, expected in (("tml-ada-000001", {}, "Ada Lovelace"), ("tml-ada-000001", {"name": "grace"},
+                                                                            "grace"), ("tml-anon-000002", {}, None)):
+            sid = raw(server.url, "POST", "/create_session", key, json={"user_metadata": meta}).json()["session_id"]
+            rid = raw(server.url, "POST", "/create_model", key, json={
+                "session_id": sid, "model_seq_id": 0, "base_model": trio.DEFAULT_MODEL,
+                "lora_config": {"rank": 4}}).json()["request_id"]
+            model_id = raw(server.url, "POST", "/retrieve_future", key, json={"request_id": rid}).json()["model_id"]
+            label = pool.telemetry.clients[server.clients()[model_id]].label
+            assert label == (expected or f"{sid[:13]}:train:0"), label
+            raw(server.url, "POST", f"/sessions/{sid}/finish", key, json={})

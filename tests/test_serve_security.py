@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -242,8 +243,23 @@ def test_no_key_is_in_a_served_pools_arguments(tmp_path):
     (tmp_path / "flag").mkdir()
     keys_file = tmp_path / "observers.txt"
     keys_file.write_text("# one a line\ntml-argv-file\n")
+    named = tmp_path / "keys.txt"
+    named.write_text("# KEY, then the participant's name\ntml-argv-named Ada Lovelace\n")
     with serving_process(tmp_path / "flag", keys="", min_cycle_s=0.05,
-                         args=["--observer-keys-file", str(keys_file), "--api-key", "tml-argv-flag"]) as (url, log):
+                         args=["--observer-keys-file", str(keys_file), "--api-key", "tml-argv-flag",
+                               "--api-keys-file", str(named)]) as (url, log):
+        session = httpx.post(f"{url}/api/v1/create_session", headers={"X-API-Key": "tml-argv-named"},
+                             json={"user_metadata": {}}, timeout=30).json()["session_id"]
+        made = httpx.post(f"{url}/api/v1/create_model", headers={"X-API-Key": "tml-argv-named"}, timeout=30,
+                          json={"session_id": session, "model_seq_id": 0, "base_model": trio.DEFAULT_MODEL,
+                                "lora_config": {"rank": 2}}).json()
+        httpx.post(f"{url}/api/v1/retrieve_future", headers={"X-API-Key": "tml-argv-named"}, timeout=60,
+                   json={"request_id": made["request_id"]})
+        with httpx.stream("GET", f"{url}/api/v1/trio/telemetry", headers={"X-API-Key": "tml-argv-file"},
+                          timeout=30) as stream:
+            first = next(line for line in stream.iter_lines() if line.startswith("data: "))
+        labels = [c["label"] for c in json.loads(first[6:])["backfill"]["clients"]]
+        assert labels == ["Ada Lovelace"], labels  # the name on the key's line, not its session's id
         assert httpx.get(f"{url}/api/v1/training_runs", headers={"X-API-Key": "tml-argv-flag"},
                          timeout=30).status_code == 200
         stream = httpx.get(f"{url}/api/v1/trio/info", headers={"X-API-Key": "tml-argv-file"}, timeout=30)

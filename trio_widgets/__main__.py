@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", action="append", default=[],
                        help="accept this API key (repeatable; it shows in `ps`: prefer --api-keys-file or "
                             "$TRIO_API_KEYS)")
-    serve.add_argument("--api-keys-file", help="a file of API keys, one per line (also: $TRIO_API_KEYS, "
-                                               "comma-separated)")
+    serve.add_argument("--api-keys-file", help="a file of API keys, one per line, each optionally followed by the "
+                                               "participant's name ('tml-... Ada Lovelace': the dashboard's label "
+                                               "for that key's sessions); also: $TRIO_API_KEYS, comma-separated")
     serve.add_argument("--observer-key", action="append", default=[],
                        help="a key that may also watch the whole pool (trio.Dashboard(url, api_key=...)); it shows "
                             "in `ps`: prefer --observer-keys-file or $TRIO_OBSERVER_KEYS")
@@ -202,11 +203,15 @@ def _serve(args: argparse.Namespace) -> int:
     served.addHandler(handler)
     served.setLevel(logging.INFO)
 
-    keys = list(args.api_key)
-    keys += [k.strip() for k in os.environ.get("TRIO_API_KEYS", "").split(",") if k.strip()]
+    # key -> the participant's name ("" if none): a keys file's line is "KEY" or "KEY Their Name"
+    keys: dict[str, str] = dict.fromkeys(args.api_key, "")
+    keys.update(dict.fromkeys((k.strip() for k in os.environ.get("TRIO_API_KEYS", "").split(",") if k.strip()), ""))
     if args.api_keys_file:
         with open(args.api_keys_file, encoding="utf-8") as f:
-            keys += [line.strip() for line in f if line.strip() and not line.startswith("#")]
+            for line in f:
+                if line.strip() and not line.startswith("#"):
+                    key, _, name = line.strip().partition(" ")
+                    keys[key] = name.strip()
     if args.api_key or args.observer_key:  # (kept working, and said: a script may rely on them)
         print("trio serve: a key given on the command line shows in `ps` to every user of this machine; "
               "give keys in a file (--api-keys-file, --observer-keys-file) or the environment "
@@ -252,7 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_fleet(args: argparse.Namespace, keys: list[str], models: list[str], stop: threading.Event) -> int:
+def _serve_fleet(args: argparse.Namespace, keys: dict[str, str], models: list[str], stop: threading.Event) -> int:
     try:
         from .http.ray_fleet import serve_fleet
     except ImportError as exc:

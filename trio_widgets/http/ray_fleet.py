@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +143,9 @@ def serve_fleet(pools: int = 2, *, host: str = "127.0.0.1", port: int = 8000, ad
 
     if not isinstance(pools, int) or not 1 <= pools <= 1024:
         raise ValueError(f"pools must be an integer from 1 to 1024, got {pools!r}")
-    keys, observers = list(api_keys or ()), list(observer_keys or ())
+    # (a {key: participant name} mapping keeps its names: each pool labels that key's sessions by them)
+    keys: Any = dict(api_keys) if isinstance(api_keys, Mapping) else list(api_keys or ())
+    observers = list(observer_keys or ())
     check_bind(host, [*keys, *observers])
     models = list(models or [DEFAULT_MODEL])
     shared = os.fspath(checkpoint_dir) if checkpoint_dir is not None else tempfile.mkdtemp(prefix="trio-fleet-")

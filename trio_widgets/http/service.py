@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +55,7 @@ from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
 from ..validation import check_loss
 from . import wire
 from .auth import HttpError as _HttpError
-from .auth import authenticate, wire_of
+from .auth import authenticate, owner_of, wire_of
 from .auth import not_found as _not_found
 from .exports import Exports, parse_age_recipients
 from .guard import Budget
@@ -229,6 +229,10 @@ class Service:
         self.id_tag = id_tag
         self.backend = LocalBackend(pool)
         self.api_keys = [k for k in (api_keys or ())]
+        # a participant's name, where the keys were given with names ({key: name}: a keys file's
+        # "KEY Name" lines): a session of that key is labelled by it unless it names itself
+        self.key_names = {owner_of(k): str(n).strip()[:40] for k, n in api_keys.items() if str(n).strip()} \
+            if isinstance(api_keys, Mapping) else {}
         self.observer_keys = [k for k in (observer_keys or ())]
         self.models = list(dict.fromkeys(models if models is not None else pool.supported_models()))
         self.session_timeout_s = float(session_timeout_s)
@@ -299,7 +303,8 @@ class Service:
         meta = body.get("user_metadata")
         # a person's name for the lanes: the SDKs' "name", a tinker-cookbook recipe's "recipe_name"
         named = [meta.get(k) for k in ("name", "run_name", "recipe_name")] if isinstance(meta, dict) else []
-        name = next((n for n in named if isinstance(n, str) and n.strip()), None) or body.get("display_name")
+        name = next((n for n in named if isinstance(n, str) and n.strip()), None) or body.get("display_name") \
+            or self.key_names.get(owner)
         label = str(name)[:40] if name else f"sess-{random[:8]}"
         self.sessions[session_id] = _Session(session_id, owner, label, named=bool(name))
         # the pool's one session table lists it, with the runs and samplers it makes
