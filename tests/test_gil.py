@@ -216,7 +216,7 @@ def test_a_stretch_begun_by_one_late_heartbeat_goes_on_while_its_holder_runs():
     while the holder keeps running, and is recorded. (CI caught a loop whose stretches were all
     one late heartbeat then on-time ones: none was recorded, and the advisor missed `gil`.)"""
     telemetry = Telemetry()
-    watchdog = GilWatchdog(telemetry, "convoy")
+    watchdog = GilWatchdog(telemetry, "convoy", max_stretch_s=60.0)  # (one stretch, however many looks it takes)
     stop = threading.Event()
 
     def loader():
