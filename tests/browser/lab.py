@@ -60,6 +60,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -588,3 +589,22 @@ BOKEH_ERRORS = (
     r"reading 'require'",
     r"Failed to load resource.*bokeh",
 )
+
+
+@contextlib.contextmanager
+def process(args: list[str], log: Path, env: dict[str, str], grace: float = 0.0) -> Iterator[subprocess.Popen]:
+    """A process that is stopped on exit: after `grace` seconds to end by itself, SIGTERM, then SIGKILL."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from lab import REPO, free_port
+from lab import REPO, free_port, process
 
 PARTICIPANTS = """
     import os, sys, threading, time
@@ -56,24 +55,6 @@ PARTICIPANTS = """
 
 
 @contextlib.contextmanager
-def _process(args: list[str], log: Path, env: dict[str, str], grace: float) -> Iterator[subprocess.Popen]:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace)
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
-
-
-@contextlib.contextmanager
 def room(n: int, *, min_cycle_s: float = 0.1) -> Iterator[str]:
     """A served pool with `n` participants training on it; yields its URL. On exit the
     participants stop (a stop file, then SIGTERM), then the server."""
@@ -85,7 +66,7 @@ def room(n: int, *, min_cycle_s: float = 0.1) -> Iterator[str]:
         env.update(PYTHONPATH=str(REPO), TRIO_TORCH_THREADS="1", HF_HUB_OFFLINE="1")
         serve = [sys.executable, "-m", "trio_widgets", "serve", "--port", str(port), "--min-cycle-s", str(min_cycle_s),
                  "--checkpoint-dir", str(where / "ckpt")]
-        with _process(serve, where / "server.log", env, 0) as server:
+        with process(serve, where / "server.log", env, 0) as server:
             deadline = time.monotonic() + 120
             while True:
                 with contextlib.suppress(httpx.TransportError):
@@ -98,7 +79,7 @@ def room(n: int, *, min_cycle_s: float = 0.1) -> Iterator[str]:
             script.write_text(textwrap.dedent(PARTICIPANTS))
             stop = where / "stop"
             try:
-                with _process([sys.executable, str(script), url, str(n), str(stop)], where / "participants.log",
+                with process([sys.executable, str(script), url, str(n), str(stop)], where / "participants.log",
                               env, 60):
                     try:
                         yield url

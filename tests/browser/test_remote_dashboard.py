@@ -12,19 +12,16 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import rendered
-from lab import ARTIFACTS, BOKEH_ERRORS, LabServer, free_port, open_notebook, write_notebook
+from lab import ARTIFACTS, BOKEH_ERRORS, LabServer, free_port, open_notebook, process, write_notebook
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("tml-browser-sdk-1", "tml-browser-trio-2")
@@ -65,25 +62,6 @@ TRIO_CLIENT = """
         previous = current
     service.backend.close()
 """
-
-
-@contextlib.contextmanager
-def process(args: list[str], log: Path, env: dict[str, str], grace: float = 0.0) -> Iterator[subprocess.Popen]:
-    """A process that is stopped on exit: after `grace` seconds to end by itself, SIGTERM, then SIGKILL."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
 
 
 def _wait_status(page: Any, predicate_js: str, timeout_s: float) -> str:

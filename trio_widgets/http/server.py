@@ -94,8 +94,7 @@ class Server:
                  id_tag: str = ""):
         if not isinstance(pool, LocalPool):
             raise TypeError(f"serve() takes a LocalPool, got {type(pool).__name__}")
-        if id_tag and not (isinstance(id_tag, str) and names.ID_TAG_RE.match(id_tag)):
-            raise ValueError(f"id_tag must be 1 to 24 lowercase letters and digits, got {id_tag!r:.40}")
+        names.id_prefix(id_tag)  # ValueError naming a tag that is not one
         check_bind(host, [*(api_keys or ()), *(observer_keys or ())])
         for name, value, low, high in (("session_timeout_s", session_timeout_s, 1.0, 86400.0),
                                        ("long_poll_s", long_poll_s, 0.01, 40.0),

@@ -65,11 +65,6 @@ __all__ = ["RETRIEVED_KEPT_S", "Service"]
 
 log = logging.getLogger("trio_widgets.http.server")
 
-#: A fleet's pools tag the ids they make (sessions, hence their models, samplers and checkpoint
-#: paths; and requests), so that its ingress routes every request to its pool without a table
-#: (trio_widgets/http/fleet.py): sess-<tag>-<hex>, req-<tag>-<n>.
-ID_TAG_RE = names.ID_TAG_RE
-_MODEL_RE = names.RUN_ID_RE
 _SEEN_PER_SAMPLER = 4096
 _MAX_TOKENIZER_BYTES = 64 << 20
 # How long an answered result stays retrievable: the tinker SDK reads a retrieve for up to 45 s and then
@@ -525,16 +520,21 @@ class Service:
                                     field="base_model")
         return name
 
-    def _register_model(self, session: _Session, model_id: str, handle: ModelHandle, label: str) -> dict:
-        if session.state != "live" or self.stopping:  # it ended while the model was being built
+    def _admit(self, session: _Session, handle: ModelHandle, what: str) -> None:
+        """A client the engine just made, kept only if its session is live and its key's budget holds
+        (else released, and the request refused)."""
+        if session.state != "live" or self.stopping:  # it ended while the client was being built
             self.backend.release(handle.client_id)
-            raise _HttpError(410, f"session {session.session_id} ended while the model was being created",
+            raise _HttpError(410, f"session {session.session_id} ended while the {what} was being created",
                              code="client_closed")
         try:
             self._check_key_budget(session.owner, handle)
         except InvalidInputError:
             self.backend.release(handle.client_id)
             raise
+
+    def _register_model(self, session: _Session, model_id: str, handle: ModelHandle, label: str) -> dict:
+        self._admit(session, handle, "model")
         self.trained[model_id] = _Model(model_id, session, handle, label, _Ordered(self))
         self._lane(model_id, handle)
         session.clients.append(model_id)
@@ -802,15 +802,7 @@ class Service:
     # -- sampling ----------------------------------------------------------------------------
     def _register_sampler(self, session: _Session, sampler_id: str, handle: ModelHandle, model_path: str | None,
                           n: int) -> None:
-        if session.state != "live" or self.stopping:
-            self.backend.release(handle.client_id)
-            raise _HttpError(410, f"session {session.session_id} ended while the sampler was being created",
-                             code="client_closed")
-        try:
-            self._check_key_budget(session.owner, handle)
-        except InvalidInputError:
-            self.backend.release(handle.client_id)
-            raise
+        self._admit(session, handle, "sampler")
         self.samplers[sampler_id] = _Sampler(sampler_id, session, handle, model_path)
         self._lane(sampler_id, handle)
         session.sampler_ids[n] = sampler_id
@@ -931,7 +923,7 @@ class Service:
         # (the in-process class: no existence oracle across keys, another key's path reads as absent)
         missing = CheckpointNotFoundError(f"checkpoint {path!r:.200} was not found for this API key",
                                           path=str(path)[:200])
-        if not _MODEL_RE.match(run):
+        if not names.RUN_ID_RE.match(run):
             raise missing
         ckpt.validate_name(name, "path")
         local = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, run) / kind / name
@@ -940,7 +932,7 @@ class Service:
         return local
 
     def list_checkpoints(self, owner: str, model_id: str) -> dict:
-        if not _MODEL_RE.match(model_id):
+        if not names.RUN_ID_RE.match(model_id):
             raise _not_found(f"training run {model_id!r:.80}")
         root = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, model_id)
         model = self.trained.get(model_id)
@@ -955,7 +947,7 @@ class Service:
     # -- the REST catalog: this key's runs and checkpoints, answered by the engine's catalog ----------
     def _owned_run(self, owner: str, model_id: Any) -> str:
         """The directory of one of this key's runs (404 for anything else, another key's included)."""
-        if not isinstance(model_id, str) or not _MODEL_RE.match(model_id):
+        if not isinstance(model_id, str) or not names.RUN_ID_RE.match(model_id):
             raise _not_found(f"training run {model_id!r:.80}")
         return self._run_dir(owner, model_id)
 
