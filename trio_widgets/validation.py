@@ -19,7 +19,14 @@ import numpy as np
 
 from ._numbers import is_finite_number, is_int, is_number
 from .errors import InvalidInputError
-from .protocol.losses import FLOAT_INPUTS, REQUIRED_INPUTS, check_loss_inputs, normalise_loss_name, resolved_config
+from .protocol.losses import (
+    FLOAT_INPUTS,
+    IGNORE_TARGET,
+    REQUIRED_INPUTS,
+    check_loss_inputs,
+    normalise_loss_name,
+    resolved_config,
+)
 from .types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 
 __all__ = ["MAX_STOP_STRINGS", "MAX_STOP_STRING_CHARS", "MAX_STOP_TOKEN_IDS", "MAX_STOP_TOTAL_CHARS",
@@ -65,10 +72,19 @@ class CheckedDatum:
         return len(self.tokens)
 
     @property
+    def read(self) -> list[bool]:
+        """Per position, whether the loss reads it: not a target of -100 (IGNORE_TARGET, pytrio's rule)."""
+        if self.target_tokens is None:
+            return [True] * len(self.tokens)
+        return [t != IGNORE_TARGET for t in self.target_tokens]
+
+    @property
     def weight(self) -> float:
-        """Loss-weighted tokens (every token weighs 1 without `weights`)."""
+        """Loss-weighted tokens (every token weighs 1 without `weights`); a target of -100 weighs 0."""
         weights = self.floats.get("weights")
-        return float(sum(weights)) if weights is not None else float(len(self.tokens))
+        if weights is None:
+            return float(sum(self.read))
+        return float(sum(w for w, r in zip(weights, self.read) if r))
 
 
 def check_loss(loss_fn: Any, loss_fn_config: Any) -> tuple[str, dict[str, float]]:
@@ -98,11 +114,21 @@ def check_loss(loss_fn: Any, loss_fn_config: Any) -> tuple[str, dict[str, float]
     return loss_fn, config
 
 
-def _check_tokens(tokens: Sequence[int], vocab: int, where: str, index: int | None) -> None:
+def _check_tokens(tokens: Sequence[int], vocab: int | None, where: str, index: int | None) -> None:
+    """Token ids in [0, vocab) (without a model: >= 0)."""
     for pos, tok in enumerate(tokens):
-        if not (0 <= tok < vocab):
-            raise InvalidInputError(f"token id {tok} at position {pos} is outside the vocabulary [0, {vocab})",
-                                    field=where, datum_index=index)
+        if tok < 0 or (vocab is not None and tok >= vocab):
+            bound = f"outside the vocabulary [0, {vocab})" if vocab is not None else "negative: a token id is >= 0"
+            raise InvalidInputError(f"token id {tok} at position {pos} is {bound}", field=where, datum_index=index)
+
+
+def _check_targets(targets: Sequence[int], vocab: int | None, where: str, index: int | None) -> None:
+    """Target ids in [0, vocab), or -100 (IGNORE_TARGET: the position is not read, pytrio's rule)."""
+    for pos, tok in enumerate(targets):
+        if tok != IGNORE_TARGET and (tok < 0 or (vocab is not None and tok >= vocab)):
+            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise InvalidInputError(f"target token id {tok} at position {pos} is neither a token id {bound} nor "
+                                    f"{IGNORE_TARGET} (ignore this position)", field=where, datum_index=index)
 
 
 def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
@@ -136,11 +162,10 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
             if not is_int(tok):
                 raise InvalidInputError(f"token {pos} is {tok!r}, not an integer token id",
                                         field=f"{where}.model_input", datum_index=i)
-        if limits is not None:
-            if length > limits.context_length:
-                raise InvalidInputError(f"model_input has {length} tokens, more than the context of {limits.name} "
-                                        f"({limits.context_length})", field=f"{where}.model_input", datum_index=i)
-            _check_tokens(tokens, limits.vocab_size, f"{where}.model_input", i)
+        if limits is not None and length > limits.context_length:
+            raise InvalidInputError(f"model_input has {length} tokens, more than the context of {limits.name} "
+                                    f"({limits.context_length})", field=f"{where}.model_input", datum_index=i)
+        _check_tokens(tokens, limits.vocab_size if limits is not None else None, f"{where}.model_input", i)
         for key in needed:
             if key not in datum.loss_fn_inputs:
                 have = ", ".join(sorted(datum.loss_fn_inputs)) or "nothing"
@@ -165,8 +190,7 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
                     raise InvalidInputError("target tokens must be integers, got floats", field=field_name,
                                             datum_index=i)
                 target = [int(t) for t in td.data]
-                if limits is not None:
-                    _check_tokens(target, limits.vocab_size, field_name, i)
+                _check_targets(target, limits.vocab_size if limits is not None else None, field_name, i)
             elif key in FLOAT_INPUTS:
                 values = np.asarray(td.data, dtype=np.float64)
                 bad = np.flatnonzero(~np.isfinite(values))
@@ -176,7 +200,7 @@ def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
                         field=field_name, datum_index=i)
                 floats[key] = [float(v) for v in td.data]
         try:
-            check_loss_inputs(loss_fn, floats)
+            check_loss_inputs(loss_fn, floats, target)
         except ValueError as exc:  # the message names the loss_fn_inputs key
             raise InvalidInputError(str(exc), field=where, datum_index=i) from None
         checked.append(CheckedDatum(tokens, target, floats))

@@ -20,7 +20,7 @@ from ..protocol.losses import forward_metrics, tokens_read
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import RequestLimits, check_batch
 from .lora import LoRAAdapter, finite_flags
-from .losses import LOSSES
+from .losses import IGNORE_TARGET, datum_loss
 from .models import BaseModel
 from .packing import PackPlan, Segment, active_plan
 
@@ -59,7 +59,8 @@ def make_forward_job(base: BaseModel, data: Any, loss_fn: str, config: dict[str,
     tensors = [PreparedDatum(torch.tensor(d.tokens, dtype=torch.long), torch.tensor(d.target_tokens, dtype=torch.long),
                              {k: torch.tensor(v, dtype=torch.float32) for k, v in d.floats.items()}) for d in checked]
     job = ForwardJob(data=tensors, loss_fn=loss_fn, config=config, backward=backward,
-                     token_count=sum(tokens_read(loss_fn, d.length, d.floats.get("weights")) for d in checked))
+                     token_count=sum(tokens_read(loss_fn, d.length, d.floats.get("weights"), d.target_tokens)
+                                     for d in checked))
     return job, sum(d.weight for d in checked)
 
 
@@ -117,13 +118,14 @@ def _target_logprobs(base: BaseModel, jobs: list[_Work],
     with active_plan(plan):
         logits = base.model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
     targets = torch.cat([x.target_tokens for x in data]).to(base.device)
-    logp = -F.cross_entropy(logits.float(), targets, reduction="none")  # one op for the whole row
+    # one op for the whole row; a target of -100 (IGNORE_TARGET) gets logp 0 and no gradient
+    logp = -F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=IGNORE_TARGET)
     return list(logp.split(lengths)), plan
 
 
 def _datum_loss(job: ForwardJob, d: int, logp: torch.Tensor, device: torch.device) -> torch.Tensor:
     inputs = {k: v.to(device) for k, v in job.data[d].inputs.items()}
-    return LOSSES[job.loss_fn](logp, inputs, job.config)
+    return datum_loss(job.loss_fn, logp, inputs, job.config, job.data[d].target_tokens)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from ..protocol.losses import (  # noqa: F401 - the specs, re-exported beside the functions
     CONFIG_KEYS,
     FLOAT_INPUTS,
+    IGNORE_TARGET,
     LOSS_NAMES,
     REQUIRED_INPUTS,
     UNAVAILABLE_LOSSES,
@@ -78,6 +79,22 @@ LOSSES: dict[str, LossFn] = {  # one per name of trio_widgets.protocol.losses.LO
     "dro": dro,
     "gspo": gspo,
 }
+
+
+def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: LossInputs, config: dict,
+               target_tokens: torch.Tensor) -> torch.Tensor:
+    """One datum's per-token loss. A position whose target is IGNORE_TARGET (-100, pytrio's
+    rule) is not read: its loss is 0 with no gradient (as a weight of 0 gives), and gspo's
+    sequence ratio leaves it out. (Its logp is 0 already: the packed pass's cross-entropy
+    ignores -100.) `target_tokens` stays on the CPU: finding the ignored ones costs no device sync."""
+    ignored = target_tokens == IGNORE_TARGET
+    if not bool(ignored.any()):
+        return LOSSES[loss_fn](logp, inputs, config)
+    read = (~ignored).to(logp.device)
+    if "sequence_ratio_mask" in inputs:
+        inputs = {**inputs, "sequence_ratio_mask": torch.where(read, inputs["sequence_ratio_mask"], 0.0)}
+    return torch.where(read, LOSSES[loss_fn](logp, inputs, config), torch.zeros((), dtype=logp.dtype,
+                                                                                  device=logp.device))
 
 
 def check_loss_inputs(loss_fn: str, inputs: LossInputs) -> None:

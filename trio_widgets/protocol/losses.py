@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["CONFIG_KEYS", "FLOAT_INPUTS", "LOSS_NAMES", "REQUIRED_INPUTS", "UNAVAILABLE_LOSSES", "check_loss_inputs",
-           "forward_metrics", "normalise_loss_name", "resolved_config", "tokens_read"]
+__all__ = ["CONFIG_KEYS", "FLOAT_INPUTS", "IGNORE_TARGET", "LOSS_NAMES", "REQUIRED_INPUTS", "UNAVAILABLE_LOSSES",
+           "check_loss_inputs", "forward_metrics", "normalise_loss_name", "resolved_config", "tokens_read"]
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
@@ -20,6 +20,11 @@ REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
     "dro": _RL_INPUTS,
     "gspo": (*_RL_INPUTS, "sequence_ratio_mask"),
 }
+#: A target token that marks its position as not read (pytrio's rule, and PyTorch's `ignore_index`):
+#: it adds nothing to any loss, gradient or count, as a weight of 0 would. Any other negative id
+#: is refused.
+IGNORE_TARGET = -100
+
 FLOAT_INPUTS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 CONFIG_KEYS: dict[str, dict[str, float]] = {
     "cross_entropy": {},
@@ -62,12 +67,18 @@ def normalise_loss_name(name: object) -> str:
     raise ValueError(f"unknown loss_fn {name!r}; choose one of {', '.join(LOSS_NAMES)}")
 
 
-def check_loss_inputs(loss_fn: str, inputs: Mapping[str, Sequence[float]]) -> None:
+def check_loss_inputs(loss_fn: str, inputs: Mapping[str, Sequence[float]],
+                      targets: Sequence[int] | None = None) -> None:
     """Checks of one datum's inputs beyond presence, length and finiteness (which the client
     does). Raises ValueError naming the key: a loss must not find out inside the cycle."""
-    if loss_fn == "gspo" and not any(v != 0 for v in inputs["sequence_ratio_mask"]):
-        raise ValueError("loss_fn_inputs['sequence_ratio_mask'] marks no token: gspo's sequence ratio is a "
-                         "mean over the marked tokens (mark the sampled tokens with 1)")
+    if loss_fn == "gspo":
+        read = [t != IGNORE_TARGET for t in targets] if targets is not None else None
+        mask = inputs["sequence_ratio_mask"]
+        if not any(v != 0 and (read is None or read[i]) for i, v in enumerate(mask)):
+            also = " other than those whose target_tokens is -100 (ignored)" if read is not None and not all(read) \
+                else ""
+            raise ValueError(f"loss_fn_inputs['sequence_ratio_mask'] marks no token{also}: gspo's sequence ratio is "
+                             f"a mean over the marked tokens (mark the sampled tokens with 1)")
 
 
 def resolved_config(loss_fn: str, loss_fn_config: dict | None) -> dict[str, float]:
@@ -82,12 +93,15 @@ def resolved_config(loss_fn: str, loss_fn_config: dict | None) -> dict[str, floa
     return config
 
 
-def tokens_read(loss_fn: str, length: int, weights: Sequence[float] | None) -> int:
-    """pytrio's `token_count` of one datum: the tokens with a weight other than 0 for
-    cross_entropy (all of them without `weights`), every target token for the other losses."""
-    if loss_fn != "cross_entropy" or weights is None:
-        return length
-    return sum(1 for w in weights if w != 0)
+def tokens_read(loss_fn: str, length: int, weights: Sequence[float] | None,
+                targets: Sequence[int] | None = None) -> int:
+    """pytrio's `token_count` of one datum: the target tokens the loss reads. A target of
+    IGNORE_TARGET (-100) is never read; for cross_entropy neither is one of weight 0 (without
+    `weights` every other one is); the other losses read every other target."""
+    read = [t != IGNORE_TARGET for t in targets] if targets is not None else [True] * length
+    if loss_fn == "cross_entropy" and weights is not None:
+        read = [r and w != 0 for r, w in zip(read, weights)]
+    return sum(read)
 
 
 def forward_metrics(loss_sum: float, token_count: int) -> dict[str, float]:
