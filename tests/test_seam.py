@@ -4,6 +4,7 @@ the op table plus its prepare/run pair."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import typing
 from typing import Any
@@ -83,7 +84,8 @@ EXAMPLES = [
 
 
 def test_every_request_type_is_in_the_examples():
-    requests = {name for name in backend.__all__ if name.endswith(("Request", "Handle", "Created"))}
+    requests = {name for name in backend.__all__ if name.endswith(("Request", "Handle", "Created"))
+                and not (isinstance(getattr(backend, name), type) and issubclass(getattr(backend, name), backend.Call))}
     assert requests == {type(e).__name__ for e in EXAMPLES} | {"ModelHandle", "Request"}
     # the union a backend's submit takes: every request type of a client's ops
     assert set(typing.get_args(backend.Request)) == {type(e) for e in EXAMPLES if type(e).__name__ in {
@@ -138,3 +140,77 @@ def test_an_op_without_handlers_is_refused_when_the_pool_is_built(monkeypatch):
     monkeypatch.setitem(ops.OPS, "orphan", ops.OpSpec("orphan", "state", "orphan", "#000000", "orphan"))
     with pytest.raises(RuntimeError, match="HANDLERS has no entry 'orphan'"):
         trio.LocalPool(min_cycle_s=0.0, name="orphan-op")
+
+
+# -- the one narrow seam: every transport calls these, and nothing else of the engine --------------------
+
+SEAM = {"name", "session_id", "pool", "open", "submit", "reserve", "release", "call", "run_in_background", "close"}
+CALLS = [getattr(backend, n) for n in backend.__all__
+         if isinstance(getattr(backend, n), type) and issubclass(getattr(backend, n), backend.Call)
+         and getattr(backend, n) is not backend.Call]
+
+
+def _members(protocol: type) -> set[str]:
+    return {n for n in {*vars(protocol), *typing.get_type_hints(protocol)}
+            if not n.startswith("_") and n not in ("mro",)}
+
+
+def test_the_seam_has_ten_members():
+    assert _members(backend.Backend) == SEAM  # httpx's transport has 2; ours: make, run, let go, ask, close
+
+
+@pytest.mark.parametrize("cls", ["trio_widgets.engine.backend:LocalBackend", "trio_widgets.http.client:HttpBackend"])
+def test_each_backend_is_the_seam_and_answers_every_call(cls):
+    import importlib
+
+    module, name = cls.split(":")
+    impl = getattr(importlib.import_module(module), name)
+    for member in SEAM - {"name", "session_id", "pool"}:
+        assert callable(getattr(impl, member)), member
+    # what only the engine answers: the directory on the pool's machine, and its session table
+    engine_only = {backend.CheckpointDir, backend.OpenSession}
+    for call in CALLS:
+        method = getattr(impl, f"_on_{call.verb}", None)
+        if name == "HttpBackend" and call in engine_only:
+            assert method is None, call
+            continue
+        assert callable(method), f"{name} does not answer {call.__name__}"
+        # the call's fields are the method's keywords
+        params = set(inspect.signature(method).parameters) - {"self"}
+        assert {f.name for f in dataclasses.fields(call)} <= params, call
+    for request, maker in backend._OPENS.items():
+        assert callable(getattr(impl, maker)), (name, request)
+
+
+def test_a_call_nobody_answers_is_refused_by_name():
+    with trio.LocalPool(min_cycle_s=0.0, name="seam-calls") as pool:
+        local = pool.connect(session=False)
+        with pytest.raises(TypeError, match="Call types, got str"):
+            local.call("capabilities")
+        with pytest.raises(TypeError, match="open\\(\\) takes a CreateModelRequest"):
+            local.open(backend.SupportedModels())
+        assert trio.DEFAULT_MODEL in local.call(backend.SupportedModels())
+        assert local.call(backend.IsBaseModel(trio.DEFAULT_MODEL)) is True
+        assert local.call(backend.IsCheckpoint("/nonexistent/x")) is False
+
+
+_CODECS = ["trio_widgets/http/service.py", "trio_widgets/http/routes.py"]
+
+
+@pytest.mark.parametrize("path", _CODECS)
+def test_a_codec_reaches_the_engine_only_through_the_seam(path):
+    """The Tinker wire codec imports nothing of the engine, and the only methods it calls on a
+    backend (`self.backend`, `s.backend`, the key's `self.of(owner)`) are the seam's."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent.parent / path).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert "engine" not in (node.module or ""), f"{path} imports {node.module}"
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+            is_backend = (isinstance(target, ast.Attribute) and target.attr == "backend") or \
+                (isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and target.func.attr == "of")
+            if is_backend:
+                assert node.func.attr in SEAM, f"{path}:{node.lineno} calls backend.{node.func.attr}"

@@ -10,11 +10,12 @@ or a callable.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, Union
 
+from .errors import NotSupportedError
 from .futures import APIFuture
 from .types import (
     AdamParams,
@@ -31,10 +32,13 @@ from .types import (
 )
 
 __all__ = [
-    "Backend", "Catalog", "ComputeLogprobsRequest", "CreateModelRequest", "CreateSamplerRequest", "ExportUrls",
-    "ForwardRequest",
-    "FromStateRequest", "InspectRequest", "LoadRequest", "ModelHandle", "OptimStepRequest", "Request", "Reservation",
-    "SampleRequest", "SamplerCreated", "SaveRequest",
+    "AttachSampler", "Backend", "Call", "Capabilities", "CheckpointDir", "ComputeLogprobsRequest", "CreateModelRequest",
+    "CreateSamplerRequest", "DeleteCheckpoint", "DownloadCheckpoint", "ExportUrls", "ForwardRequest",
+    "FromStateRequest", "GetExportUrls", "GetSampler", "GetSession", "GetTokenizer", "GetTrainingRun",
+    "InspectRequest", "IsBaseModel", "IsCheckpoint", "ListCheckpoints", "ListSessions", "ListTrainingRuns",
+    "LoadRequest", "ModelHandle", "Open", "OpenSession", "OptimStepRequest", "Request", "Reservation",
+    "SampleRequest", "SamplerCreated", "SamplerHandle", "SaveRequest", "SetCheckpointTtl", "SupportedModels",
+    "WeightsInfo", "answer", "opened",
 ]
 
 
@@ -202,45 +206,204 @@ class ExportUrls:
     expires: datetime
 
 
-class Catalog(Protocol):
-    """What the RestClient asks (trio_widgets/rest.py); answers are the plain types of
-    trio_widgets.types. Ids: a training run's `run_id`, a sampler's client id."""
+# -- the seam's questions: everything but running an op -----------------------------------------
 
-    def capabilities(self) -> GetServerCapabilitiesResponse: ...
-
-    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]: ...
-
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None: ...
-
-    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None: ...
-
-    def weights_info(self, path: Any) -> WeightsInfoResponse: ...
-
-    def export_urls(self, path: Any) -> ExportUrls:
-        """Download URLs of a checkpoint's PEFT files (trio_widgets/export.py)."""
-        ...
-
-    def download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
-        """Write a checkpoint's PEFT files into the directory `destination`; name -> size."""
-        ...
-
-    def training_run(self, run_id: str) -> TrainingRun: ...
-
-    def training_runs(self) -> list[TrainingRun]: ...
-
-    def sampler(self, sampler_id: str) -> GetSamplerResponse: ...
-
-    def session(self, session_id: str) -> GetSessionResponse: ...
-
-    def sessions(self) -> list[str]: ...
-
-    def close(self) -> None: ...
+T = TypeVar("T")
+_A = TypeVar("_A", covariant=True)
 
 
-class Backend(Catalog, Protocol):
-    """Where a ServiceClient's requests run (and, as a Catalog, what its RestClient lists).
-    Every method raises InvalidInputError (naming the field) for a request it refuses, before
-    anything is queued."""
+class Call(Generic[_A]):
+    """A question (or a catalog change) a transport puts to `Backend.call`; `T` is its answer.
+    Each names the method of a backend that answers it (`_on_<verb>`, private: the one way in is
+    `call`), which takes the call's fields as keywords."""
+
+    verb: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class SupportedModels(Call[list[str]]):
+    verb: ClassVar[str] = "supported_models"
+
+
+@dataclass(frozen=True)
+class IsBaseModel(Call[bool]):
+    """Whether `name` names a model the pool serves (a sampling client's argument order)."""
+
+    name: Any
+    verb: ClassVar[str] = "is_base_model"
+
+
+@dataclass(frozen=True)
+class IsCheckpoint(Call[bool]):
+    """Whether `path` names a checkpoint the backend can load."""
+
+    path: Any
+    verb: ClassVar[str] = "is_checkpoint"
+
+
+@dataclass(frozen=True)
+class Capabilities(Call[GetServerCapabilitiesResponse]):
+    verb: ClassVar[str] = "capabilities"
+
+
+@dataclass(frozen=True)
+class ListCheckpoints(Call[list[Checkpoint]]):
+    """A run's checkpoints (`run_id`), or every checkpoint the caller may list (None), oldest first."""
+
+    run_id: str | None = None
+    verb: ClassVar[str] = "checkpoints"
+
+
+@dataclass(frozen=True)
+class DeleteCheckpoint(Call[None]):
+    run_id: str
+    checkpoint_id: str
+    verb: ClassVar[str] = "delete_checkpoint"
+
+
+@dataclass(frozen=True)
+class SetCheckpointTtl(Call[None]):
+    run_id: str
+    checkpoint_id: str
+    ttl_seconds: int | None
+    verb: ClassVar[str] = "set_checkpoint_ttl"
+
+
+@dataclass(frozen=True)
+class WeightsInfo(Call[WeightsInfoResponse]):
+    path: Any
+    verb: ClassVar[str] = "weights_info"
+
+
+@dataclass(frozen=True)
+class GetExportUrls(Call["ExportUrls"]):
+    """Download URLs of a checkpoint's PEFT files (trio_widgets/export.py)."""
+
+    path: Any
+    verb: ClassVar[str] = "export_urls"
+
+
+@dataclass(frozen=True)
+class CheckpointDir(Call[Path]):
+    """The directory on this machine a checkpoint path names, which exists (a served pool streams
+    its files; a key's backend answers for its own runs' tinker:// paths only)."""
+
+    path: Any
+    verb: ClassVar[str] = "checkpoint_dir"
+
+
+@dataclass(frozen=True)
+class DownloadCheckpoint(Call[dict[str, int]]):
+    """Write a checkpoint's PEFT files into the directory `destination`; answers name -> size."""
+
+    path: Any
+    destination: Path
+    max_bytes: int
+    verb: ClassVar[str] = "download_checkpoint"
+
+
+@dataclass(frozen=True)
+class GetTrainingRun(Call[TrainingRun]):
+    run_id: str
+    verb: ClassVar[str] = "training_run"
+
+
+@dataclass(frozen=True)
+class ListTrainingRuns(Call[list[TrainingRun]]):
+    """The runs the caller may list, most recent first."""
+
+    verb: ClassVar[str] = "training_runs"
+
+
+@dataclass(frozen=True)
+class GetSampler(Call[GetSamplerResponse]):
+    sampler_id: str
+    verb: ClassVar[str] = "sampler"
+
+
+@dataclass(frozen=True)
+class OpenSession(Call[None]):
+    """List a session in the pool's one session table (a server opens one per remote ServiceClient;
+    requests that name it list their runs and samplers under it)."""
+
+    session_id: str
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+    verb: ClassVar[str] = "open_session"
+
+
+@dataclass(frozen=True)
+class GetSession(Call[GetSessionResponse]):
+    session_id: str
+    verb: ClassVar[str] = "session"
+
+
+@dataclass(frozen=True)
+class ListSessions(Call[list[str]]):
+    """Session ids, newest first."""
+
+    verb: ClassVar[str] = "sessions"
+
+
+@dataclass(frozen=True)
+class SamplerHandle(Call[str]):
+    """A string another process passes to `AttachSampler` to sample from the same sampler (tinker's
+    get_sampler_handle); no credentials in it. NotSupportedError where samplers cannot leave the
+    process (an in-process pool)."""
+
+    client_id: str
+    verb: ClassVar[str] = "sampler_handle"
+
+
+@dataclass(frozen=True)
+class GetTokenizer(Call[Any]):
+    """The base model's tokenizer (a transformers tokenizer)."""
+
+    base_model: str
+    verb: ClassVar[str] = "tokenizer"
+
+
+@dataclass(frozen=True)
+class AttachSampler:
+    """Open this backend's client of a sampler another backend made (same key): it samples, and
+    releasing it leaves the sampler to its maker."""
+
+    sampler_id: str
+
+
+#: What `Backend.open` makes a client of: a new run, a run from saved state, a sampler, another's sampler.
+Open = Union[CreateModelRequest, FromStateRequest, CreateSamplerRequest, AttachSampler]
+
+_OPENS: dict[type, str] = {CreateModelRequest: "_on_create_model", FromStateRequest: "_on_create_model_from_state",
+                           CreateSamplerRequest: "_on_create_sampler", AttachSampler: "_on_attach_sampler"}
+
+
+def answer(backend: object, request: Call[T]) -> T:
+    """`backend.call(request)`: the backend's `_on_<verb>` with the request's fields."""
+    if not isinstance(request, Call):
+        raise TypeError(f"call() takes one of trio_widgets.backend's Call types, got {type(request).__name__}")
+    method = getattr(backend, f"_on_{request.verb}", None)
+    if method is None:
+        raise NotSupportedError(f"{type(backend).__name__} does not answer {type(request).__name__}")
+    return method(**{f.name: getattr(request, f.name) for f in fields(request)})  # type: ignore[arg-type]
+
+
+def opened(backend: object, request: Open) -> ModelHandle:
+    """`backend.open(request)`: the backend's maker of that kind of client."""
+    name = _OPENS.get(type(request))
+    if name is None:
+        raise TypeError(f"open() takes a CreateModelRequest, FromStateRequest, CreateSamplerRequest or "
+                        f"AttachSampler, got {type(request).__name__}")
+    return getattr(backend, name)(request)
+
+
+class Backend(Protocol):
+    """The one seam every transport calls (httpx's transport, in the shape of this API): the
+    in-process client, the served pool's wire codecs. Ten members: make clients (`open`), run
+    ops (`submit`, `reserve`), let go (`release`), ask anything else (`call`, with a `Call`),
+    run client-side work (`run_in_background`), and what a backend is (`name`, `session_id`,
+    `pool`), `close`. Every method raises InvalidInputError (naming the field) for a request it
+    refuses, before anything is queued."""
 
     name: str
 
@@ -254,32 +417,7 @@ class Backend(Catalog, Protocol):
         """The in-process pool behind this backend, or None (a served pool)."""
         ...
 
-    def supported_models(self) -> list[str]: ...
-
-    def is_base_model(self, name: Any) -> bool:
-        """Whether `name` names a model this backend serves (a sampling client's argument order)."""
-        ...
-
-    def is_checkpoint(self, path: Any) -> bool:
-        """Whether `path` names a checkpoint this backend can load."""
-        ...
-
-    def create_model(self, request: CreateModelRequest) -> ModelHandle: ...
-
-    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle: ...
-
-    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle: ...
-
-    def sampler_handle(self, client_id: str) -> str:
-        """A string another process passes to `attach_sampler` to sample from the same sampler
-        (tinker's get_sampler_handle); no credentials in it. NotSupportedError where samplers
-        cannot leave the process (an in-process pool)."""
-        ...
-
-    def attach_sampler(self, sampler_id: str) -> ModelHandle:
-        """This backend's client of a sampler another backend made (same key): it samples, and
-        releasing it leaves the sampler to its maker."""
-        ...
+    def open(self, request: Open) -> ModelHandle: ...
 
     def submit(self, client_id: str, op: str, request: Request) -> APIFuture: ...
 
@@ -287,7 +425,7 @@ class Backend(Catalog, Protocol):
 
     def release(self, client_id: str) -> None: ...
 
-    def tokenizer(self, base_model: str) -> Any: ...
+    def call(self, request: Call[T]) -> T: ...
 
     def run_in_background(self, work: Callable[[], None]) -> None:
         """Run client-side work (a custom loss) off the caller's thread and off the clock."""

@@ -34,20 +34,27 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from .backend import (
+    AttachSampler,
     Backend,
+    Capabilities,
     ComputeLogprobsRequest,
     CreateModelRequest,
     CreateSamplerRequest,
     ForwardRequest,
     FromStateRequest,
+    GetTokenizer,
     InspectRequest,
+    IsBaseModel,
+    IsCheckpoint,
     LoadRequest,
     ModelHandle,
     OptimStepRequest,
     Reservation,
     SamplerCreated,
     SampleRequest,
+    SamplerHandle,
     SaveRequest,
+    SupportedModels,
 )
 from .connect import DEFAULT_MODEL, Pool, connect
 from .connect import default_pool as default_pool
@@ -159,7 +166,7 @@ class _Client:
         return None
 
     def get_tokenizer(self) -> Any:
-        tokenizer = self._backend.tokenizer(self._handle.base_model)
+        tokenizer = self._backend.call(GetTokenizer(self._handle.base_model))
         if tokenizer is None:
             raise RuntimeError(f"no tokenizer was saved with {self._handle.base_model!r}")
         return tokenizer
@@ -667,7 +674,7 @@ class SamplingClient(_Client):
         """tinker: a string that `SamplingClient.from_sampler_handle` turns into a client of this
         same sampler, in any process (a served pool's sampler; no credentials in it). An
         in-process pool's samplers cannot leave the process: NotSupportedError says so."""
-        return self._backend.sampler_handle(self.client_id)
+        return self._backend.call(SamplerHandle(self.client_id))
 
     @staticmethod
     def from_sampler_handle(handle: str, *, api_key: str | None = None, base_url: str | None = None
@@ -688,7 +695,7 @@ class SamplingClient(_Client):
                 f"nothing was sent", field="handle")
         service = ServiceClient(base_url=fields["base_url"], api_key=key)
         try:
-            client = SamplingClient(service.backend, service.backend.attach_sampler(fields["sampler_id"]))
+            client = SamplingClient(service.backend, service.backend.open(AttachSampler(fields["sampler_id"])))
         except BaseException:
             service.close()
             raise
@@ -757,7 +764,7 @@ class SamplingClient(_Client):
         length = prompt.length if isinstance(prompt, ModelInput) else len(prompt)
         decode = None
         if return_text:
-            tokenizer = self._backend.tokenizer(self._handle.base_model)
+            tokenizer = self._backend.call(GetTokenizer(self._handle.base_model))
             decode = tokenizer.decode if tokenizer is not None else None
         return future.map(lambda response: finish_sample_response(response, length, decode))
 
@@ -1062,7 +1069,7 @@ class ServiceClient:
     def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
         """Each model with its context length and limits (tinker's and pytrio's fields). tinker
         0.38 prefers `RestClient().get_server_capabilities()`, which works here too."""
-        return self.backend.capabilities()
+        return self.backend.call(Capabilities())
 
     async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
         """The async twin of `get_server_capabilities`: the same answer, awaited."""
@@ -1074,7 +1081,7 @@ class ServiceClient:
 
     def get_supported_models(self) -> list[str]:
         """pytrio: the names of the models this pool can train and sample."""
-        return self.backend.supported_models()
+        return self.backend.call(SupportedModels())
 
     def create_rest_client(self) -> RestClient:
         """A RestClient over this session's pool (tinker 0.38 also lets you build `RestClient()`)."""
@@ -1106,7 +1113,7 @@ class ServiceClient:
         `optimizer`: None or AdamOptimizerConfig() (AdamW is the only optimizer here)."""
         self._check_open()
         _check_optimizer(optimizer)
-        handle = self.backend.create_model(CreateModelRequest(
+        handle = self.backend.open(CreateModelRequest(
             base_model, rank, seed, train_mlp=train_mlp, train_attn=train_attn, train_unembed=train_unembed,
             label=_label(user_metadata), user_metadata=check_user_metadata(user_metadata)))
         return self._training_client(handle)
@@ -1124,7 +1131,13 @@ class ServiceClient:
         """(model_path, base_model) from a call in tinker's order or pytrio's
         `create_sampling_client(base_model, model_path)`: a value that names a base model and
         no checkpoint is a base model; one that names both is ambiguous."""
-        is_model, is_checkpoint = self.backend.is_base_model, self.backend.is_checkpoint
+        backend = self.backend
+
+        def is_model(value: Any) -> bool:
+            return backend.call(IsBaseModel(value))
+
+        def is_checkpoint(value: Any) -> bool:
+            return backend.call(IsCheckpoint(value))
 
         def kind(value: Any) -> str | None:
             if value is None:
@@ -1151,7 +1164,7 @@ class ServiceClient:
         self._check_open()
         _sampler_options(retry_config, record_stability_info)
         model_path, base_model = self._resolve_sampler_paths(model_path, base_model)
-        handle = self.backend.create_sampler(CreateSamplerRequest(model_path, base_model, _label(user_metadata)))
+        handle = self.backend.open(CreateSamplerRequest(model_path, base_model, _label(user_metadata)))
         client = BackcompatSamplingClientFuture(self.backend, handle)
         self._track(client)
         return client
@@ -1167,7 +1180,7 @@ class ServiceClient:
         checkpoint's."""
         self._check_open()
         _check_optimizer(optimizer)
-        handle = self.backend.create_model_from_state(FromStateRequest(
+        handle = self.backend.open(FromStateRequest(
             path, False, _label(user_metadata), base_model=base_model,
             user_metadata=check_user_metadata(user_metadata)))
         return self._training_client(handle)
@@ -1179,7 +1192,7 @@ class ServiceClient:
         """A new training client that resumes a save_state checkpoint exactly: its weights and its
         AdamW state (moments and step count)."""
         self._check_open()
-        handle = self.backend.create_model_from_state(FromStateRequest(
+        handle = self.backend.open(FromStateRequest(
             path, True, _label(user_metadata), base_model=base_model,
             user_metadata=check_user_metadata(user_metadata)))
         return self._training_client(handle)

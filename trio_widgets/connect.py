@@ -33,8 +33,9 @@ class Pool(Protocol):
     def closed(self) -> bool: ...
 
     def connect(self, *, user_metadata: dict[str, str] | None = None, display_name: str | None = None,
-                session: bool = True) -> Backend:
-        """A backend over this pool; `session=False`: one that only reads (a RestClient's)."""
+                session: bool = True, owner: str | None = None) -> Backend:
+        """A backend over this pool; `session=False`: one that only reads (a RestClient's) or a
+        server's; `owner`: a served pool's API key (digest), whose runs and checkpoints it holds."""
         ...
 
 

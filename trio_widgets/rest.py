@@ -24,7 +24,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
-from .backend import Backend
+from .backend import (
+    Backend,
+    Capabilities,
+    DeleteCheckpoint,
+    DownloadCheckpoint,
+    GetExportUrls,
+    GetSampler,
+    GetSession,
+    GetTrainingRun,
+    ListCheckpoints,
+    ListSessions,
+    ListTrainingRuns,
+    SetCheckpointTtl,
+    WeightsInfo,
+)
 from .connect import Pool, connect
 from .errors import InvalidInputError
 from .export import DEFAULT_MAX_EXPORT_BYTES
@@ -135,31 +149,31 @@ class RestClient:
     # -- the server ----------------------------------------------------------------------------
     def get_server_capabilities(self) -> APIFuture[GetServerCapabilitiesResponse]:
         """What the pool serves: its base models (an `APIFuture`)."""
-        return _now(self._backend.capabilities)
+        return _now(lambda: self._backend.call(Capabilities()))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def list_checkpoints(self, training_run_id: str) -> APIFuture[CheckpointsListResponse]:
         """The checkpoints of one run (its `model_id` / `training_run_cuid`), oldest first."""
-        return _now(lambda: CheckpointsListResponse(checkpoints=self._backend.checkpoints(training_run_id)))
+        return _now(lambda: CheckpointsListResponse(checkpoints=self._backend.call(ListCheckpoints(training_run_id))))
 
     def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture[CheckpointsListResponse]:
         """Every checkpoint under the pool's checkpoint_dir, newest first, a page at a time."""
         def page() -> CheckpointsListResponse:
             lim, off = _page(limit, offset)
-            every = list(reversed(self._backend.checkpoints(None)))
+            every = list(reversed(self._backend.call(ListCheckpoints(None))))
             return CheckpointsListResponse(checkpoints=every[off:off + lim],
                                            cursor=Cursor(offset=off, limit=lim, total_count=len(every)))
         return _now(page)
 
     def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture[None]:
         """Delete `checkpoint_id` ("weights/<name>" or "sampler_weights/<name>") of a run."""
-        return _now(lambda: self._backend.delete_checkpoint(training_run_id, checkpoint_id))
+        return _now(lambda: self._backend.call(DeleteCheckpoint(training_run_id, checkpoint_id)))
 
     def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture[None]:
         """Delete the checkpoint a `tinker://` path names."""
         def delete() -> None:
             parsed = _parsed(tinker_path)
-            self._backend.delete_checkpoint(parsed.training_run_id, parsed.checkpoint_id)
+            self._backend.call(DeleteCheckpoint(parsed.training_run_id, parsed.checkpoint_id))
         return _now(delete)
 
     def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: int | None) -> APIFuture[None]:
@@ -167,12 +181,12 @@ class RestClient:
         An expired checkpoint is deleted when it is next listed or opened."""
         def set_ttl() -> None:
             parsed = _parsed(tinker_path)
-            self._backend.set_checkpoint_ttl(parsed.training_run_id, parsed.checkpoint_id, ttl_seconds)
+            self._backend.call(SetCheckpointTtl(parsed.training_run_id, parsed.checkpoint_id, ttl_seconds))
         return _now(set_ttl)
 
     def get_weights_info_by_tinker_path(self, tinker_path: str) -> APIFuture[WeightsInfoResponse]:
         """The base model, rank and kind of the checkpoint a `tinker://` path names."""
-        return _now(lambda: self._backend.weights_info(tinker_path))
+        return _now(lambda: self._backend.call(WeightsInfo(tinker_path)))
 
     # -- downloads (trio_widgets/export.py) -------------------------------------------------------
     def get_external_weights_urls(self, tinker_path: str) -> APIFuture[ExternalWeightsUrlsResponse]:
@@ -183,7 +197,7 @@ class RestClient:
         return _now(lambda: self._external_urls(tinker_path))
 
     def _external_urls(self, tinker_path: str) -> ExternalWeightsUrlsResponse:
-        urls = self._backend.export_urls(tinker_path)
+        urls = self._backend.call(GetExportUrls(tinker_path))
         return ExternalWeightsUrlsResponse(urls=dict(urls.file_urls), expires=urls.expires)
 
     def get_checkpoint_archive_url(self, checkpoint_id: str) -> APIFuture[CheckpointArchiveUrlResponse]:
@@ -191,14 +205,14 @@ class RestClient:
         (`checkpoint_id`: its tinker:// path, or its directory in-process, where the URL is the
         directory's file:// URL)."""
         def archive() -> CheckpointArchiveUrlResponse:
-            urls = self._backend.export_urls(checkpoint_id)
+            urls = self._backend.call(GetExportUrls(self._checkpoint_ref(checkpoint_id)))
             return CheckpointArchiveUrlResponse(url=urls.archive_url, expires=urls.expires)
         return _now(archive)
 
     def get_checkpoint_download_url(self, checkpoint_id: str) -> APIFuture[CheckpointDownloadSource]:
         """pytrio: the archive's URL as a download source (the pool itself, always ready)."""
         def source() -> CheckpointDownloadSource:
-            urls = self._backend.export_urls(checkpoint_id)
+            urls = self._backend.call(GetExportUrls(self._checkpoint_ref(checkpoint_id)))
             return CheckpointDownloadSource(checkpoint_id=str(checkpoint_id), url=urls.archive_url,
                                             expires=urls.expires)
         return _now(source)
@@ -219,7 +233,7 @@ class RestClient:
                 raise InvalidInputError(f"must be a directory path, got {destination_path!r:.80}",
                                         field="destination_path")
             destination = Path(os.fspath(destination_path)).expanduser()
-            sizes = self._backend.download_checkpoint(checkpoint_id, destination, int(max_bytes))
+            sizes = self._backend.call(DownloadCheckpoint(self._checkpoint_ref(checkpoint_id), destination, int(max_bytes)))
             total = sum(sizes.values())
             return CheckpointDownloadResult(checkpoint_id=str(checkpoint_id), path=str(destination),
                                             bytes_written=total, file_size_bytes=total)
@@ -228,37 +242,37 @@ class RestClient:
     # -- training runs, samplers, sessions -----------------------------------------------------
     def get_training_run(self, training_run_id: str, access_scope: AccessScope = "owned") -> APIFuture[TrainingRun]:
         """The record of one training run, by its id."""
-        return _now(lambda: self._backend.training_run(training_run_id))
+        return _now(lambda: self._backend.call(GetTrainingRun(training_run_id)))
 
     def get_training_run_by_tinker_path(self, tinker_path: str, access_scope: AccessScope = "owned"
                                         ) -> APIFuture[TrainingRun]:
         """The record of the training run a `tinker://` path belongs to."""
-        return _now(lambda: self._backend.training_run(_parsed(tinker_path).training_run_id))
+        return _now(lambda: self._backend.call(GetTrainingRun(_parsed(tinker_path).training_run_id)))
 
     def list_training_runs(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned",
                            project_id: str | None = None) -> APIFuture[TrainingRunsResponse]:
         """Runs this process served and runs with checkpoints on disk, most recent first."""
         def page() -> TrainingRunsResponse:
             lim, off = _page(limit, offset)
-            runs = self._backend.training_runs()
+            runs = self._backend.call(ListTrainingRuns())
             return TrainingRunsResponse(training_runs=runs[off:off + lim],
                                         cursor=Cursor(offset=off, limit=lim, total_count=len(runs)))
         return _now(page)
 
     def get_sampler(self, sampler_id: str) -> APIFuture[GetSamplerResponse]:
         """A sampler this process made (`SamplingClient.sampling_run_cuid`)."""
-        return _now(lambda: self._backend.sampler(sampler_id))
+        return _now(lambda: self._backend.call(GetSampler(sampler_id)))
 
     def get_session(self, session_id: str, access_scope: AccessScope = "owned") -> APIFuture[GetSessionResponse]:
         """A session is one ServiceClient of this process (`service_session_cuid`)."""
-        return _now(lambda: self._backend.session(session_id))
+        return _now(lambda: self._backend.call(GetSession(session_id)))
 
     def list_sessions(self, limit: int = 20, offset: int = 0, access_scope: AccessScope = "owned"
                       ) -> APIFuture[ListSessionsResponse]:
         """The sessions (one per `ServiceClient`) this pool has seen, a page at a time."""
         def page() -> ListSessionsResponse:
             lim, off = _page(limit, offset)
-            return ListSessionsResponse(sessions=self._backend.sessions()[off:off + lim])
+            return ListSessionsResponse(sessions=self._backend.call(ListSessions())[off:off + lim])
         return _now(page)
 
     # -- hosted-only names (trio_widgets/hosted.py): they exist, and say why not here ---------------

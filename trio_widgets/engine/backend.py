@@ -22,7 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from .._worker import BackgroundWorker
-from ..backend import CreateModelRequest, CreateSamplerRequest, ExportUrls, FromStateRequest, ModelHandle, SaveRequest
+from ..backend import (
+    AttachSampler,
+    Call,
+    CreateModelRequest,
+    CreateSamplerRequest,
+    ExportUrls,
+    FromStateRequest,
+    LoadRequest,
+    ModelHandle,
+    Open,
+    SaveRequest,
+    T,
+    answer,
+    opened,
+)
 from ..errors import (
     CheckpointNotFoundError,
     ClientClosedError,
@@ -32,7 +46,7 @@ from ..errors import (
 )
 from ..export import PEFT_FILES, CheckpointExport, extract_tar
 from ..futures import APIFuture
-from ..protocol import names
+from ..protocol import names, parse_tinker_path
 from ..types import (
     AdamOptimizerConfig,
     Checkpoint,
@@ -133,21 +147,27 @@ def _owner() -> str:
 
 class LocalBackend:
     """Runs a ServiceClient's requests on `pool` (see trio_widgets.backend.Backend). One backend
-    is one session: the runs and samplers it creates are listed under `session_id`."""
+    is one session: the runs and samplers it creates are listed under `session_id`.
+
+    `owner`: a served pool's API key (its digest): that key's backend, whose runs live under
+    `served/<owner>/`, which reads checkpoints by its own runs' tinker:// paths only and lists
+    its own runs and checkpoints only (another key's read as absent: no existence oracle).
+    Ownership is this object: a server holds one per key."""
 
     def __init__(self, pool: PoolLike, *, user_metadata: dict[str, str] | None = None,
-                 display_name: str | None = None, session: bool = True):
+                 display_name: str | None = None, session: bool = True, owner: str | None = None):
         self.pool = pool
         self.name = pool.name
+        self.owner = owner
         self.session_id = names.new_session_id()
         self._worker = BackgroundWorker(f"trio-client-{pool.name}")
         # the hook holds the worker, not this backend: no cycle keeps a dropped pool alive
         pool.on_close(self._worker.stop)
         self._ledger = _ledger(pool)
         if session:  # a RestClient's backend reads the ledger only: it is no session
-            self.open_session(self.session_id, user_metadata, display_name)
+            self._on_open_session(self.session_id, user_metadata, display_name)
 
-    def open_session(self, session_id: str, user_metadata: dict[str, str] | None = None,
+    def _on_open_session(self, session_id: str, user_metadata: dict[str, str] | None = None,
                      display_name: str | None = None) -> None:
         """List a session in the pool's one session table (a server opens one per remote
         ServiceClient; requests that name it list their runs and samplers under it)."""
@@ -159,14 +179,72 @@ class LocalBackend:
     def __repr__(self) -> str:
         return f"<LocalBackend {self.pool!r} {self.session_id}>"
 
+    # -- the seam (trio_widgets.backend.Backend) ------------------------------------------------
+    def open(self, request: Open) -> ModelHandle:
+        return opened(self, request)
+
+    def call(self, request: Call[T]) -> T:
+        return answer(self, request)
+
+    # -- ownership ------------------------------------------------------------------------------
+    def _resolve(self, path: Any) -> Path:
+        """The directory a checkpoint path names: any path in-process; for a key's backend, the
+        tinker:// path of one of its own runs, that exists."""
+        if self.owner is None:
+            return ckpt.resolve_path(path, self.pool)
+        return self._owned_dir(path)
+
+    def _on_checkpoint_dir(self, path: Any) -> Path:
+        """(A served pool streams a checkpoint's files from it: an expired one reads as absent, as
+        listings do.)"""
+        directory = self._resolve(path)
+        try:
+            meta = ckpt.read_manifest(directory, self.pool)
+        except OSError as exc:
+            raise ckpt.CheckpointError(f"cannot read checkpoint {str(path)!r:.200}: {exc.strerror or exc}",
+                                       path=str(path)[:200]) from None
+        if meta and ckpt.expired(meta, str(path)):
+            raise CheckpointNotFoundError(f"checkpoint {str(path)!r:.200} has expired", path=str(path)[:200])
+        return directory
+
+    def _owned_dir(self, path: Any) -> Path:
+        parsed = parse_tinker_path(path)  # a malformed path is a 400 naming the field
+        missing = CheckpointNotFoundError(f"checkpoint {path!r:.200} was not found for this API key",
+                                          path=str(path)[:200])
+        if not names.RUN_ID_RE.match(parsed.run_id):
+            raise missing
+        ckpt.validate_name(parsed.name, "path")
+        local = ckpt.checkpoint_root(self.pool) / names.owner_run_dir(self.owner, parsed.run_id) / \
+            parsed.segment / parsed.name
+        if not local.is_dir():
+            raise missing
+        return local
+
+    def _owned(self, run_id: Any) -> str:
+        """The directory of `run_id` under this key's tree (NotFound for a malformed id)."""
+        if not isinstance(run_id, str) or not names.RUN_ID_RE.match(run_id):
+            raise NotFound(f"training run {run_id!r:.80} was not found for this API key", field="training_run_id")
+        return names.owner_run_dir(self.owner, run_id)
+
+    def _owned_runs(self) -> list[str]:
+        """This key's run ids: served here, or with checkpoints on disk (from an earlier start); a
+        listing, bounded."""
+        ids = set(self._runs_in(f"{names.SERVED_DIR}/{self.owner}"))
+        with contextlib.suppress(OSError):
+            for entry in (ckpt.checkpoint_root(self.pool) / names.SERVED_DIR / str(self.owner)).iterdir():
+                run_id = names.run_id_of_dirname(entry.name)
+                if run_id is not None:
+                    ids.add(run_id)
+        return sorted(ids)[:10_000]
+
     # -- clients ------------------------------------------------------------------------
-    def supported_models(self) -> list[str]:
+    def _on_supported_models(self) -> list[str]:
         return self.pool.supported_models()
 
-    def is_base_model(self, name: Any) -> bool:
+    def _on_is_base_model(self, name: Any) -> bool:
         return is_base_model_name(name)
 
-    def is_checkpoint(self, path: Any) -> bool:
+    def _on_is_checkpoint(self, path: Any) -> bool:
         """Whether `path` names a checkpoint (a directory with a manifest or a PEFT config)."""
         if not isinstance(path, (str, os.PathLike)):
             return False
@@ -176,7 +254,7 @@ class LocalBackend:
             return False
         return ckpt.is_checkpoint_dir(directory)
 
-    def create_model(self, request: CreateModelRequest) -> ModelHandle:
+    def _on_create_model(self, request: CreateModelRequest) -> ModelHandle:
         pool = self.pool
         rank = request.rank
         if not is_int(rank):
@@ -206,10 +284,11 @@ class LocalBackend:
         pool.add_tenant(tenant, request.label)
         return self._served(handle_of(tenant), request.user_metadata, request.session_id)
 
-    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
+    def _on_create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         pool = self.pool
         _run_names(request.run_id, request.run_dir)  # refused before the checkpoint is read
-        loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=request.with_optimizer)
+        loaded = ckpt.read_checkpoint(self._resolve(request.path) if self.owner else request.path, pool,
+                                      require_optimizer=request.with_optimizer)
         shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
         if loaded.base_model is None:
             raise InvalidInputError(f"{shown!r} does not say which base model it adapts", field="path")
@@ -255,18 +334,18 @@ class LocalBackend:
         if run_id is None:
             session, n = self._next_run(session_id)
             run_id = names.run_id(session, n)
-        return run_id, run_dir or names.owner_run_dir(None, run_id)
+        return run_id, run_dir or names.owner_run_dir(self.owner, run_id)
 
-    def sampler_handle(self, client_id: str) -> str:
+    def _on_sampler_handle(self, client_id: str) -> str:
         raise NotSupportedError("get_sampler_handle() passes a sampler to another process; an in-process pool's "
                                 "samplers live in this process: serve the pool (trio.serve) and sample through its "
                                 "URL, or create a sampling client from the saved path in the other process")
 
-    def attach_sampler(self, sampler_id: str) -> ModelHandle:
+    def _on_attach_sampler(self, request: AttachSampler) -> ModelHandle:
         raise NotSupportedError("from_sampler_handle() reaches a served pool's sampler; an in-process pool has none "
                                 "to reach")
 
-    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
+    def _on_create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
         pool = self.pool
         if request.model_path is None:
             if request.base_model is None:
@@ -275,7 +354,7 @@ class LocalBackend:
             tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling")
             pool.add_tenant(tenant, request.label)
             return self._served(handle_of(tenant), session_id=request.session_id, key=request.sampler_id)
-        loaded = ckpt.read_checkpoint(request.model_path, pool)
+        loaded = ckpt.read_checkpoint(self._resolve(request.model_path) if self.owner else request.model_path, pool)
         path = request.model_path
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
         name = request.base_model or loaded.base_model
@@ -297,11 +376,13 @@ class LocalBackend:
         if not self.pool.closed:
             self.pool.retire_tenant(client_id)
 
-    def tokenizer(self, base_model: str) -> Any:
+    def _on_tokenizer(self, base_model: str) -> Any:
         return self.pool.get_base_model(base_model).tokenizer
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, client_id: str, op: str, request: Any) -> APIFuture:
+        if self.owner is not None and isinstance(request, LoadRequest):  # a key loads its own checkpoints only
+            request = LoadRequest(str(self._resolve(request.path)))
         future = self.pool.submit(client_id, op, request)
         ledger = self._ledger
         key = ledger.by_client.get(client_id)
@@ -354,9 +435,9 @@ class LocalBackend:
                 (session.runs if training else session.samplers).append(key)
         return handle
 
-    def capabilities(self) -> GetServerCapabilitiesResponse:
+    def _on_capabilities(self) -> GetServerCapabilitiesResponse:
         models = []
-        for name in self.supported_models():
+        for name in self._on_supported_models():
             context = context_length_of(name)
             ops = ModelOperationCapabilities(available=True, max_batch_size=None,
                                              max_tokens_per_request=self.pool.max_tokens_per_pass,
@@ -376,18 +457,32 @@ class LocalBackend:
                           user_metadata=entry.meta.get("user_metadata"),
                           expires_at=_utc(expires) if expires is not None else None)
 
-    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
-        """Checkpoints under the pool's checkpoint_dir (of one run, or all), oldest first."""
+    def _on_checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
+        """Checkpoints under the pool's checkpoint_dir (of one run, or all), oldest first; a key's
+        backend: its own."""
+        if self.owner is not None:
+            if run_id is None:
+                found = [c for r in self._owned_runs()
+                         for c in self._run_checkpoints(r, names.owner_run_dir(self.owner, r))]
+                return sorted(found, key=lambda c: (c.time, c.tinker_path))
+            run_dir = self._owned(run_id)
+            if not (ckpt.checkpoint_root(self.pool) / run_dir).is_dir():
+                record = self._record(run_id)
+                if record is not None and record.run_dir == run_dir:
+                    return []  # this key's run, nothing saved yet
+                raise NotFound(f"training run {run_id!r:.80} was not found for this API key",
+                               field="training_run_id")
+            return self._run_checkpoints(run_id, run_dir)
         if run_id is None:
             return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool)]
         return [self._checkpoint(e) for e in self._entries(run_id, self._record(run_id))]
 
-    def run_checkpoints(self, run_id: str, run_dir: str) -> list[Checkpoint]:
+    def _run_checkpoints(self, run_id: str, run_dir: str) -> list[Checkpoint]:
         """A run's checkpoints in its directory `run_dir` (a server names its runs' directories;
         its clients see tinker:// paths, never the server's directories)."""
         return [self._checkpoint(e) for e in ckpt.list_checkpoints(self.pool, run_id, run_dir=run_dir)]
 
-    def run_in(self, run_id: str, run_dir: str) -> TrainingRun:
+    def _run_in(self, run_id: str, run_dir: str) -> TrainingRun:
         """A served run by its id and directory: what this pool recorded of it (if that run is the
         one in `run_dir`) and its checkpoints there, named by tinker:// paths only."""
         record = self._record(run_id)
@@ -397,7 +492,7 @@ class LocalBackend:
             raise NotFound(f"no training run {run_id!r:.80}", field="training_run_id")
         return self._run(run_id, record, entries)
 
-    def runs_in(self, prefix: str) -> list[str]:
+    def _runs_in(self, prefix: str) -> list[str]:
         """The ids of the runs this pool served whose directories are under `prefix/`."""
         with self._ledger.lock:
             return [key for key, r in self._ledger.served.items()
@@ -412,27 +507,25 @@ class LocalBackend:
         record = self._record(run_id)
         return record.run_dir if record is not None else None
 
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str, *, run_dir: str | None = None) -> None:
-        """(`run_dir`: a server's directory of the run, where the ledger may not know it.)"""
-        run_dir = run_dir or self._run_dir(run_id)
+    def _on_delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        run_dir = self._owned(run_id) if self.owner is not None else self._run_dir(run_id)
         ckpt.delete_checkpoint(ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=run_dir))
 
-    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None, *,
-                           run_dir: str | None = None) -> None:
+    def _on_set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        run_dir = self._owned(run_id) if self.owner is not None else self._run_dir(run_id)
         ttl = check_ttl(ttl_seconds)
-        run_dir = run_dir or self._run_dir(run_id)
         directory = ckpt.checkpoint_dir_of(self.pool, run_id, checkpoint_id, run_dir=run_dir)
         ckpt.set_expiry(directory, None if ttl is None else time.time() + ttl, self.pool)
 
     def _live_checkpoint(self, path: Any) -> Path:
         """The directory of an unexpired checkpoint (an expired one reads as absent, as listings do)."""
-        directory = ckpt.resolve_path(path, self.pool)
+        directory = self._resolve(path)
         meta = ckpt.read_manifest(directory, self.pool)
         if meta and ckpt.expired(meta, str(directory)):
             raise CheckpointNotFoundError(f"checkpoint {str(directory)!r} has expired", path=str(directory))
         return directory
 
-    def export_urls(self, path: Any) -> ExportUrls:
+    def _on_export_urls(self, path: Any) -> ExportUrls:
         """file:// URLs of the checkpoint's own directory and files: in-process, they are on this
         machine already (checked as an export is: PEFT files, regular, no symlinks)."""
         directory = self._live_checkpoint(path)
@@ -441,13 +534,13 @@ class LocalBackend:
         return ExportUrls(directory.as_uri(), {name: (directory / name).as_uri() for name in PEFT_FILES},
                           datetime.now(timezone.utc) + timedelta(hours=1))
 
-    def download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
+    def _on_download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
         with CheckpointExport(self._live_checkpoint(path), max_bytes=max_bytes, shown=str(path)) as export:
             _plain(export)
             return extract_tar(export.iter_tar(), destination, max_bytes=max_bytes)
 
-    def weights_info(self, path: Any) -> WeightsInfoResponse:
-        directory = ckpt.resolve_path(path, self.pool)
+    def _on_weights_info(self, path: Any) -> WeightsInfoResponse:
+        directory = self._resolve(path)
         meta = ckpt.read_manifest(directory, self.pool)
         if not meta:  # a PEFT directory from elsewhere: read it whole
             loaded = ckpt.read_checkpoint(directory, self.pool)
@@ -461,8 +554,15 @@ class LocalBackend:
                                    train_unembed=meta.get("train_unembed"), train_mlp=meta.get("train_mlp"),
                                    train_attn=meta.get("train_attn"))
 
-    def training_runs(self) -> list[TrainingRun]:
-        """Runs served in this process and runs with checkpoints on disk, most recent first."""
+    def _on_training_runs(self) -> list[TrainingRun]:
+        """Runs served in this process and runs with checkpoints on disk, most recent first; a key's
+        backend: its own."""
+        if self.owner is not None:
+            runs = []
+            for run_id in self._owned_runs():
+                with contextlib.suppress(InvalidInputError):
+                    runs.append(self._run_in(run_id, names.owner_run_dir(self.owner, run_id)))
+            return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
         by_run: dict[str, list[ckpt.CheckpointEntry]] = {}
         for entry in ckpt.list_checkpoints(self.pool):
             by_run.setdefault(entry.run_id, []).append(entry)
@@ -474,7 +574,9 @@ class LocalBackend:
         runs = [self._run(run_id, served.get(run_id), by_run.get(run_id, [])) for run_id in {*served, *by_run}]
         return sorted(runs, key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
 
-    def training_run(self, run_id: str) -> TrainingRun:
+    def _on_training_run(self, run_id: str) -> TrainingRun:
+        if self.owner is not None:
+            return self._run_in(run_id, self._owned(run_id))
         if not isinstance(run_id, str) or not run_id:
             raise InvalidInputError(f"must be a run id, got {run_id!r}", field="training_run_id")
         with self._ledger.lock:
@@ -509,18 +611,18 @@ class LocalBackend:
                                                     if last["sampler_weights"] else None),
                            user_metadata=metadata)
 
-    def sampler(self, sampler_id: str) -> GetSamplerResponse:
+    def _on_sampler(self, sampler_id: str) -> GetSamplerResponse:
         with self._ledger.lock:
             record = self._ledger.served.get(sampler_id) if isinstance(sampler_id, str) else None
         if record is None or record.kind != "sampling":
             raise NotFound(f"no sampler {sampler_id!r} was made in this pool", field="sampler_id")
         return GetSamplerResponse(sampler_id=sampler_id, base_model=record.base_model, model_path=record.model_path)
 
-    def sessions(self) -> list[str]:
+    def _on_sessions(self) -> list[str]:
         with self._ledger.lock:
             return list(reversed(self._ledger.sessions))
 
-    def session(self, session_id: str) -> GetSessionResponse:
+    def _on_session(self, session_id: str) -> GetSessionResponse:
         with self._ledger.lock:
             found = self._ledger.sessions.get(session_id) if isinstance(session_id, str) else None
             if found is None:

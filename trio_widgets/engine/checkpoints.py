@@ -101,34 +101,10 @@ def checkpoint_root(pool: PoolLike | None) -> Path:
     return Path(configured).expanduser() if configured else default_checkpoint_dir()
 
 
-# Most filesystems allow 255 bytes per path component (ext4, XFS, btrfs, APFS; NTFS allows 255
-# UTF-16 units, never more than the UTF-8 bytes). atomic_write_dir puts `.<name>.tmp-<hex>`
-# and `.<name>.old-<hex>` (secrets.token_hex(6): 12 characters) beside a checkpoint.
-MAX_NAME_BYTES = 255 - len(".") - len(".tmp-") - 12
+MAX_NAME_BYTES = names.MAX_NAME_BYTES
 
 
-def validate_name(name: Any, field: str = "name") -> str:
-    if not isinstance(name, str) or not name:
-        raise InvalidInputError(f"must be a non-empty string, got {name!r}", field=field)
-    if "/" in name or "\\" in name or (os.sep in name) or (os.altsep and os.altsep in name):
-        raise InvalidInputError(f"must not contain path separators, got {name!r}", field=field)
-    if ".." in name:
-        raise InvalidInputError(f"must not contain '..', got {name!r}", field=field)
-    if name.startswith("."):
-        raise InvalidInputError(f"must not start with '.', got {name!r}", field=field)
-    if "\0" in name or any(ord(c) < 32 for c in name) or ":" in name:
-        raise InvalidInputError(f"must not contain control characters or ':', got {name!r}", field=field)
-    if len(name) > 200:
-        raise InvalidInputError(f"must be at most 200 characters, got {len(name)}", field=field)
-    try:
-        encoded = os.fsencode(name)
-    except UnicodeError:  # e.g. a lone surrogate
-        raise InvalidInputError(f"must be text the filesystem can store, got {name!r}", field=field) from None
-    if len(encoded) > MAX_NAME_BYTES:
-        raise InvalidInputError(f"must be at most {MAX_NAME_BYTES} bytes encoded (a file name has at most 255, "
-                                f"and saving writes `.<name>.tmp-<12 hex>` beside it), got {len(encoded)} bytes",
-                                field=field)
-    return name
+validate_name = names.validate_name  # (where every name is checked: trio_widgets/protocol/names.py)
 
 
 def run_id_of(tenant: Tenant) -> str:

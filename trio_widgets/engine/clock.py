@@ -300,12 +300,13 @@ class LocalPool:
         return resolve_path(path, self)
 
     def connect(self, *, user_metadata: dict[str, str] | None = None, display_name: str | None = None,
-                session: bool = True) -> Any:
+                session: bool = True, owner: str | None = None) -> Any:
         """A backend over this pool (trio_widgets.connect.Pool): a ServiceClient's session, or,
-        with `session=False`, a RestClient's reader."""
+        with `session=False`, a RestClient's reader or a server's; `owner`: an API key's (digest)."""
         from .backend import LocalBackend  # (the backend module builds on this one)
 
-        return LocalBackend(self, user_metadata=user_metadata, display_name=display_name, session=session)
+        return LocalBackend(self, user_metadata=user_metadata, display_name=display_name, session=session,
+                            owner=owner)
 
     @property
     def device_type(self) -> str:

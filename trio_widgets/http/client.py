@@ -44,6 +44,8 @@ import httpx
 
 from .._worker import BackgroundWorker
 from ..backend import (
+    AttachSampler,
+    Call,
     ComputeLogprobsRequest,
     CreateModelRequest,
     CreateSamplerRequest,
@@ -52,10 +54,14 @@ from ..backend import (
     FromStateRequest,
     LoadRequest,
     ModelHandle,
+    Open,
     OptimStepRequest,
     SamplerCreated,
     SampleRequest,
     SaveRequest,
+    T,
+    answer,
+    opened,
 )
 from ..errors import (
     APIConnectionError,
@@ -451,14 +457,21 @@ class HttpBackend:
     #: no in-process pool behind this backend (trio_widgets.backend.Backend.pool)
     pool = None
 
-    def supported_models(self) -> list[str]:
+    # -- the seam (trio_widgets.backend.Backend) ------------------------------------------------
+    def open(self, request: Open) -> ModelHandle:
+        return opened(self, request)
+
+    def call(self, request: Call[T]) -> T:
+        return answer(self, request)
+
+    def _on_supported_models(self) -> list[str]:
         body = self._link.call("GET", "/get_server_capabilities")
         return [m["model_name"] for m in body.get("supported_models", []) if isinstance(m, dict)]
 
-    def is_base_model(self, name: Any) -> bool:
-        return isinstance(name, str) and not name.startswith("tinker://") and name in self.supported_models()
+    def _on_is_base_model(self, name: Any) -> bool:
+        return isinstance(name, str) and not name.startswith("tinker://") and name in self._on_supported_models()
 
-    def is_checkpoint(self, path: Any) -> bool:
+    def _on_is_checkpoint(self, path: Any) -> bool:
         """Over HTTP a checkpoint is named by its tinker:// path."""
         return isinstance(getattr(path, "path", path), str) and str(getattr(path, "path", path)).startswith("tinker://")
 
@@ -483,7 +496,7 @@ class HttpBackend:
         self._runs[model_id] = (handle, _utcnow())
         return handle
 
-    def create_model(self, request: CreateModelRequest) -> ModelHandle:
+    def _on_create_model(self, request: CreateModelRequest) -> ModelHandle:
         lora: dict[str, Any] = {"rank": request.rank, "train_mlp": request.train_mlp,
                                 "train_attn": request.train_attn, "train_unembed": request.train_unembed}
         if request.seed is not None:
@@ -494,7 +507,7 @@ class HttpBackend:
         created = self._wait(self._link.call("POST", "/create_model", json=body), "create_model")
         return self._training_handle(created["model_id"])
 
-    def create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
+    def _on_create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         path = _tinker_path(request.path)
         body = {"session_id": self.session_id, "model_seq_id": next(self._model_seq), "path": path,
                 "optimizer": request.with_optimizer, "type": "load_weights",
@@ -506,7 +519,7 @@ class HttpBackend:
         handle = self._training_handle(submitted["model_id"])
         return ModelHandle(**{**handle.__dict__, "model_path": path})
 
-    def create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
+    def _on_create_sampler(self, request: CreateSamplerRequest) -> ModelHandle:
         body: dict[str, Any] = {"session_id": self.session_id, "sampling_session_seq_id": next(self._sampler_seq),
                                 "type": "create_sampling_session"}
         if request.model_path is not None:
@@ -531,13 +544,14 @@ class HttpBackend:
             del self._sampler_ids[:-4096]  # bounded, like everything a long session keeps
         return known
 
-    def sampler_handle(self, client_id: str) -> str:
+    def _on_sampler_handle(self, client_id: str) -> str:
         if client_id not in self._samplers:
             raise ClientClosedError(f"sampler {client_id} is closed")
         fields = {"trio_sampler": 1, "base_url": self.base_url, "sampler_id": client_id}  # no key: the caller's own
         return base64.urlsafe_b64encode(json.dumps(fields, separators=(",", ":")).encode()).decode("ascii")
 
-    def attach_sampler(self, sampler_id: str) -> ModelHandle:
+    def _on_attach_sampler(self, request: AttachSampler) -> ModelHandle:
+        sampler_id = request.sampler_id
         handle = self._sampler_handle(sampler_id)  # 404 unless this key may use it
         self._attached.add(sampler_id)
         return handle
@@ -554,7 +568,7 @@ class HttpBackend:
             except (APIConnectionError, APIStatusError, PoolClosedError, ClientClosedError):
                 pass  # the server or the session is gone: nothing is held for it there
 
-    def tokenizer(self, base_model: str) -> Any:
+    def _on_tokenizer(self, base_model: str) -> Any:
         with _TOKENIZER_LOCK:  # once per model, even when a sampler's threads ask together
             return self._tokenizer(base_model)
 
@@ -765,7 +779,7 @@ class HttpBackend:
         self._worker.submit(work)
 
     # -- what the RestClient asks (trio_widgets/rest.py): this session's runs and samplers -------
-    def capabilities(self) -> GetServerCapabilitiesResponse:
+    def _on_capabilities(self) -> GetServerCapabilitiesResponse:
         body = self._link.call("GET", "/get_server_capabilities")
         def ops(value: Any) -> ModelOperationCapabilities | None:
             if not isinstance(value, dict):
@@ -779,7 +793,7 @@ class HttpBackend:
                            training=ops(m.get("training")), sampling=ops(m.get("sampling")))
             for m in body.get("supported_models", []) if isinstance(m, dict) and "model_name" in m])
 
-    def checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
+    def _on_checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:
         """The checkpoints of one of this API key's runs (the server keeps each key's apart), or of
         all of them, answered by the served pool's catalog (metadata, size, expiry)."""
         if run_id is None:
@@ -792,17 +806,17 @@ class HttpBackend:
         body = self._link.call("GET", f"/training_runs/{run_id}/checkpoints")
         return [_checkpoint(c) for c in body.get("checkpoints", [])]
 
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+    def _on_delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         _check_run_id(run_id)
         self._link.call("DELETE", f"/training_runs/{run_id}/checkpoints/{_checkpoint_id(checkpoint_id)}",
                         retry=False)
 
-    def set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+    def _on_set_checkpoint_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         _check_run_id(run_id)
         self._link.call("PUT", f"/training_runs/{run_id}/checkpoints/{_checkpoint_id(checkpoint_id)}/ttl",
                         json={"ttl_seconds": ttl_seconds})
 
-    def weights_info(self, path: Any) -> WeightsInfoResponse:
+    def _on_weights_info(self, path: Any) -> WeightsInfoResponse:
         body = self._link.call("POST", "/weights_info", json={"tinker_path": _tinker_path(path)})
         optimizer = body.get("optimizer_config")
         return WeightsInfoResponse(base_model=str(body["base_model"]), is_lora=bool(body.get("is_lora", True)),
@@ -811,7 +825,7 @@ class HttpBackend:
                                    lora_rank=body.get("lora_rank"), train_unembed=body.get("train_unembed"),
                                    train_mlp=body.get("train_mlp"), train_attn=body.get("train_attn"))
 
-    def export_urls(self, path: Any) -> ExportUrls:
+    def _on_export_urls(self, path: Any) -> ExportUrls:
         """The server's signed URLs of one of this key's checkpoints (no key in them)."""
         body = self._link.call("POST", "/trio/export_urls", json={"tinker_path": _tinker_path(path, "tinker_path")},
                                checkpoint=str(path))
@@ -819,9 +833,9 @@ class HttpBackend:
         assert expires is not None
         return ExportUrls(str(body["archive_url"]), {str(k): str(v) for k, v in dict(body["urls"]).items()}, expires)
 
-    def download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
+    def _on_download_checkpoint(self, path: Any, destination: Path, max_bytes: int) -> dict[str, int]:
         """The archive at the signed URL, streamed into `destination` (bounded: extract_tar)."""
-        url = self.export_urls(path).archive_url
+        url = self._on_export_urls(path).archive_url
         deadline = time.monotonic() + _DOWNLOAD_S
         # the signed URL is the credential: the key is not sent with it
         with httpx.Client(timeout=self._link.timeout, transport=self._link.transport) as http, \
@@ -838,26 +852,26 @@ class HttpBackend:
 
             return extract_tar(chunks(), destination, max_bytes=max_bytes)
 
-    def training_runs(self) -> list[TrainingRun]:
+    def _on_training_runs(self) -> list[TrainingRun]:
         """This API key's runs (every session of it), most recent first."""
         body = self._link.call("GET", "/training_runs?limit=10000")
         return [_training_run(r) for r in body.get("training_runs", [])]
 
-    def training_run(self, run_id: str) -> TrainingRun:
+    def _on_training_run(self, run_id: str) -> TrainingRun:
         _check_run_id(run_id)
         return _training_run(self._link.call("GET", f"/training_runs/{run_id}"))
 
-    def sampler(self, sampler_id: str) -> GetSamplerResponse:
+    def _on_sampler(self, sampler_id: str) -> GetSamplerResponse:
         if not isinstance(sampler_id, str) or not sampler_id or "/" in sampler_id:
             raise InvalidInputError(f"must be a sampler id, got {sampler_id!r:.80}", field="sampler_id")
         info = self._link.call("GET", f"/samplers/{sampler_id}")
         return GetSamplerResponse(sampler_id=sampler_id, base_model=info["base_model"],
                                   model_path=info.get("model_path"))
 
-    def sessions(self) -> list[str]:
+    def _on_sessions(self) -> list[str]:
         return [self.session_id] if self.session_id else []
 
-    def session(self, session_id: str) -> GetSessionResponse:
+    def _on_session(self, session_id: str) -> GetSessionResponse:
         if session_id != self.session_id:
             raise NotFoundError(f"no session {session_id!r:.80} here: over HTTP a client sees only its own "
                                 f"session ({self.session_id})")

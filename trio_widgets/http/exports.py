@@ -23,8 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..engine import checkpoints as ckpt
-from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError, NotSupportedError
+from ..errors import InvalidInputError, NotSupportedError
 from ..export import ARCHIVE_NAME, PEFT_FILES, CheckpointExport
 from ..protocol import parse_tinker_path
 from ..validation import check_age_recipients
@@ -88,25 +87,18 @@ def _encrypted(export: CheckpointExport, name: str, deadline: float) -> tuple[An
 
 class Exports:
     """Signs and serves downloads. `locate(owner, tinker_path)` is the server's: the directory
-    of one of that key's checkpoints, CheckpointNotFoundError (404) for anything else."""
+    of one of that key's unexpired checkpoints (the engine's answer), CheckpointNotFoundError
+    (404) for anything else."""
 
-    def __init__(self, locate: Callable[[str, str], Path], pool: Any, *, max_bytes: int, url_ttl_s: float,
+    def __init__(self, locate: Callable[[str, str], Path], *, max_bytes: int, url_ttl_s: float,
                  timeout_s: float):
-        self.locate, self.pool = locate, pool
+        self.locate = locate
         self.max_bytes, self.url_ttl_s, self.timeout_s = int(max_bytes), float(url_ttl_s), float(timeout_s)
         self.signer = Signer()
 
     def _open(self, owner: str, tinker_path: str, *, verify: bool) -> CheckpointExport:
-        directory = self.locate(owner, tinker_path)
-        try:
-            meta = ckpt.read_manifest(directory, self.pool)
-        except OSError as exc:
-            raise CheckpointError(f"cannot read checkpoint {tinker_path!r}: {exc.strerror or exc}",
-                                  path=tinker_path) from None
-        if meta and ckpt.expired(meta, tinker_path):  # as listings do: an expired checkpoint is gone
-            raise CheckpointNotFoundError(f"checkpoint {tinker_path!r} has expired", path=tinker_path)
-        return CheckpointExport(directory, max_bytes=self.max_bytes, shown=tinker_path, verify=verify,
-                                limit_name="max_export_bytes")
+        return CheckpointExport(self.locate(owner, tinker_path), max_bytes=self.max_bytes, shown=tinker_path,
+                                verify=verify, limit_name="max_export_bytes")
 
     def urls(self, owner: str, tinker_path: Any, base_url: str) -> dict[str, Any]:
         """Signed URLs of the archive and of each file (`.age` names for an encrypted export)."""

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..backend import Capabilities
 from ..errors import ClientClosedError, InvalidInputError, NotSupportedError, PoolClosedError
 from ..protocol import WireError, wire_error
 from . import wire
@@ -170,7 +171,8 @@ def build_app(service: Service) -> Starlette:
 
     async def capabilities(s: Service, owner: str, request: Request) -> dict:
         # the engine's answer, as in-process (the SDK's model ignores pytrio's extra fields)
-        served = [dataclasses.asdict(m) for m in s.backend.capabilities().supported_models if m.model_name in s.models]
+        models = s.backend.call(Capabilities()).supported_models
+        served = [dataclasses.asdict(m) for m in models if m.model_name in s.models]
         return {"supported_models": served}
 
     async def healthz(s: Service, owner: str, request: Request) -> dict:

@@ -261,7 +261,7 @@ class Server:
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
         """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""
         parsed = parse_tinker_path(tinker_path)
-        return ckpt.checkpoint_root(self.pool) / self._service._run_dir(owner_of(api_key), parsed.run_id) / \
+        return ckpt.checkpoint_root(self.pool) / names.owner_run_dir(owner_of(api_key), parsed.run_id) / \
             parsed.segment / parsed.name
 
 

@@ -1,6 +1,8 @@
-"""The served pool's service: every Tinker wire endpoint's behaviour over one LocalBackend of the
-pool (sessions of API keys, models, samplers, futures and their long-polls, checkpoints by
-tinker:// path). trio_widgets/http/routes.py decodes requests and calls it; server.py runs it.
+"""The served pool's service: every Tinker wire endpoint's behaviour over the seam
+(trio_widgets.backend.Backend) of the pool: one backend per API key, which owns that key's runs
+and checkpoints (the engine answers a key's listings and paths); here: the wire's sessions of API
+keys, models and samplers by the SDK's sequence numbers, futures and their long-polls.
+trio_widgets/http/routes.py decodes requests and calls it; server.py runs it.
 What the protocol is: server.py's docstring and docs/serving.md.
 """
 
@@ -27,29 +29,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..backend import (
+    Backend,
+    CheckpointDir,
     CreateModelRequest,
     CreateSamplerRequest,
+    DeleteCheckpoint,
     ForwardRequest,
     FromStateRequest,
+    GetTrainingRun,
+    ListCheckpoints,
+    ListTrainingRuns,
     LoadRequest,
     ModelHandle,
+    OpenSession,
     OptimStepRequest,
     SamplerCreated,
     SampleRequest,
     SaveRequest,
+    SetCheckpointTtl,
+    WeightsInfo,
 )
-from ..engine import checkpoints as ckpt
-from ..engine.backend import LocalBackend
-from ..engine.clock import LocalPool
 from ..errors import (
-    CheckpointNotFoundError,
     ClientClosedError,
     InvalidInputError,
     PoolClosedError,
 )
 from ..export import DEFAULT_MAX_EXPORT_BYTES
 from ..futures import APIFuture
-from ..protocol import WireError, names, parse_tinker_path, row_of
+from ..protocol import WireError, names, row_of
 from ..tokenizers import MAX_TOKENIZER_FILE_BYTES, is_tokenizer_file
 from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
 from ..validation import check_loss
@@ -212,7 +219,7 @@ class _Sampler:
 # -- the service: every endpoint's behaviour ---------------------------------------------------
 
 class Service:
-    def __init__(self, pool: LocalPool, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
+    def __init__(self, pool: Any, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
                  models: Iterable[str] | None, session_timeout_s: float, long_poll_s: float,
                  reorder_wait_s: float, max_body_bytes: int, fwdbwd_max_chunk_len: int | None,
                  max_sessions_per_key: int, max_clients_per_session: int, max_futures_per_key: int,
@@ -220,9 +227,10 @@ class Service:
                  max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
                  max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
                  export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, id_tag: str = ""):
-        self.pool = pool
+        self.pool = pool  # a LocalPool (trio_widgets.connect.Pool): read for its name, clock and telemetry
         self.id_tag = id_tag
-        self.backend = LocalBackend(pool)
+        self.backend: Backend = pool.connect(session=False)  # ops and releases (client ids are the pool's)
+        self._owned: dict[str, Backend] = {}  # per API key (digest): its runs, checkpoints and listings
         self.api_keys = [k for k in (api_keys or ())]
         # a participant's name, where the keys were given with names ({key: name}: a keys file's
         # "KEY Name" lines): a session of that key is labelled by it unless it names itself
@@ -267,12 +275,19 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._tokenizer_dirs: dict[str, str] = {}
         self._tmp: str | None = None  # tokenizers saved for the SDK's get_tokenizer (made on first use)
-        self.exports = Exports(lambda owner, path: self._checkpoint_dir(owner, path), pool,
+        self.exports = Exports(lambda owner, path: self.of(owner).call(CheckpointDir(path)),
                                max_bytes=max_export_bytes, url_ttl_s=export_url_ttl_s, timeout_s=export_timeout_s)
 
     # -- auth ---------------------------------------------------------------------------
     def authenticate(self, request: Request, observer: bool = False) -> str:
         return authenticate(request.headers.get("x-api-key"), self.api_keys, self.observer_keys, observer)
+
+    def of(self, owner: str) -> Backend:
+        """The backend of an API key (made on its first request; one per key the server was given)."""
+        backend = self._owned.get(owner)
+        if backend is None:
+            backend = self._owned[owner] = self.pool.connect(session=False, owner=owner)
+        return backend
 
     # -- sessions -----------------------------------------------------------------------
     def session(self, session_id: Any, owner: str, *, live: bool = True) -> _Session:
@@ -303,8 +318,8 @@ class Service:
         label = str(name)[:40] if name else f"sess-{random[:8]}"
         self.sessions[session_id] = _Session(session_id, owner, label, named=bool(name))
         # the pool's one session table lists it, with the runs and samplers it makes
-        self.backend.open_session(session_id, meta if isinstance(meta, dict) else None,
-                                  str(body["display_name"]) if body.get("display_name") else None)
+        self.backend.call(OpenSession(session_id, meta if isinstance(meta, dict) else None,
+                                      str(body["display_name"]) if body.get("display_name") else None))
         return {"session_id": session_id, "type": "create_session"}
 
     def end_session(self, session: _Session, state: str, why: str) -> None:
@@ -566,16 +581,16 @@ class Service:
         rank, seed = lora.get("rank", 32), lora.get("seed")
         model_id = names.run_id(session.session_id, n)
         label = self._model_label(session, n, body.get("user_metadata"))
-        # the run's checkpoints go where tinker:// paths of this model point (see _checkpoint_dir)
+        # the key's backend puts the run's checkpoints where its tinker:// paths point
         request = CreateModelRequest(base, rank, seed,
                                      train_mlp=bool(lora.get("train_mlp", True)),
                                      train_attn=bool(lora.get("train_attn", True)),
                                      train_unembed=bool(lora.get("train_unembed", True)), label=label,
                                      user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
-                                     run_dir=self._run_dir(owner, model_id), session_id=session.session_id)
+                                     session_id=session.session_id)
         entry = self.new_entry(owner, session, "create_model")
         session.model_requests[n] = entry
-        self.in_background(entry, lambda: self.backend.create_model(request),
+        self.in_background(entry, lambda: self.of(owner).open(request),
                            lambda handle: self._register_model(session, model_id, handle, label))
         return {"request_id": entry.request_id, "model_id": model_id}
 
@@ -589,23 +604,22 @@ class Service:
         if "session_id" not in body:  # the legacy form: load into an existing model, in its order
             model = self.model(body.get("model_id"), owner)
             with self._consumes(model, body.get("seq_id")):
-                local = self._checkpoint_dir(owner, body.get("path"))
+                self.of(owner).call(CheckpointDir(body.get("path")))  # refused now if it is not this key's
             op = "load_state_with_optimizer" if optimizer else "load_state"
             path = body["path"]
-            return self._sequenced(model, owner, body.get("seq_id"), op, LoadRequest(str(local)),
+            return self._sequenced(model, owner, body.get("seq_id"), op, LoadRequest(path),
                                    lambda _r: ({"path": path, "model_id": model.model_id, "type": "load_weights"},
                                                False))
         session = self.session(body.get("session_id"), owner)
         n = self._check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
         if n in session.model_requests:
             return {"request_id": session.model_requests[n].request_id}
-        local = self._checkpoint_dir(owner, body.get("path"))
+        self.of(owner).call(CheckpointDir(body.get("path")))  # refused now if it is not this key's
         model_id = names.run_id(session.session_id, n)
         label = self._model_label(session, n, body.get("user_metadata"))
         base = body.get("base_model")  # compared with the checkpoint's by the engine, as in-process
-        request = FromStateRequest(str(local), optimizer, label, base_model=base if isinstance(base, str) else None,
-                                   user_metadata=_metadata(body.get("user_metadata")),
-                                   run_id=model_id, run_dir=self._run_dir(owner, model_id),
+        request = FromStateRequest(body["path"], optimizer, label, base_model=base if isinstance(base, str) else None,
+                                   user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
                                    session_id=session.session_id)
         entry = self.new_entry(owner, session, "load_weights")
         session.model_requests[n] = entry
@@ -614,7 +628,7 @@ class Service:
             self._register_model(session, model_id, handle, label)
             return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
 
-        self.in_background(entry, lambda: self.backend.create_model_from_state(request), register)
+        self.in_background(entry, lambda: self.of(owner).open(request), register)
         return {"request_id": entry.request_id, "model_id": model_id}
 
     def get_info(self, owner: str, body: dict, local: bool = True) -> dict:
@@ -695,7 +709,7 @@ class Service:
                    encode: Callable[[Any], tuple[bytes | dict, bool]]) -> dict:
         entry = self.new_entry(owner, model.session, op)
         client_id = model.handle.client_id
-        found = model.seq.arrive(seq, entry, lambda: self.backend.submit(client_id, op, request), encode)
+        found = model.seq.arrive(seq, entry, lambda: self.of(owner).submit(client_id, op, request), encode)
         if found != entry.request_id:  # a repeat: the first one's id, nothing run
             self.forget(entry.request_id)
         return {"request_id": found, "model_id": model.model_id}
@@ -728,7 +742,7 @@ class Service:
     def save_weights(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
         with self._consumes(model, body.get("seq_id")):
-            name = ckpt.validate_name(body.get("path"), "path")
+            name = names.validate_name(body.get("path"), "path")
             overwrite = body.get("overwrite", False)
             if not isinstance(overwrite, bool):
                 raise InvalidInputError(f"must be true or false, got {overwrite!r:.40}", field="overwrite")
@@ -747,7 +761,7 @@ class Service:
         the signed URLs of get_external_weights_urls (trio_widgets/http/exports.py)."""
         model = self.model(body.get("model_id"), owner)
         with self._consumes(model, body.get("seq_id")):
-            name = ckpt.validate_name(body.get("path"), "path")
+            name = names.validate_name(body.get("path"), "path")
             recipients = parse_age_recipients(body.get("age_encryption_recipients"))
         path = names.checkpoint_path(model.model_id, "external_weights", name)
         request = SaveRequest(name, ttl_seconds=body.get("ttl_seconds"), external=True, age_recipients=recipients)
@@ -768,7 +782,7 @@ class Service:
         if name is None and n is None:
             raise InvalidInputError("give a name (path) or sampling_session_seq_id", field="path")
         if name is not None:
-            ckpt.validate_name(name, "path")
+            names.validate_name(name, "path")
         session = model.session
         if n is not None:
             self._check_model_slot(session, n, "sampling_session_seq_id")
@@ -816,14 +830,15 @@ class Service:
         model_path, base = body.get("model_path"), body.get("base_model")
         if model_path is None and base is None:
             raise InvalidInputError("give model_path (a tinker:// path) or base_model", field="model_path")
-        local = self._checkpoint_dir(owner, model_path) if model_path is not None else None
+        if model_path is not None:
+            self.of(owner).call(CheckpointDir(model_path))  # refused now if it is not this key's
         if base is not None:
             self._base_model(base)
         sampler_id = names.sampler_id(session.session_id, n)
-        request = CreateSamplerRequest(str(local) if local else None, base, names.sampler_id(session.label, n),
+        request = CreateSamplerRequest(model_path, base, names.sampler_id(session.label, n),
                                        session_id=session.session_id, sampler_id=sampler_id)
         # a refusal propagates as its own class (the protocol's table maps it)
-        handle = await self.loop.run_in_executor(self.executor, lambda: self.backend.create_sampler(request))
+        handle = await self.loop.run_in_executor(self.executor, lambda: self.of(owner).open(request))
         if n in session.sampler_ids:  # a concurrent retry won: keep one
             self.backend.release(handle.client_id)
         else:
@@ -909,93 +924,37 @@ class Service:
         found.session.released.append(public)
         return {"released": public}
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def _owner_root(self, owner: str) -> Path:
-        return ckpt.checkpoint_root(self.pool) / names.SERVED_DIR / owner
-
-    def _run_dir(self, owner: str, model_id: str) -> str:
-        return names.owner_run_dir(owner, model_id)
-
-    def _checkpoint_dir(self, owner: str, path: Any, must_exist: bool = True) -> Path:
-        """The directory a tinker:// path names, under this key's own directory (404 if absent)."""
-        parsed = parse_tinker_path(path)
-        run, kind, name = parsed.run_id, parsed.segment, parsed.name
-        # (the in-process class: no existence oracle across keys, another key's path reads as absent)
-        missing = CheckpointNotFoundError(f"checkpoint {path!r:.200} was not found for this API key",
-                                          path=str(path)[:200])
-        if not names.RUN_ID_RE.match(run):
-            raise missing
-        ckpt.validate_name(name, "path")
-        local = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, run) / kind / name
-        if must_exist and not local.is_dir():
-            raise missing
-        return local
-
+    # -- the REST catalog: this key's runs and checkpoints, as the key's backend lists them ------------
     def list_checkpoints(self, owner: str, model_id: str) -> dict:
-        if not names.RUN_ID_RE.match(model_id):
-            raise _not_found(f"training run {model_id!r:.80}")
-        root = ckpt.checkpoint_root(self.pool) / self._run_dir(owner, model_id)
-        model = self.trained.get(model_id)
-        if not root.is_dir():
-            if model is not None and model.session.owner == owner:
-                return {"checkpoints": []}  # this key's run, nothing saved yet
-            raise _not_found(f"training run {model_id!r:.80}")
-        # the engine's catalog, as in-process: metadata, size, expiry (expired ones are deleted)
-        found = self.backend.run_checkpoints(model_id, self._run_dir(owner, model_id))[:1000]  # a listing, bounded
+        found = self.of(owner).call(ListCheckpoints(model_id))[:1000]  # a listing, bounded
         return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found]}
 
-    # -- the REST catalog: this key's runs and checkpoints, answered by the engine's catalog ----------
-    def _owned_run(self, owner: str, model_id: Any) -> str:
-        """The directory of one of this key's runs (404 for anything else, another key's included)."""
-        if not isinstance(model_id, str) or not names.RUN_ID_RE.match(model_id):
-            raise _not_found(f"training run {model_id!r:.80}")
-        return self._run_dir(owner, model_id)
-
-    def _owned_runs(self, owner: str) -> list[str]:
-        """This key's run ids: served here, or with checkpoints on disk (from an earlier start)."""
-        ids = set(self.backend.runs_in(f"{names.SERVED_DIR}/{owner}"))
-        with contextlib.suppress(OSError):
-            for entry in (self._owner_root(owner)).iterdir():
-                run_id = names.run_id_of_dirname(entry.name)
-                if run_id is not None:
-                    ids.add(run_id)
-        return sorted(ids)
-
     def training_run(self, owner: str, model_id: str) -> dict:
-        return _json_safe(dataclasses.asdict(self.backend.run_in(model_id, self._owned_run(owner, model_id))))
+        return _json_safe(dataclasses.asdict(self.of(owner).call(GetTrainingRun(model_id))))
 
     def training_runs(self, owner: str, limit: int, offset: int) -> dict:
-        runs = []
-        for run_id in self._owned_runs(owner)[:10_000]:  # bounded: a listing
-            with contextlib.suppress(InvalidInputError):
-                runs.append(self.backend.run_in(run_id, self._run_dir(owner, run_id)))
-        runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
-        page = runs[offset:offset + limit]
-        return {"training_runs": [_json_safe(dataclasses.asdict(r)) for r in page],
+        runs = self.of(owner).call(ListTrainingRuns())
+        return {"training_runs": [_json_safe(dataclasses.asdict(r)) for r in runs[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
     def user_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
-        found = [c for run_id in self._owned_runs(owner)[:10_000]
-                 for c in self.backend.run_checkpoints(run_id, self._run_dir(owner, run_id))]
-        found.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)  # newest first, as in-process
+        found = self.of(owner).call(ListCheckpoints(None))[::-1]  # newest first, as in-process
         return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
     def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> dict:
-        self.backend.delete_checkpoint(model_id, checkpoint_id, run_dir=self._owned_run(owner, model_id))
+        self.of(owner).call(DeleteCheckpoint(model_id, checkpoint_id))
         return {}
 
     def set_checkpoint_ttl(self, owner: str, model_id: str, checkpoint_id: str, body: dict) -> dict:
-        run_dir = self._owned_run(owner, model_id)
-        self.backend.set_checkpoint_ttl(model_id, checkpoint_id, body.get("ttl_seconds"), run_dir=run_dir)
+        self.of(owner).call(SetCheckpointTtl(model_id, checkpoint_id, body.get("ttl_seconds")))
         return {}
 
     def export_urls(self, owner: str, tinker_path: Any, base_url: str) -> dict:
         return self.exports.urls(owner, tinker_path, base_url)
 
     def weights_info(self, owner: str, body: dict) -> dict:
-        local = self._checkpoint_dir(owner, body.get("tinker_path"))
-        return _json_safe(dataclasses.asdict(self.backend.weights_info(local)))
+        return _json_safe(dataclasses.asdict(self.of(owner).call(WeightsInfo(body.get("tinker_path")))))
 
     # -- upkeep -------------------------------------------------------------------------------
     async def reap(self) -> None:
@@ -1047,14 +1006,15 @@ class Service:
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.catalog.shutdown(wait=True, cancel_futures=True)
-        self.backend.close()
+        for backend in [self.backend, *self._owned.values()]:
+            backend.close()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- telemetry (observers) -------------------------------------------------------------------
     def info(self) -> dict:
         pool = self.pool
-        return {"name": pool.name, "min_cycle_s": pool.min_cycle_s, "device": pool.device.type,
+        return {"name": pool.name, "min_cycle_s": pool.min_cycle_s, "device": pool.device_type,
                 "cycle_index": pool.cycle_index, "models": self.models, "now": time.perf_counter(),
                 "stats": dict(self.stats)}
 

@@ -10,17 +10,19 @@ a request by the id it names without a table.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import urllib.parse
-from typing import Literal
+from typing import Any, Literal
 
+from ..errors import InvalidInputError
 from .paths import SEGMENTS, TinkerPath
 
 __all__ = [
-    "ID_TAG_RE", "RUN_ID_RE", "SAMPLER_ID_RE", "SERVED_DIR", "SESSION_ID_RE", "checkpoint_path", "id_prefix",
-    "new_session_id", "owner_run_dir", "request_id", "run_dirname", "run_id", "run_id_of_dirname", "same_origin",
-    "sampler_id",
+    "ID_TAG_RE", "MAX_NAME_BYTES", "RUN_ID_RE", "SAMPLER_ID_RE", "SERVED_DIR", "SESSION_ID_RE", "checkpoint_path",
+    "id_prefix", "new_session_id", "owner_run_dir", "request_id", "run_dirname", "run_id", "run_id_of_dirname",
+    "same_origin", "sampler_id", "validate_name",
 ]
 
 #: a fleet pool's tag: p<index>r<epoch>
@@ -32,6 +34,11 @@ RUN_ID_RE = re.compile(rf"^(?P<session>{_SESSION}):train:(?P<n>\d{{1,9}})$")
 SAMPLER_ID_RE = re.compile(rf"^(?P<session>{_SESSION}):sample:(?P<n>\d{{1,9}})$")
 #: where a served pool keeps each API key's runs, under the checkpoint root
 SERVED_DIR = "served"
+
+# Most filesystems allow 255 bytes per path component (ext4, XFS, btrfs, APFS; NTFS allows 255
+# UTF-16 units, never more than the UTF-8 bytes). engine/checkpoints.py's atomic_write_dir puts `.<name>.tmp-<hex>`
+# and `.<name>.old-<hex>` (secrets.token_hex(6): 12 characters) beside a checkpoint.
+MAX_NAME_BYTES = 255 - len(".") - len(".tmp-") - 12
 
 
 def id_prefix(tag: str = "") -> str:
@@ -98,3 +105,28 @@ def same_origin(a: str, b: str) -> bool:
 
     left, right = origin(a), origin(b)
     return left is not None and left == right
+
+
+def validate_name(name: Any, field: str = "name") -> str:
+    """A checkpoint's name (the last part of its path), checked: one path segment, no control characters."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"must be a non-empty string, got {name!r}", field=field)
+    if "/" in name or "\\" in name or (os.sep in name) or (os.altsep and os.altsep in name):
+        raise InvalidInputError(f"must not contain path separators, got {name!r}", field=field)
+    if ".." in name:
+        raise InvalidInputError(f"must not contain '..', got {name!r}", field=field)
+    if name.startswith("."):
+        raise InvalidInputError(f"must not start with '.', got {name!r}", field=field)
+    if "\0" in name or any(ord(c) < 32 for c in name) or ":" in name:
+        raise InvalidInputError(f"must not contain control characters or ':', got {name!r}", field=field)
+    if len(name) > 200:
+        raise InvalidInputError(f"must be at most 200 characters, got {len(name)}", field=field)
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeError:  # e.g. a lone surrogate
+        raise InvalidInputError(f"must be text the filesystem can store, got {name!r}", field=field) from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise InvalidInputError(f"must be at most {MAX_NAME_BYTES} bytes encoded (a file name has at most 255, "
+                                f"and saving writes `.<name>.tmp-<12 hex>` beside it), got {len(encoded)} bytes",
+                                field=field)
+    return name
