@@ -77,13 +77,24 @@ def _new_cache(model: Any) -> Any:
 
 
 def _forward(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-             adapters: Sequence[LoRAAdapter | None], cache=None) -> torch.Tensor:
+             adapters: Sequence[LoRAAdapter | None], cache=None, last_only: bool = False) -> torch.Tensor:
+    """Logits [n, L, vocab]; `last_only` (a Llama): of the last position only, [n, 1, vocab] (the
+    head over every prompt position cost 3% of a Llama 8 x 512 sample when nobody asked for them)."""
     kwargs: dict[str, Any] = dict(input_ids=ids, attention_mask=mask, position_ids=positions,
                                   use_cache=cache is not None)
-    if cache is not None:
-        kwargs[_cache_kwarg(model)] = cache
-    with torch.no_grad(), active_plan(PackPlan(segments=_segments(adapters, ids.shape[1]), seq_lens=None)):
-        return model(**kwargs).logits
+    with torch.no_grad():
+        if last_only and _is_llama(model):
+            inner: Any = model.model
+            if cache is not None:
+                kwargs[_cache_kwarg(inner)] = cache
+            with active_plan(PackPlan(segments=_segments(adapters, ids.shape[1]), seq_lens=None)):
+                hidden = inner(**kwargs).last_hidden_state[:, -1:]
+            with active_plan(PackPlan(segments=_segments(adapters, 1), seq_lens=None)):
+                return model.lm_head(hidden)  # type: ignore[operator]
+        if cache is not None:
+            kwargs[_cache_kwarg(model)] = cache
+        with active_plan(PackPlan(segments=_segments(adapters, ids.shape[1]), seq_lens=None)):
+            return model(**kwargs).logits
 
 
 def _left_pad(prompts: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,44 +131,145 @@ def _is_llama(model: Any) -> bool:
     return type(model).__name__ == "LlamaForCausalLM" and type(model).__module__.startswith("transformers.")
 
 
+class _DecodeLoRA(RowLoRA):
+    """`RowLoRA` for the decode steps: a group of layers fed the same input (q/k/v, gate/up)
+    shares one batched matmul for its A side (side by side), and each member's B goes through
+    a batched matmul of its own over its slice of the rank-sized activations. (A block-diagonal
+    B costs as much as its zero blocks: the gate/up B of 8 rank-32 adapters took 4x the time
+    of the two B's apart, on the built-in model and on a Llama 8 x 512.)"""
+
+    def __init__(self, adapters: list[LoRAAdapter | None], device: torch.device):
+        super().__init__(adapters, device)
+        self._parts: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, int, int] | None]]
+                          | None] = {}
+
+    def _split_group(self, names: tuple[str, ...]):
+        """(A^T side by side [adapters, in, sum of ranks], scale [adapters, 1, 1], per member
+        (B^T [adapters, rank, out], first and last rank column) or None), None without LoRA."""
+        if names not in self._parts:
+            parts = [self._weights(name) for name in names]
+            present = [p for p in parts if p is not None]
+            if not present:
+                self._parts[names] = None
+            else:
+                scale = present[0][2]
+                members: list[tuple[torch.Tensor, int, int] | None] = []
+                at = 0
+                for p in parts:
+                    if p is None:
+                        members.append(None)
+                        continue
+                    a_t, b_t, s = p
+                    scale = torch.maximum(scale, s)  # an adapter's scale is one for all its layers
+                    members.append((b_t, at, at + a_t.shape[-1]))
+                    at += a_t.shape[-1]
+                a_cat = present[0][0] if len(present) == 1 else torch.cat([p[0] for p in present], dim=-1)
+                self._parts[names] = (a_cat, scale, members)
+        return self._parts[names]
+
+    def apply_group(self, names: tuple[str, ...], x: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        group = self._split_group(names)
+        if group is None:
+            return outs
+        a_cat, scale, members = group
+        assert self._slots is not None
+        flat = x.reshape(-1, x.shape[-1]).to(a_cat.dtype)
+        if not self._in_place:
+            flat = flat.new_zeros(self.count * self._width, flat.shape[-1]).index_copy_(0, self._slots, flat)
+        # alpha/rank applied to the rank-sized activations, as `lora_delta` does
+        hidden = torch.bmm(flat.view(self.count, self._width, -1), a_cat).mul_(scale)
+        results = []
+        for out, member in zip(outs, members):
+            if member is None:
+                results.append(out)
+                continue
+            b_t, start, end = member
+            part = hidden if end - start == hidden.shape[-1] else hidden[:, :, start:end]
+            delta = torch.bmm(part, b_t).view(-1, b_t.shape[-1])
+            if not self._in_place:
+                delta = delta.index_select(0, self._slots)
+            if out.dtype == b_t.dtype:
+                results.append(out.add_(delta.view(out.shape)))
+            else:  # added in the LoRA dtype and rounded once, as the packed path does
+                results.append((out.to(b_t.dtype) + delta.view(out.shape)).to(out.dtype))
+        return results
+
+
+def _linear(layer: Any, x: torch.Tensor, lora: RowLoRA | None = None) -> torch.Tensor:
+    """`layer(x)` without the module call: its base linear, plus each row's LoRA delta."""
+    if isinstance(layer, MultiLoRALinear):
+        out = F.linear(x, layer.base.weight, layer.base.bias)
+        return out if lora is None else lora.apply_group((layer.name,), x, [out])[0]
+    return F.linear(x, layer.weight, layer.bias)
+
+
 def _grouped(lora: RowLoRA, layers: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of `layers` (all fed `x`): each base layer, then their LoRA deltas together."""
     if not all(isinstance(layer, MultiLoRALinear) for layer in layers):
-        return [layer(x) for layer in layers]
-    return lora.apply_group(tuple(layer.name for layer in layers), x, [layer.base(x) for layer in layers])
+        return [_linear(layer, x, lora) for layer in layers]
+    return lora.apply_group(tuple(layer.name for layer in layers), x,
+                            [F.linear(x, layer.base.weight, layer.base.bias) for layer in layers])
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """LlamaRMSNorm's forward, its ops in its order, without the module call."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+            ) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v for one new token per row: q [rows, heads, 1, dim], keys and
+    values [rows, kv heads, length, dim] (views of the cache), bias [rows, 1, 1, length] (0 or
+    -inf); [rows, 1, heads * dim] out. The query heads of one kv head share its keys (GQA) as one
+    [group, dim] x [dim, length] product: SDPA's CPU kernel cost 2x this at one query row."""
+    n, heads, _, dim = q.shape
+    kv = keys.shape[1]
+    scores = torch.matmul(q.reshape(n, kv, heads // kv, dim), keys.transpose(-1, -2))
+    scores = torch.add(bias, scores, alpha=scale).softmax(dim=-1)
+    return torch.matmul(scores, values).reshape(n, 1, heads * dim)
 
 
 def _llama_step(model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], at: int, lora: RowLoRA) -> torch.Tensor:
     """One decode step of a Llama: next-token logits [rows, vocab] for `ids` [rows, 1] at
     `positions`, its keys and values written at cache index `at` of `kv` ([layers, rows, kv heads,
-    length, head dim] each) and attending to [0, at] where `mask` [rows, 1, 1, at + 1] allows.
+    length, head dim] each) and attending to [0, at] where `mask` [rows, 1, 1, at + 1] allows
+    (bool, or a float bias of 0 and -inf).
 
-    The same modules and ops as transformers' LlamaForCausalLM.forward, called directly: its
-    per-call machinery (cache objects growing by concatenation, mask building, output records)
-    costs more than a small model's whole step, and a preallocated cache is bounded up front."""
+    The same modules, weights and ops as transformers' LlamaForCausalLM.forward, called directly:
+    its per-call machinery (cache objects growing by concatenation, mask building, output
+    records) costs more than a small model's whole step, and a preallocated cache is bounded up
+    front. In float32 the attention of the one new token is two batched matmuls (`_attend`)."""
     rotary = sys.modules[type(model).__module__].apply_rotary_pos_emb
     inner = model.model
     keys, values = kv
     n = ids.shape[0]
-    hidden = inner.embed_tokens(ids)
+    hidden = F.embedding(ids, inner.embed_tokens.weight)
     cos, sin = inner.rotary_emb(hidden, positions)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
+        x = _rms_norm(layer.input_layernorm, hidden)
         q, k, v = (t.view(n, 1, -1, attn.head_dim).transpose(1, 2)
                    for t in _grouped(lora, (attn.q_proj, attn.k_proj, attn.v_proj), x))
         q, k = rotary(q, k, cos, sin)
         keys[i, :, :, at] = k[:, :, 0]
         values[i, :, :, at] = v[:, :, 0]
-        out = F.scaled_dot_product_attention(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1], attn_mask=mask,
-                                             scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(n, 1, -1))
+        if mask.dtype == torch.bool or q.dtype != torch.float32:
+            out = F.scaled_dot_product_attention(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1],
+                                                 attn_mask=mask if mask.dtype == torch.bool else mask.to(q.dtype),
+                                                 scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
+            out = out.transpose(1, 2).reshape(n, 1, -1)
+        else:
+            out = _attend(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1], mask, attn.scaling)
+        hidden = hidden + _linear(attn.o_proj, out, lora)
         mlp = layer.mlp
-        x = layer.post_attention_layernorm(hidden)
+        x = _rms_norm(layer.post_attention_layernorm, hidden)
         gate, up = _grouped(lora, (mlp.gate_proj, mlp.up_proj), x)
-        hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-    return model.lm_head(inner.norm(hidden))[:, -1]
+        hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(gate) * up, lora)
+    return model.lm_head(_rms_norm(inner.norm, hidden))[:, -1]  # a module call: its hooks run, once a step
 
 
 # -- choosing tokens ------------------------------------------------------------------------
@@ -192,22 +304,42 @@ def _topk_lists(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
+_BLOCK = 256  # tokens per block of the two-level inverse CDF
+
+
+def _inverse_cdf(z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `z` [rows, vocab] (logits over temperature), the first token id whose
+    cumulative probability, in id order, passes `u` (float64, [rows]) of the total. The CDF is
+    taken in two levels: the probabilities' sums per block of `_BLOCK` ids (float64), then the
+    cumulative sum within the one block that holds the draw. (A float64 softmax and cumsum over
+    a 32,000-token vocabulary cost 5% of a Llama 8 x 512 step; this reads the vocabulary twice
+    in float32.) Each row's pick depends only on its own logits and uniform."""
+    rows, vocab = z.shape
+    probs = torch.exp(z - z.amax(dim=-1, keepdim=True))  # unnormalised, the largest is 1
+    pad = -vocab % _BLOCK
+    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _BLOCK)
+    ends = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, blocks]
+    target = (u * ends[:, -1])[:, None]
+    block = torch.searchsorted(ends, target, right=True).clamp(max=ends.shape[1] - 1)  # [rows, 1]
+    before = ends.gather(1, (block - 1).clamp(min=0)).masked_fill(block == 0, 0.0)
+    inside = blocks.gather(1, block[:, :, None].expand(-1, 1, _BLOCK)).squeeze(1).double().cumsum(dim=-1)
+    at = torch.searchsorted(inside, target - before, right=True).clamp(max=_BLOCK - 1)
+    return (block * _BLOCK + at).clamp(max=vocab - 1).squeeze(1)
+
+
 def _pick(logits: torch.Tensor, u: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
           filtered: torch.Tensor | None) -> torch.Tensor:
     """One token per row by inverse CDF at uniform `u` (float64): over the vocabulary in id
-    order when the row keeps the whole distribution, over the tokens by descending probability
-    (stable) once top-k / top-p cut it (`filtered`: those rows' positions). Each row's pick
-    depends only on its own logits and uniform."""
+    order when the row keeps the whole distribution (`_inverse_cdf`), over the tokens by
+    descending probability (stable, float64) once top-k / top-p cut it (`filtered`: those rows'
+    positions). Each row's pick depends only on its own logits and uniform."""
     vocab = logits.shape[-1]
-    z = logits.double() / temps[:, None]
-    probs = torch.softmax(z, dim=-1)
-    cdf = probs.cumsum(-1)
-    out = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1).squeeze(1)
+    out = _inverse_cdf(logits / temps.to(logits.dtype)[:, None], u)
     if filtered is not None:
-        zf = z.index_select(0, filtered)
+        zf = logits.index_select(0, filtered).double() / temps.index_select(0, filtered)[:, None]
         z_sorted, order = torch.sort(zf, dim=-1, descending=True, stable=True)
         ps = torch.softmax(z_sorted, dim=-1)
-        keep = torch.arange(vocab, device=z.device)[None] < top_k.index_select(0, filtered)[:, None]
+        keep = torch.arange(vocab, device=zf.device)[None] < top_k.index_select(0, filtered)[:, None]
         keep &= (ps.cumsum(-1) - ps) < top_p.index_select(0, filtered)[:, None]  # the most likely is always kept
         cdf_f = (ps * keep).cumsum(-1)
         pick = torch.searchsorted(cdf_f, (u.index_select(0, filtered) * cdf_f[:, -1])[:, None], right=True)
@@ -284,9 +416,12 @@ class _Decoding:
                 self.rows.append(_Row(j, adapter, job, torch.rand(job.max_tokens, generator=gen, dtype=torch.float64)))
         self.cache = _new_cache(model) if self.rows else None
         self.kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        logits = _forward(model, ids, _prefill_mask(valid), positions, [a for a, _ in items], self.cache)
-        self.prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1], job)
-                            for i, (_, job) in enumerate(items)]
+        prompt_side = any(job.prompt_logprobs or job.topk_prompt_logprobs or job.target_prompt_ids is not None
+                          or job.prompt_alt_tokens_k for _, job in items)
+        logits = _forward(model, ids, _prefill_mask(valid), positions, [a for a, _ in items], self.cache,
+                          last_only=not prompt_side)
+        self.prompt_side = [_prompt_side(logits[i, length - len(job.prompt):length - 1] if prompt_side
+                                         else logits[i, :0], job) for i, (_, job) in enumerate(items)]
         self.left = [job.num_samples if not job.logprobs_only else 0 for _, job in items]  # rows still running
         self.reported: set[int] = set()
         self.active_rows: list[int] = []
@@ -333,7 +468,7 @@ class _Decoding:
         if self.topk_width:
             self.topk_ids = torch.zeros(n, longest, self.topk_width, dtype=torch.long, device=device)
             self.topk_values = torch.zeros(n, longest, self.topk_width, dtype=torch.float32, device=device)
-        self.lora = RowLoRA([r.adapter for r in rows], device)
+        self.lora = _DecodeLoRA([r.adapter for r in rows], device)
         if _is_llama(self.base.model):  # its KV cache in two preallocated tensors, the prompt's copied in
             keys = [layer.keys for layer in self.cache.layers]
             values = [layer.values for layer in self.cache.layers]
@@ -344,6 +479,8 @@ class _Decoding:
                 kv[1][i, :, :, :length] = v
             self.kv = kv
             self.cache = None
+            if kv[0].dtype == torch.float32:  # `_attend`'s additive mask: 0 where a row attends, else -inf
+                self.valid = torch.zeros(self.valid.shape, device=device).masked_fill_(~self.valid, float("-inf"))
         self.active_rows = list(range(n))
         self._select(torch.arange(n, device=device))
 
@@ -387,7 +524,8 @@ class _Decoding:
         assert self.step_logits is not None
         step, active = self.step, self.active
         logits = self.step_logits.float()
-        logp = torch.log_softmax(logits, dim=-1)
+        # the model's log-probabilities, of the chosen tokens only (no [rows, vocab] log-softmax)
+        log_total = torch.logsumexp(logits, dim=-1)
         if self.stochastic is None:
             chosen = logits.argmax(dim=-1)
         else:
@@ -398,13 +536,13 @@ class _Decoding:
                            self.temps.index_select(0, rows), self.top_k.index_select(0, rows),
                            self.top_p.index_select(0, rows), self.filtered_now)
             chosen = picked if everyone else logits.argmax(dim=-1).index_copy(0, self.stochastic, picked)
-        token_lp = logp.gather(1, chosen[:, None]).squeeze(1)
+        token_lp = logits.gather(1, chosen[:, None]).squeeze(1) - log_total
         self.tokens[active, step] = chosen
         self.logprobs[active, step] = token_lp
         if self.topk_width:
-            values, ids = logp.topk(self.topk_width, dim=-1)
+            values, ids = logits.topk(self.topk_width, dim=-1)
             self.topk_ids[active, step] = ids
-            self.topk_values[active, step] = values
+            self.topk_values[active, step] = values - log_total[:, None]
         stop = torch.zeros_like(chosen, dtype=torch.bool)
         if self.stop_ids is not None:
             stop = (self.stop_ids.index_select(0, active) == chosen[:, None]).any(dim=1)
