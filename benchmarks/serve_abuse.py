@@ -11,6 +11,13 @@ Attacks, each held while the neighbour makes `--updates` updates:
   64-sessions   another key opens 64 sessions with a training client each, then idles
   long-sample   another key samples 480 tokens per request (decoded over many cycles, a few steps
                 a cycle: engine/sampling.py)
+  trickle       another key opens 4,200 connections, each sending a request head and then its body
+                a byte every 5 s (issue 36 point 4: every request, /healthz included, was a 503);
+                the key holds max_connections_per_key of them, the rest are a 429 naming that limit
+  churn         4 processes open keyless sockets as fast as they can, send a request without a key
+                (or nothing), and close them (issue 36 point 5); from 127.0.0.2, another address than
+                the neighbour's (the server bounds new connections per address: max_new_connections_
+                per_address_s; from the neighbour's own address they would delay its new connections)
   listing       another key, with 2,000 checkpoints saved, lists them (runs, checkpoints, its
                 user checkpoints) in a loop from 4 threads; besides the ratio, the neighbour's
                 heartbeat latency while it goes on (target: max <= 100 ms: listings run off the
@@ -222,6 +229,90 @@ def body_stall(port: int) -> Callable[[Attack], None]:
     return start
 
 
+def trickle(port: int, n: int = 4200) -> Callable[[Attack], None]:
+    """One key trickles request bodies on `n` connections (a byte every 5 s each)."""
+    def start(a: Attack) -> None:
+        held: list[socket.socket] = []
+        head = (b"POST /api/v1/optim_step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"X-API-Key: " + MALLORY.encode() + b"\r\nContent-Length: 1048576\r\n\r\n ")
+        for _ in range(n):
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.sendall(head)
+                held.append(s)
+            except OSError as exc:
+                a.answers[f"connect {type(exc).__name__}"] += 1
+        time.sleep(0.5)
+        for s in held:  # which were refused (answered, then closed)
+            s.settimeout(0.001)
+            try:
+                answer = s.recv(1024)
+            except OSError:
+                continue
+            if answer:
+                line = answer.split(b"\r\n", 1)[0].decode(errors="replace")
+                code = b"too_many_connections" if b"too_many_connections" in answer else b""
+                a.answers[f"{line} {code.decode()}".strip()] += 1
+        a.answers["connections made"] = len(held)
+
+        def dribble() -> None:
+            while not a.stop.wait(5.0):
+                for s in held:
+                    with contextlib.suppress(OSError):
+                        s.send(b" ")
+
+        def close() -> None:
+            for s in held:
+                s.close()
+
+        a.background(dribble)
+        a.cleanup.append(close)
+    return start
+
+
+_CHURN = """
+import signal, socket, sys, time
+port, until, began = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]), time.monotonic()
+source = sys.argv[3]
+n = 0
+signal.signal(signal.SIGTERM, lambda *_: (print(n, time.monotonic() - began, flush=True), sys.exit(0)))
+request = b"GET /api/v1/get_server_capabilities HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\n"
+while time.monotonic() < until:
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+        if n % 2:
+            s.sendall(request)
+            s.recv(256)
+        s.close()
+        n += 1
+    except OSError:
+        n += 1
+print(n)
+"""
+
+
+def churn(port: int, processes: int = 4) -> Callable[[Attack], None]:
+    """Keyless sockets opened and closed as fast as `processes` other processes can (every other one
+    sends a request without a key, answered 401 and closed)."""
+    def start(a: Attack) -> None:
+        procs = [subprocess.Popen([sys.executable, "-c", _CHURN, str(port), "600", "127.0.0.2"], stdout=subprocess.PIPE,
+                                  text=True) for _ in range(processes)]
+
+        def stop() -> None:
+            for proc in procs:
+                proc.terminate()
+            rates = []
+            for proc in procs:
+                out, _ = proc.communicate(timeout=30)
+                with contextlib.suppress(ValueError):
+                    count, seconds = out.split()
+                    rates.append(int(count) / float(seconds))
+            a.answers["sockets/s"] = round(sum(rates))
+
+        a.cleanup.append(stop)
+    return start
+
+
 def many_sessions(url: str) -> Callable[[Attack], None]:
     def start(a: Attack) -> None:
         for _ in range(64):
@@ -237,9 +328,10 @@ def many_sessions(url: str) -> Callable[[Attack], None]:
 
 
 def _closed(s: socket.socket) -> bool:
+    """Whether the server closed `s` (or answered it a refusal, then closed it)."""
     s.settimeout(0.01)
     try:
-        return s.recv(1) == b""
+        return s.recv(1) in (b"", b"H")
     except (TimeoutError, BlockingIOError):
         return False
     except OSError:
@@ -262,7 +354,8 @@ def main() -> None:
             "stop-strings": lambda: stop_strings(url, 16, "samples"),
             "plain-samples": lambda: stop_strings(url, 16, "samples", n_stops=0),
             "slowloris": lambda: slowloris(port), "body-stall": lambda: body_stall(port),
-            "64-sessions": lambda: many_sessions(url),
+            "64-sessions": lambda: many_sessions(url), "trickle": lambda: trickle(port),
+            "churn": lambda: churn(port),
             "long-sample": lambda: stop_strings(url, 480, "samples of 480 tokens"),
             "listing": lambda: listing(url)}
         if only - set(rows):

@@ -11,7 +11,17 @@ one participant cannot take the pool from the others:
 * **Connections** (`Connections`, wrapped around uvicorn's protocol): a connection waiting for
   a request head (new, or idle between requests) is closed after `header_timeout_s`, at most
   `max_waiting` wait at once (a new one closes the oldest waiting one, so a flood of silent
-  sockets cannot keep a keyed client out), and one address holds at most `max_per_address`.
+  sockets cannot keep a keyed client out). A connection belongs to its address until a request
+  on it shows a configured key; from then on to that key. One address holds at most
+  `max_per_address` connections of no key, one key at most `max_per_key` (its extra requests
+  are a 429 naming the limit, and their connections closed: one key trickling bodies on
+  thousands of sockets holds only its own share), and the server at most `max_total` (a new
+  one closes the oldest waiting one, or is refused). An address opens at most
+  `new_per_address_s` connections a second: past that a new one is read only when its turn comes
+  (keyless sockets opened and closed at speed cost a neighbour little), and refused when that is
+  more than a second away. A refused connection is answered a 429
+  or 503 naming the limit before it is closed; nothing is answered a bare 503 for being busy
+  (uvicorn's own `limit_concurrency` is off: these bounds are the server's).
 * **Bodies** (`Budget`): bytes of request bodies being read are bounded per key and in all;
   a body that stalls for `body_timeout_s` is dropped with a 408.
 """
@@ -22,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import json
 import logging
 import socket
 from collections import Counter, OrderedDict
@@ -40,7 +51,7 @@ log = logging.getLogger("trio_widgets.http.server")
 
 _JSON, _PROTOBUF = "application/json", "application/x-protobuf"
 _LOOKED_AT = frozenset((b"host", b"origin", b"content-type", b"content-length", b"transfer-encoding",
-                        b"sec-fetch-site"))
+                        b"sec-fetch-site", b"x-api-key"))
 # what a browser says of a request a page of another site made (Fetch Metadata); no client of ours
 # sends the header, and a page's no-cors GET carries no Origin, only this
 _FROM_ANOTHER_SITE = frozenset(("cross-site", "same-site"))
@@ -75,12 +86,17 @@ class Policy:
 
     allowed_hosts: frozenset[str]
     allowed_origins: frozenset[str]
+    #: path prefixes a keyed server answers without a key (health, signed download URLs)
+    keyless_paths: tuple[str, ...] = ("/api/v1/healthz", "/api/v1/trio/export/")
 
     @classmethod
-    def of(cls, allowed_hosts: Iterable[str] | None, allowed_origins: Iterable[str] | None) -> Policy:
+    def of(cls, allowed_hosts: Iterable[str] | None, allowed_origins: Iterable[str] | None,
+           keyless_paths: Iterable[str] | None = None) -> Policy:
         hosts = {h.strip().lower() for h in (allowed_hosts or ()) if h.strip()}
         origins = {o.strip().lower().rstrip("/") for o in (allowed_origins or ()) if o.strip()}
-        return cls(frozenset(hosts | _machine_names()), frozenset(origins))
+        if keyless_paths is None:
+            return cls(frozenset(hosts | _machine_names()), frozenset(origins))
+        return cls(frozenset(hosts | _machine_names()), frozenset(origins), tuple(keyless_paths))
 
     def host_ok(self, host: str) -> bool:
         return _host_ok(self, host)
@@ -107,12 +123,16 @@ def policy_app(app: Any, policy: Policy, connections: Connections | None = None)
     async def guarded(scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await app(scope, receive, send)
-        if connections is not None and scope.get("client"):
-            connections.started(tuple(scope["client"]))
         # only the headers looked at here (ASGI servers give names in lower case)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ()) if k in _LOOKED_AT}
         host, origin = headers.get("host", ""), headers.get("origin")
-        if not policy.host_ok(host):
+        over, key = None, headers.get("x-api-key")
+        owner = connections.identify(key) if connections is not None else None
+        if connections is not None and scope.get("client"):
+            over = connections.started(tuple(scope["client"]), owner)
+        if over is not None:
+            refused = _refuse(429, over, "too_many_connections")
+        elif not policy.host_ok(host):
             refused = _refuse(403, f"this server does not answer to the host name {host[:80]!r} (a web page may "
                                    f"have pointed that name here); serve with --allowed-hosts {_host_name(host)[:80]} "
                                    f"(allowed_hosts=[...]) if it is yours", "forbidden_host")
@@ -128,6 +148,17 @@ def policy_app(app: Any, policy: Policy, connections: Connections | None = None)
             refused = _refuse(415, f"a {scope['method']} body must be {_JSON} (or {_PROTOBUF} for "
                                    f"forward_backward), got Content-Type {headers.get('content-type', '')[:60]!r}",
                               "unsupported_media_type")
+        elif (connections is not None and connections.keyed and owner is None
+              and not scope["path"].startswith(policy.keyless_paths)):
+            # a keyed server's route without a configured key: refused here, before the routes, at the
+            # cost of a few dict lookups (keyless sockets opened and closed at speed cost the pool
+            # little: issue 36 point 5), logged once per 100
+            connections.stats["unauthenticated"] += 1
+            if connections.stats["unauthenticated"] % 100 == 1:
+                log.info("refused %s %s: 401 without a configured API key (%d such so far)", scope["method"],
+                         scope["path"][:80], connections.stats["unauthenticated"])
+            refused = _refuse(401, "missing API key: send it in the X-API-Key header" if not key
+                              else "invalid API key", "unauthenticated")
         else:
             return await app(scope, receive, send)
         await refused(scope, receive, send)
@@ -144,35 +175,88 @@ def _typed(ctype: str, headers: dict[str, str]) -> bool:
 
 
 class Connections:
-    """Which connections wait for a request head, per address counts; on the event loop's
-    thread only (uvicorn's protocols call it from there)."""
+    """Which connections wait for a request head; connections per address (of no key), per key and
+    in all; on the event loop's thread only (uvicorn's protocols call it from there).
 
-    def __init__(self, *, header_timeout_s: float, max_waiting: int, max_per_address: int):
+    `identify(key)` names the owner a presented API key stands for when it is one of the server's
+    configured keys, else None (without configured keys every key is anyone's: a connection then
+    stays its address's)."""
+
+    def __init__(self, *, header_timeout_s: float, max_waiting: int, max_per_address: int,
+                 max_per_key: int = 512, max_total: int = 4096, new_per_address_s: float = 256.0,
+                 identify: Callable[[str | None], str | None] | None = None, keyed: bool = False):
         self.header_timeout_s = header_timeout_s
         self.max_waiting = max_waiting
         self.max_per_address = max_per_address
+        self.max_per_key = max_per_key
+        self.max_total = max_total
+        self.identify: Callable[[str | None], str | None] = identify or (lambda key: None)
+        self.keyed = keyed  # the server has configured keys: a request of none is refused in front
         self.waiting: OrderedDict[Any, tuple[float, asyncio.Transport]] = OrderedDict()  # since when
         self._sweeper: asyncio.TimerHandle | None = None
-        self.per_address: Counter[str] = Counter()
+        self.per_address: Counter[str] = Counter()  # connections of no key yet
+        self.per_key: Counter[str] = Counter()  # connections a configured key's request was seen on
+        self.total = 0
+        # new connections per address: a token bucket of new_per_address_s a second (as many at once);
+        # past it a new connection waits its turn, unread (up to a second's worth), or is refused
+        self.new_per_address_s = float(new_per_address_s)
+        self._bucket: dict[str, tuple[float, float]] = {}  # address -> (tokens, when)
         self.by_peer: dict[tuple, Any] = {}
-        self.stats = {"refused": 0, "evicted": 0, "timed_out": 0}
+        self.stats = {"refused": 0, "evicted": 0, "timed_out": 0, "refused_per_key": 0, "unauthenticated": 0,
+                      "deferred": 0}
 
     def admit(self, protocol: Any, transport: asyncio.Transport) -> bool:
+        """Whether a new connection may stay; a refused one has been answered (a 429 or 503 naming the
+        limit) and closed."""
         peer = transport.get_extra_info("peername")
         address = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
         if self.per_address[address] >= self.max_per_address:
             if not self.stats["refused"] % 100:
-                log.warning("%s holds %d connections, the server's limit (max_connections_per_address): "
+                log.warning("%s holds %d connections of no key, the server's limit (max_connections_per_address): "
                             "refusing more", address, self.per_address[address])
             self.stats["refused"] += 1
+            _answer_and_close(transport, 429, f"this address holds {self.per_address[address]} connections, the "
+                                              f"server's limit (max_connections_per_address); close some first",
+                              "too_many_connections")
+            return False
+        delay = self._turn(address)
+        if delay is None:
+            self.stats["refused"] += 1
+            _answer_and_close(transport, 429, f"this address opens more than {self.new_per_address_s:g} connections a "
+                                              f"second, the server's limit (max_new_connections_per_address_s); "
+                                              f"keep connections open and reuse them", "too_many_connections")
+            return False
+        if self.total >= self.max_total and not self._evict_oldest_waiting():
+            self.stats["refused"] += 1
+            _answer_and_close(transport, 503, f"the server holds {self.total} connections, its limit "
+                                              f"(max_connections), none of them idle; try again shortly", "busy")
             return False
         self.per_address[address] += 1
+        self.total += 1
         protocol._trio_address = address
+        protocol._trio_owner = None
         protocol._trio_peer = tuple(peer) if isinstance(peer, (tuple, list)) else None
         if protocol._trio_peer is not None:
             self.by_peer[protocol._trio_peer] = protocol
         self.wait(protocol, transport)
+        protocol._trio_delay = delay  # > 0: read once its turn comes (Guarded holds what arrives till then)
+        if delay > 0:
+            self.stats["deferred"] += 1
         return True
+
+    def _turn(self, address: str) -> float | None:
+        """Seconds until a new connection of `address` may be read (0: now), or None: refused (its
+        turn is more than a second away)."""
+        rate = self.new_per_address_s
+        now = asyncio.get_running_loop().time()
+        tokens, when = self._bucket.get(address, (rate, now))
+        tokens = min(rate, tokens + (now - when) * rate)
+        if tokens < 1.0 - rate:  # a second's worth already waits
+            return None
+        self._bucket[address] = (tokens - 1.0, now)
+        if len(self._bucket) > 4096:  # addresses whose bucket is full again are forgotten
+            self._bucket = {a: (t, w) for a, (t, w) in self._bucket.items() if t + (now - w) * rate < rate}
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / rate
 
     def wait(self, protocol: Any, transport: asyncio.Transport) -> None:
         """`protocol` waits for a request head now (new, or idle after a response)."""
@@ -184,19 +268,50 @@ class Connections:
         if self._sweeper is None:  # one timer for all (not one per request)
             self._sweeper = loop.call_later(self.header_timeout_s / 4, self._sweep)
         while len(self.waiting) > self.max_waiting:  # the oldest silent one makes room for a new one
-            _, (_, oldest) = self.waiting.popitem(last=False)
-            self.stats["evicted"] += 1
-            oldest.close()
+            self._evict_oldest_waiting()
 
-    def started(self, peer: tuple) -> None:
+    def _evict_oldest_waiting(self) -> bool:
+        if not self.waiting:
+            return False
+        _, (_, oldest) = self.waiting.popitem(last=False)
+        self.stats["evicted"] += 1
+        oldest.close()
+        return True
+
+    def started(self, peer: tuple, owner: str | None = None) -> str | None:
+        """A request head arrived from `peer`, of `owner` (what `identify` made of its key, if anything):
+        None, or why it is refused (the owner holds max_per_key connections already)."""
         protocol = self.by_peer.get(peer)
-        if protocol is not None:
-            self._unwait(protocol)
+        if protocol is None:
+            return None
+        self._unwait(protocol)
+        if protocol._trio_owner is not None or owner is None:
+            return None
+        if self.per_key[owner] >= self.max_per_key:
+            self.stats["refused_per_key"] += 1
+            if not (self.stats["refused_per_key"] - 1) % 100:
+                log.warning("an API key (owner %s) holds %d connections, the server's limit "
+                            "(max_connections_per_key): refusing more", owner[:12], self.per_key[owner])
+            return (f"this API key holds {self.per_key[owner]} connections to the server, its limit "
+                    f"(max_connections_per_key); close some (or wait for your requests to finish) first")
+        # the connection is the key's now, no longer its address's
+        self.per_address[protocol._trio_address] -= 1
+        if self.per_address[protocol._trio_address] <= 0:
+            del self.per_address[protocol._trio_address]
+        self.per_key[owner] += 1
+        protocol._trio_owner = owner
+        return None
 
     def gone(self, protocol: Any) -> None:
         self._unwait(protocol)
+        self.total -= 1
+        owner = getattr(protocol, "_trio_owner", None)
         address = getattr(protocol, "_trio_address", None)
-        if address is not None:
+        if owner is not None:
+            self.per_key[owner] -= 1
+            if self.per_key[owner] <= 0:
+                del self.per_key[owner]
+        elif address is not None:
             self.per_address[address] -= 1
             if self.per_address[address] <= 0:
                 del self.per_address[address]
@@ -223,6 +338,18 @@ class Connections:
             self._sweeper = loop.call_later(self.header_timeout_s / 4, self._sweep)
 
 
+def _answer_and_close(transport: asyncio.Transport, status: int, message: str, code: str) -> None:
+    """A refusal written straight to a connection no request arrived on yet (the client reads it as
+    the answer to the request it sends), then closed."""
+    body = json.dumps({"detail": message, "code": code, "field": None}).encode()
+    reason = {429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "Refused")
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode("ascii")
+    with contextlib.suppress(Exception):
+        transport.write(head + body)
+    transport.close()
+
+
 def guarded_protocol(base: type, connections: Connections) -> type:
     """uvicorn's HTTP protocol class `base`, reporting to `connections` (a subclass: uvicorn
     takes a protocol class for `http=`)."""
@@ -231,15 +358,32 @@ def guarded_protocol(base: type, connections: Connections) -> type:
         _trio_admitted = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:
-            if not connections.admit(self, transport):
-                transport.abort()
+            if not connections.admit(self, transport):  # answered, naming the limit, and closed
                 return
             self._trio_admitted = True
             super().connection_made(transport)
+            if self._trio_delay > 0:  # its turn comes later: what arrives till then is held, unread
+                self._trio_held: list[bytes] | None = []
+                asyncio.get_running_loop().call_later(self._trio_delay, self._trio_turn)
+
+        def _trio_turn(self) -> None:
+            held, self._trio_held = self._trio_held, None
+            if self.transport.is_closing():
+                return
+            with contextlib.suppress(Exception):
+                self.transport.resume_reading()
+            if held:
+                super().data_received(b"".join(held))
 
         def data_received(self, data: bytes) -> None:
-            if self._trio_admitted:
-                super().data_received(data)
+            if not self._trio_admitted:
+                return
+            held = getattr(self, "_trio_held", None)
+            if held is not None:  # (one read at most: reading pauses)
+                held.append(data)
+                self.transport.pause_reading()
+                return
+            super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._trio_admitted:

@@ -74,6 +74,20 @@ def _run_event_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
         asyncio.run(main())
 
 
+def _identifier(keys: list[str]) -> Callable[[str | None], str | None]:
+    """The owner a presented key stands for when it is a configured one (else None: the connection
+    stays its address's; without configured keys, every connection does)."""
+    owners = {owner_of(k) for k in keys}
+
+    def identify(key: str | None) -> str | None:
+        if not key or not owners:
+            return None
+        owner = owner_of(key)
+        return owner if owner in owners else None
+
+    return identify
+
+
 class Server:
     """Serves `pool` on host:port from a background thread (uvicorn). `stop()` (or closing the
     pool, or leaving a `with` block) answers pending futures, releases every served client and
@@ -87,7 +101,9 @@ class Server:
                  max_futures_per_key: int = 4096, allowed_hosts: Iterable[str] | None = None,
                  allowed_origins: Iterable[str] | None = None, header_timeout_s: float = 10.0,
                  body_timeout_s: float = 30.0, max_waiting_connections: int = 256,
-                 max_connections_per_address: int = 512, max_inflight_bytes_per_key: int = 64 << 20,
+                 max_connections_per_address: int = 512, max_connections_per_key: int = 512,
+                 max_connections: int = 4096, max_new_connections_per_address_s: float = 256.0,
+                 max_inflight_bytes_per_key: int = 64 << 20,
                  max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
                  max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
                  export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, owns_pool: bool = False,
@@ -103,6 +119,10 @@ class Server:
                                        ("body_timeout_s", body_timeout_s, 0.1, 3600.0),
                                        ("max_waiting_connections", max_waiting_connections, 1, 1 << 20),
                                        ("max_connections_per_address", max_connections_per_address, 1, 1 << 20),
+                                       ("max_connections_per_key", max_connections_per_key, 1, 1 << 20),
+                                       ("max_connections", max_connections, 1, 1 << 20),
+                                       ("max_new_connections_per_address_s", max_new_connections_per_address_s, 1.0,
+                                        1e6),
                                        ("max_inflight_bytes_per_key", max_inflight_bytes_per_key, 1, 1 << 40),
                                        ("max_inflight_bytes", max_inflight_bytes, 1, 1 << 40),
                                        ("max_clients_per_key", max_clients_per_key, 1, 1 << 20),
@@ -133,7 +153,11 @@ class Server:
         self._policy = Policy.of([host, *(allowed_hosts or ())], allowed_origins)
         self._connections = Connections(header_timeout_s=float(header_timeout_s),
                                         max_waiting=int(max_waiting_connections),
-                                        max_per_address=int(max_connections_per_address))
+                                        max_per_address=int(max_connections_per_address),
+                                        max_per_key=int(max_connections_per_key), max_total=int(max_connections),
+                                        new_per_address_s=float(max_new_connections_per_address_s),
+                                        identify=_identifier([*(api_keys or ()), *(observer_keys or ())]),
+                                        keyed=bool([*(api_keys or ()), *(observer_keys or ())]))
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
@@ -162,7 +186,10 @@ class Server:
         # around uvicorn's protocol (trio_widgets/http/guard.py)
         app = policy_app(build_app(self._service), self._policy, self._connections)
         config = uvicorn.Config(app, http=guarded_protocol(AutoHTTPProtocol, self._connections), log_level="warning",
-                                access_log=False, log_config=None, lifespan="off", limit_concurrency=4096,
+                                access_log=False, log_config=None, lifespan="off", limit_concurrency=None,
+                                # the peer is the socket's: X-Forwarded-For from a loopback client must not
+                                # move it out of its address's (or key's) count
+                                proxy_headers=False,
                                 timeout_graceful_shutdown=5, timeout_keep_alive=30)
         self._uvicorn = uvicorn.Server(config)
         started = threading.Event()
@@ -254,8 +281,9 @@ class Server:
     def stats(self) -> dict[str, int]:
         """Counts since start: submitted (to the pool), duplicates (repeated seq_ids answered with
         the first request), held (arrived before a predecessor), gaps_skipped, sessions_expired;
-        connections refused (per address), evicted (the oldest waiting, for a new one), timed_out
-        (no request head in header_timeout_s)."""
+        connections refused (per address, or the server full), refused_per_key (a key over
+        max_connections_per_key), evicted (the oldest waiting, for a new one), timed_out (no request
+        head in header_timeout_s)."""
         return {**self._service.stats, **self._connections.stats}
 
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
@@ -276,7 +304,9 @@ def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **setti
     in front of the routes (trio_widgets/http/guard.py): allowed_hosts (besides IP addresses,
     loopback and this machine's names), allowed_origins (none: browsers' requests are refused),
     header_timeout_s (10), body_timeout_s (30), max_waiting_connections (256),
-    max_connections_per_address (512), max_inflight_bytes_per_key (64 MiB), max_inflight_bytes (256 MiB);
+    max_connections_per_address (512 of no key yet), max_connections_per_key (512), max_connections (4096),
+    max_new_connections_per_address_s (256: past it a new connection waits its turn, up to 1 s, else 429),
+    max_inflight_bytes_per_key (64 MiB), max_inflight_bytes (256 MiB);
     per key across its sessions: max_clients_per_key (128), max_state_bytes_per_key (2 GiB of
     adapter and optimizer state; a rank-r client of a model costs what `ModelHandle.state_bytes` says);
     checkpoint downloads (trio_widgets/http/exports.py): max_export_bytes (4 GiB of PEFT files),
