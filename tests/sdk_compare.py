@@ -14,8 +14,10 @@ What "the same" means is what SDK-style code needs to run unchanged:
 * a response type has every field, property and method of the SDK's;
 * exception classes exist and keep the SDK's subclass relations.
 
-Return types (a future of a client vs. a client) cannot be read off a signature; those
-checks are behavioural and listed in notes/issue16_client_todo.md.
+* a method returns the same kind of thing (`return_kind`): a value, a future, or a client
+  that is also a future of itself (tinker's Backcompat*ClientFuture, which stands for either),
+  and, for an `async def`, an awaitable of one of those; read off the return annotations
+  (both SDKs annotate every public method; ours do too).
 """
 
 from __future__ import annotations
@@ -116,6 +118,47 @@ def _is_async(cls: type, name: str) -> bool:
     return inspect.iscoroutinefunction(inspect.unwrap(fn)) if callable(fn) else False
 
 
+_HEAD = re.compile(r"^(?:<class ')?([\w.]+)")
+
+
+def _return_head(annotation: Any) -> str | None:
+    """The outermost name of a return annotation: `APIFuture[types.X]` -> `APIFuture`,
+    `concurrent.futures._base.Future[...]` -> `Future`, `<class 'pkg.SamplingClient'>` -> `SamplingClient`."""
+    if annotation is _EMPTY:
+        return None
+    match = _HEAD.match((annotation if isinstance(annotation, str) else str(annotation)).strip("'\""))
+    return match.group(1).rsplit(".", 1)[-1] if match else None
+
+
+def return_kind(cls: type, name: str) -> str | None:
+    """What calling `cls.name` gives: "value", "future" (APIFuture, concurrent.futures.Future,
+    tinker's AwaitableConcurrentFuture), "client-future" (a client that is also a future of
+    itself), each as "awaitable of ..." for an `async def`; None for what is not a method, has
+    no return annotation, or never returns (the hosted-only names: NoReturn, they raise)."""
+    fn = inspect.getattr_static(cls, name, None)
+    fn = getattr(fn, "__func__", fn)
+    if fn is None or isinstance(fn, property) or not callable(fn) or isinstance(fn, type):
+        return None
+    fn = inspect.unwrap(fn)
+    head = _return_head(getattr(fn, "__annotations__", {}).get("return", _EMPTY))
+    if head is None or head in ("NoReturn", "Never"):  # (a hosted-only name raises NotSupportedError)
+        return None
+    kind = ("client-future" if head.startswith("Backcompat") else "future" if head.endswith("Future")
+            else "awaitable" if head in ("Awaitable", "Coroutine") else "value")
+    return f"awaitable of {kind}" if inspect.iscoroutinefunction(fn) else kind
+
+
+def same_return_kind(sdk: str | None, ours: str | None) -> bool:
+    """Whether SDK-style code gets what it expects: the same kind, or our client-future where
+    the SDK gives a client or a future (it is both)."""
+    if sdk is None or ours is None or sdk == ours:
+        return True
+    prefix = "awaitable of "
+    if sdk.startswith(prefix) != ours.startswith(prefix):
+        return False
+    return ours.removeprefix(prefix) == "client-future" and sdk.removeprefix(prefix) in ("value", "future")
+
+
 # -- signatures --------------------------------------------------------------------------
 
 def _same_default(a: Any, b: Any) -> bool:
@@ -186,6 +229,61 @@ def signature_problems(sdk: inspect.Signature, ours: inspect.Signature) -> list[
     return problems
 
 
+# -- the response types a client's methods return ------------------------------------------
+
+_IDENT = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def _data_class_fields(cls: type) -> list[Any]:
+    model_fields = getattr(cls, "model_fields", None)
+    if isinstance(model_fields, dict):
+        return [f.annotation for f in model_fields.values()]
+    if dataclasses.is_dataclass(cls):
+        return [f.type for f in dataclasses.fields(cls)]
+    return []
+
+
+def response_types(clients: dict[str, type], package: str, namespaces: list[Any]) -> dict[str, tuple[type, set[str]]]:
+    """Every data type of `package` that a public method of `clients` returns (inside a future,
+    a list, a union...), and every data type their fields hold, by name: (the class, the
+    `Client.method` names that reach it). Read off the annotations (strings or objects), each
+    name looked up in `namespaces` (e.g. the SDK's `types` module, then the SDK)."""
+    found: dict[str, tuple[type, set[str]]] = {}
+    client_types = set(clients.values())
+
+    def resolve(annotation: Any) -> list[type]:
+        out = []
+        for ident in _IDENT.findall(annotation if isinstance(annotation, str) else str(annotation)):
+            name = ident.rsplit(".", 1)[-1]
+            for ns in namespaces:
+                obj = getattr(ns, name, None)
+                if isinstance(obj, type) and obj.__module__.split(".")[0] == package and obj not in client_types \
+                        and (hasattr(obj, "model_fields") or dataclasses.is_dataclass(obj)):
+                    out.append(obj)
+                    break
+        return out
+
+    def visit(cls: type, via: str) -> None:
+        seen = cls.__name__ in found
+        found.setdefault(cls.__name__, (cls, set()))[1].add(via)
+        if not seen:
+            for annotation in _data_class_fields(cls):
+                for inner in resolve(annotation):
+                    visit(inner, via)
+
+    for client_name, client in clients.items():
+        for name in dir(client):
+            fn = inspect.getattr_static(client, name, None)
+            fn = getattr(fn, "__func__", fn)
+            if name.startswith("_") or fn is None or isinstance(fn, property) or not callable(fn):
+                continue
+            annotation = getattr(inspect.unwrap(fn), "__annotations__", {}).get("return", _EMPTY)
+            if annotation is not _EMPTY:
+                for cls in resolve(annotation):
+                    visit(cls, f"{client_name}.{name}")
+    return found
+
+
 # -- comparisons ---------------------------------------------------------------------------
 
 def compare_class(key: str, sdk_cls: type, our_cls: type | None, *, constructor: bool = False,
@@ -221,6 +319,9 @@ def compare_class(key: str, sdk_cls: type, our_cls: type | None, *, constructor:
         problems = signature_problems(sdk_sig, our_sig)
         if _is_async(sdk_cls, name) != _is_async(our_cls, name):
             problems.append("async in the SDK, not here" if _is_async(sdk_cls, name) else "async here, not in the SDK")
+        sdk_kind, our_kind = return_kind(sdk_cls, name), return_kind(our_cls, name)
+        if not same_return_kind(sdk_kind, our_kind):
+            problems.append(f"returns a {sdk_kind} in the SDK, a {our_kind} here")
         if problems:
             diffs[where] = f"SDK {_fmt(sdk_sig)} vs ours {_fmt(our_sig)}: " + "; ".join(problems)
     return diffs

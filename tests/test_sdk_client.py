@@ -64,9 +64,13 @@ def test_creation_returns_the_client_and_a_future_of_it(sc):
     made = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     assert isinstance(made, trio.TrainingClient) and isinstance(made, trio.APIFuture)
     assert isinstance(made, trio.BackcompatTrainingClientFuture)
-    assert made.done() and made.result() is made and made.result(timeout=0) is made
-    assert made.future().result(timeout=5) is made and made.map(lambda c: c.model_id).result() == made.model_id
-    assert asyncio.run(made.result_async()) is made
+    # what it gives is the TrainingClient as the SDKs' `.result()` gives it: not a future, not awaitable
+    client = made.result()
+    assert made.done() and made.result(timeout=0) is client and type(client) is not type(made)
+    assert isinstance(client, trio.TrainingClient) and not isinstance(client, trio.APIFuture)
+    assert not hasattr(client, "__await__") and not hasattr(client, "result") and client.model_id == made.model_id
+    assert made.future().result(timeout=5) is client and made.map(lambda c: c.model_id).result() == made.model_id
+    assert asyncio.run(made.result_async()) is client
 
     async def awaited():
         return await sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=1)
@@ -78,7 +82,9 @@ def test_creation_returns_the_client_and_a_future_of_it(sc):
     assert math.isfinite(out.result(timeout=60).metrics["loss:sum"])
     sampler = sc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
     assert isinstance(sampler, trio.SamplingClient) and isinstance(sampler, trio.BackcompatSamplingClientFuture)
-    assert sampler.result() is sampler and asyncio.run(sampler.result_async()) is sampler
+    plain = sampler.result()
+    assert isinstance(plain, trio.SamplingClient) and not hasattr(plain, "__await__")
+    assert asyncio.run(sampler.result_async()) is plain and plain.client_id == sampler.client_id
 
 
 def test_a_snapshot_sampler_is_a_pending_future_that_is_also_the_client(sc, ckpool, look):
@@ -88,7 +94,9 @@ def test_a_snapshot_sampler_is_a_pending_future_that_is_also_the_client(sc, ckpo
         opt = tc.optim_step(ADAM)
         snap = tc.save_weights_and_get_sampling_client()
         assert isinstance(snap, trio.APIFuture) and not snap.done() and "pending" in repr(snap)
-    assert snap.result(timeout=60) is snap and snap.cycle == opt.cycle is not None
+    made = snap.result(timeout=60)
+    assert isinstance(made, trio.SamplingClient) and not hasattr(made, "__await__") and made.client_id == snap.client_id
+    assert snap.cycle == opt.cycle is not None
     after_step = look(tc).state_dict()
     assert _equal_weights(look(snap).state_dict(), after_step)
     # used directly (pytrio), it waits for its snapshot

@@ -33,3 +33,42 @@ def test_order_defaults_and_missing_parameters_are_caught():
     assert problems(sdk, other_default) == ["flag defaults to False in the SDK, True here"]
     assert problems(sdk, missing) == ["no parameter 'retry'", "no keyword parameter 'flag'"]
     assert problems(sdk, extra_required) == ["requires 'token', which the SDK's calls do not pass"]
+
+
+def test_return_kinds_are_read_off_the_annotations_and_mismatches_caught():
+    """A value, a future or a client-future (a client that is a future of itself), and each as
+    an awaitable for an `async def`: ours must give what SDK-style code expects."""
+    from typing import NoReturn
+
+    from sdk_compare import return_kind, same_return_kind
+
+    class APIFuture: ...
+
+    class SDK:
+        def fb(self) -> APIFuture: ...
+        async def fb_async(self) -> APIFuture: ...
+        def make(self) -> BackcompatSamplingClientFuture: ...  # noqa: F821
+        def info(self) -> types.GetInfoResponse: ...  # noqa: F821
+        def rest(self) -> concurrent.futures._base.Future[None]: ...  # noqa: F821
+        async def sample_async(self) -> SampleResponse: ...  # noqa: F821
+
+    class Ours:
+        def fb(self) -> APIFuture: ...
+        def fb_async(self) -> APIFuture: ...  # not async: one await boundary too few
+        def make(self) -> SamplingClient: ...  # noqa: F821 - a plain client where the SDK's is also a future
+        def info(self) -> APIFuture[GetInfoResponse]: ...  # noqa: F821
+        def rest(self) -> APIFuture[None]: ...  # noqa: F821
+        async def sample_async(self) -> NoReturn: ...
+
+    kinds = {n: (return_kind(SDK, n), return_kind(Ours, n)) for n in ("fb", "fb_async", "make", "info", "rest",
+                                                                     "sample_async")}
+    assert kinds == {"fb": ("future", "future"), "fb_async": ("awaitable of future", "future"),
+                     "make": ("client-future", "value"), "info": ("value", "future"), "rest": ("future", "future"),
+                     "sample_async": ("awaitable of value", None)}
+    verdicts = {n: same_return_kind(*k) for n, k in kinds.items()}
+    assert verdicts == {"fb": True, "fb_async": False, "make": False, "info": False, "rest": True,
+                        "sample_async": True}
+    # ours a client-future where the SDK gives the client (pytrio) or a future of it (tinker): both hold
+    assert same_return_kind("value", "client-future") and same_return_kind("future", "client-future")
+    assert same_return_kind("awaitable of value", "awaitable of client-future")
+    assert not same_return_kind("client-future", "future") and not same_return_kind("value", "awaitable of value")

@@ -39,12 +39,13 @@ import pytrio.errors.event  # noqa: E402
 import pytrio.types as pt  # noqa: E402
 import tinker._exceptions  # noqa: E402, F811
 import tinker.types as tt  # noqa: E402
-from sdk_compare import compare_class, compare_exceptions, compare_names  # noqa: E402
+from sdk_compare import compare_class, compare_exceptions, compare_names, response_types  # noqa: E402
 from tinker.types.topk_logprobs import TopkLogprobs as TinkerTopk  # noqa: E402
 from tinker.types.topk_logprobs import topk_to_lists  # noqa: E402
 
 import trio_widgets as trio  # noqa: E402
 from trio_widgets import errors, types  # noqa: E402
+from trio_widgets.hosted import REASONS  # noqa: E402
 
 SDK_VERSIONS = {"tinker": "0.38.0", "pytrio": "0.2.9"}
 
@@ -103,18 +104,38 @@ def differences() -> dict[str, str]:
     diffs |= compare_exceptions("pytrio:errors", pytrio_errors, lambda n: getattr(errors, n, None))
     diffs |= compare_class("pytrio:errors.PyTrioError", pytrio.PyTrioError, errors.PyTrioError,
                            skip=["__init__"])
-    # clients
+    # clients: every public method's signature, async-ness and return kind (value, future, awaitable)
     for name in CLIENTS:  # users construct ServiceClient and RestClient themselves
         constructed = name in ("ServiceClient", "RestClient")
         diffs |= compare_class(f"tinker:{name}", getattr(tinker, name), _ours(trio, name), constructor=constructed)
         diffs |= compare_class(f"pytrio:{name}", getattr(pytrio, name), _ours(trio, name), constructor=constructed)
+    # every response type a client method returns, and the types their fields hold: ours has each
+    # (fields, properties, methods), or only hosted-only methods return it (they raise NotSupportedError)
+    for sdk, module, namespaces in (("tinker", tinker, [tt, tinker]), ("pytrio", pytrio, [pt, pytrio])):
+        clients = {name: getattr(module, name) for name in CLIENTS}
+        for name, (cls, reached_by) in response_types(clients, sdk, namespaces).items():
+            ours = _ours(types, name)
+            if ours is not None:
+                diffs |= compare_class(f"{sdk}:types.{name}", cls, ours)
+            elif not all(via.split(".")[-1].removesuffix("_async") in REASONS for via in reached_by):
+                diffs[f"{sdk}:types.{name}"] = f"missing (returned by {', '.join(sorted(reached_by))})"
     return diffs
+
+
+def test_response_types_are_found_by_walking_the_clients():
+    """The walk reaches what the SDK-docs scripts read: the responses of training, sampling and
+    the RestClient, and the types inside them."""
+    found = {sdk: set(response_types({n: getattr(m, n) for n in CLIENTS}, sdk, ns)) for sdk, m, ns in
+             (("tinker", tinker, [tt, tinker]), ("pytrio", pytrio, [pt, pytrio]))}
+    assert {"ForwardBackwardOutput", "SaveWeightsResponse", "SampleResponse", "Checkpoint", "TrainingRun",
+            "Cursor", "WeightsInfoResponse", "AuditLogResponse"} <= found["tinker"]
+    assert {"SampleResponse", "SampleSequence", "CheckpointDownloadResult", "CheckpointArchiveUrlResponse",
+            "TensorData", "ModelOperationCapabilities"} <= found["pytrio"]
 
 
 _WIRE_TYPE = "a wire-format discriminator; the SDKs disagree on its value and user code does not read it"
 _SPARSE = "sparse CSR TensorData: the local pool's losses take 1-D dense inputs only, so nothing is sparse here"
 _PROVENANCE = "provenance spans only serve stable_reinforce, which the local pool refuses (engine/losses.py)"
-_NO_CONSOLE = "there is no web console or playground for a local pool"
 _MAX_TOKENS = ("max_tokens defaults to 16, not None: tinker's None lets the server choose, pytrio's is an "
                "error at sample time; a local pool needs a bound of its own")
 
@@ -137,13 +158,13 @@ _NO_ACCOUNT = "identity, audit log, billing and storage usage of a hosted accoun
 ALLOWED_DIFFERENCES: dict[str, str] = {
     "pytrio:types.APIFuture()": "futures are made by the pool for each request (and by APIFuture.completed), "
                                 "not by wrapping a concurrent.futures.Future",
-    "pytrio:types.SampleResponse.type": _WIRE_TYPE,
     "pytrio:types.SaveWeightsForSamplerResponse.type": _WIRE_TYPE,
     "pytrio:types.SaveWeightsResponse.type": _WIRE_TYPE,
     "tinker:types.GetInfoResponse.type": _WIRE_TYPE,
     "tinker:types.LoadWeightsResponse.type": _WIRE_TYPE,
     "tinker:types.SaveWeightsForSamplerResponse.type": _WIRE_TYPE,
     "tinker:types.SaveWeightsResponse.type": _WIRE_TYPE,
+    "tinker:types.SaveWeightsExternalResponse.type": _WIRE_TYPE,
     "pytrio:types.SamplingParams()": _MAX_TOKENS,
     "tinker:types.SamplingParams()": _MAX_TOKENS,
     "tinker:types.Datum()": _PROVENANCE,
@@ -159,9 +180,6 @@ ALLOWED_DIFFERENCES: dict[str, str] = {
     "tinker:types.TensorData.to_numpy": "pad_value only densifies sparse data; " + _SPARSE,
     "tinker:types.TensorData.to_torch": "pad_value only densifies sparse data; " + _SPARSE,
     "tinker:types.TensorData.tolist": "pad_value only densifies sparse data; " + _SPARSE,
-    "tinker:types.SaveWeightsForSamplerResponse.get_console_url": _NO_CONSOLE,
-    "tinker:types.SaveWeightsForSamplerResponse.get_playground_url": _NO_CONSOLE,
-    "tinker:types.SaveWeightsResponse.get_console_url": _NO_CONSOLE,
     "tinker:top.AdminClient": "audit logs, billing and storage usage of a hosted account have no local meaning",
     "tinker:top.DimuonOptimizerConfig": "the local pool implements AdamW only",
     "tinker:top.DimuonParams": "the local pool implements AdamW only",

@@ -85,6 +85,7 @@ from .types import (
     TensorData,
     check_text_only,
     finish_sample_response,
+    from_sdk,
 )
 from .validation import (
     check_adam_params,
@@ -336,6 +337,7 @@ class TrainingClient(_Client):
     # -- forward ops ---------------------------------------------------------------
     def _forward(self, op: str, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None,
                  auto_shift: bool) -> APIFuture:
+        data = from_sdk(data)  # tinker's or pytrio's Datum: ours, field by field
         _check_text(data, self._handle.base_model)
         if not isinstance(auto_shift, bool):
             raise InvalidInputError(f"must be True or False, got {auto_shift!r}", field="auto_shift")
@@ -374,6 +376,7 @@ class TrainingClient(_Client):
         if loss_type_input is not None:
             warnings.warn(_LOSS_TYPE_INPUT, DeprecationWarning, stacklevel=2)
         call = _custom_loss_caller(loss_fn, loss_fn_config)
+        data = from_sdk(data)
         _check_text(data, self._handle.base_model)
         if not isinstance(data, (list, tuple)) or not all(isinstance(d, Datum) for d in data):
             check_batch(data, "cross_entropy")  # names what is wrong
@@ -402,7 +405,7 @@ class TrainingClient(_Client):
         `optim_step(optim_params=...)` and `optim_step(adam_params=...)` (pytrio's too)."""
         if optim_params is not None and adam_params is not None:
             raise InvalidInputError("Specify optim_params or legacy adam_params, not both", field="optim_params")
-        params = optim_params if optim_params is not None else adam_params
+        params = from_sdk(optim_params if optim_params is not None else adam_params)
         if not isinstance(params, AdamParams):
             got = "nothing" if params is None else type(params).__name__
             raise _WrongTypeError(f"Expected AdamParams (the local pool implements AdamW only), got {got}",
@@ -728,7 +731,9 @@ class SamplingClient(_Client):
         return self.client_id
 
     def _prompt(self, prompt: Any) -> Any:
-        """A list of token ids is a ModelInput (as the engine reads it), here for every backend."""
+        """A list of token ids is a ModelInput (as the engine reads it), here for every backend;
+        so is tinker's or pytrio's ModelInput."""
+        prompt = from_sdk(prompt)
         if isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             prompt = ModelInput.from_ints([int(t) for t in prompt])
         if isinstance(prompt, ModelInput):
@@ -755,6 +760,7 @@ class SamplingClient(_Client):
         if not isinstance(return_text, bool):
             raise InvalidInputError(f"must be True or False, got {return_text!r}", field="return_text")
         prompt = self._prompt(prompt)
+        sampling_params = from_sdk(sampling_params)
         # the checks that need no model, here for every backend (the engine runs the rest)
         check_sample(prompt, num_samples, sampling_params, include_prompt_logprobs)
         future = self._submit("sample", SampleRequest(
@@ -804,7 +810,9 @@ class SamplingClient(_Client):
 class _ClientFuture(APIFuture):
     """A client that is also an `APIFuture` of itself, as tinker 0.38's creation methods
     return: `.result()`, `await`, `.future()`, `.map()`... give the client, and the object can
-    be used as the client directly (pytrio's style, and tinker's older one).
+    be used as the client directly (pytrio's style, and tinker's older one). What they give is
+    the client as both SDKs' `.result()` and pytrio's methods return it: a plain TrainingClient
+    / SamplingClient, neither a future nor awaitable (`_client`).
 
     Most clients exist at once, so this future is done. A sampling client made by
     `save_weights_and_get_sampling_client` waits for its snapshot's cycle: until then the
@@ -829,14 +837,29 @@ class _ClientFuture(APIFuture):
     def cycle(self) -> int | None:
         return self._creation.cycle if self._creation is not None else None
 
+    _plain_class: type  # the plain client class `_client` makes
+
+    def _client(self) -> Any:
+        """The client this future gives: an object of the plain client class sharing this
+        one's state (its `__dict__`), the same one while it lives. It holds this future, so
+        the pool lets the client go once both are dropped (or either is closed)."""
+        ref = self.__dict__.get("_plain_ref")
+        client: Any = ref() if ref is not None else None
+        if client is None:
+            client = object.__new__(self._plain_class)
+            client.__dict__ = self.__dict__
+            client._client_future = self
+            self.__dict__["_plain_ref"] = weakref.ref(client)
+        return client
+
     def result(self, timeout: float | None = None) -> Any:
         self._await_creation(timeout)
-        return self
+        return self._client()
 
     async def result_async(self, timeout: float | None = None) -> Any:
         if self._creation is not None:
             self._adopt(await self._creation.result_async(timeout))
-        return self
+        return self._client()
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.result_async().__await__()
@@ -867,7 +890,7 @@ class _ClientFuture(APIFuture):
     def map(self, transform: Callable[[Any], Any]) -> APIFuture:
         if self._creation is None:
             try:
-                return APIFuture.completed(transform(self))
+                return APIFuture.completed(transform(self._client()))
             except Exception as exc:
                 failed: concurrent.futures.Future = concurrent.futures.Future()
                 failed.set_exception(exc)
@@ -876,7 +899,19 @@ class _ClientFuture(APIFuture):
 
     def _adopted(self, created: Any) -> Any:
         self._adopt(created)
-        return self
+        return self._client()
+
+
+class _PlainTrainingClient(TrainingClient):
+    """What a BackcompatTrainingClientFuture gives: the TrainingClient itself, not a future."""
+
+    __slots__ = ("_client_future",)
+
+
+class _PlainSamplingClient(SamplingClient):
+    """What a BackcompatSamplingClientFuture gives: the SamplingClient itself, not a future."""
+
+    __slots__ = ("_client_future",)
 
 
 
@@ -884,6 +919,8 @@ class _ClientFuture(APIFuture):
 class BackcompatTrainingClientFuture(TrainingClient, _ClientFuture):
     """What tinker 0.38's `create_lora_training_client` (and `create_training_client_from_state*`)
     return: the TrainingClient, and a done future of it (`.result()` / `await` give it)."""
+
+    _plain_class = _PlainTrainingClient
 
     def __repr__(self) -> str:
         return TrainingClient.__repr__(self)
@@ -895,6 +932,7 @@ class BackcompatSamplingClientFuture(SamplingClient, _ClientFuture):
     cycle ran; using it as the client (`.sample(...)`, pytrio's style) waits until then."""
 
     _lock: threading.Lock
+    _plain_class = _PlainSamplingClient
 
     @classmethod
     def _pending(cls, backend: Backend, creation: APIFuture[SamplerCreated]) -> BackcompatSamplingClientFuture:
@@ -1107,7 +1145,7 @@ class ServiceClient:
     def create_lora_training_client(self, base_model: str = DEFAULT_MODEL, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
                                     user_metadata: dict[str, str] | None = None, optimizer: Any = None
-                                    ) -> TrainingClient:  # a BackcompatTrainingClientFuture
+                                    ) -> BackcompatTrainingClientFuture:
         """A new LoRA run: the client, which is also a done future of it (tinker 0.38's
         `.result()` / `await` work). `user_metadata={"name": ...}` labels it in the dashboard.
         `optimizer`: None or AdamOptimizerConfig() (AdamW is the only optimizer here)."""
@@ -1172,7 +1210,7 @@ class ServiceClient:
     def create_training_client_from_state(self, path: str, base_model: str | None = None,
                                           user_metadata: dict[str, str] | None = None,
                                           weights_access_token: str | None = None, optimizer: Any = None
-                                          ) -> TrainingClient:  # a BackcompatTrainingClientFuture
+                                          ) -> BackcompatTrainingClientFuture:
         """A new training client with the weights of a checkpoint (save_state, save_weights_for_sampler,
         or any PEFT LoRA adapter directory): same base model, rank, alpha and LoRA targets; the
         AdamW state starts afresh, as on the hosted services. To continue a run exactly, use
@@ -1188,7 +1226,7 @@ class ServiceClient:
     def create_training_client_from_state_with_optimizer(self, path: str, base_model: str | None = None,
                                                          user_metadata: dict[str, str] | None = None,
                                                          weights_access_token: str | None = None
-                                                         ) -> TrainingClient:  # a BackcompatTrainingClientFuture
+                                                         ) -> BackcompatTrainingClientFuture:
         """A new training client that resumes a save_state checkpoint exactly: its weights and its
         AdamW state (moments and step count)."""
         self._check_open()

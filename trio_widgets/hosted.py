@@ -6,20 +6,22 @@ every public name of the installed SDKs' client classes against ours)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import NotSupportedError
 
 __all__ = ["hosted_only"]
 
-_CONSOLE = ("opens the hosted service's web console for this session; a local pool has none: watch it with "
-            "trio.Dashboard(pool) (or trio.Dashboard(url) for a served one)")
+_CONSOLE = ("opens the hosted service's web console (a session's, run's or checkpoint's page); a local pool has "
+            "none: watch it with trio.Dashboard(pool) (or trio.Dashboard(url) for a served one)")
 _BILLING = "reports the hosted account's {}; a local pool has no account and bills nothing"
 _ACCOUNT = "{} on the hosted service's account; a local pool has no accounts, projects or publishing"
 
 #: name -> what it does on the hosted service, and why not here
 REASONS: dict[str, str] = {
     "get_console_url": _CONSOLE,
+    "get_playground_url": "opens a checkpoint in the hosted service's web playground; a local pool has none: sample "
+                          "it with ServiceClient.create_sampling_client(model_path=...) (its tinker:// path)",
     "copy_weights": "copies a checkpoint to another hosted account or project; here a checkpoint is a directory on "
                     "the pool's disk: copy it (RestClient.list_checkpoints gives its path)",
     "assign_session_project": _ACCOUNT.format("files a session under a project"),
@@ -44,14 +46,14 @@ def hosted_only(name: str, *, is_async: bool = False) -> Callable[..., Any]:
     message = f"{name}() {reason}."
 
     if is_async:
-        async def method_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+        async def method_async(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
             raise NotSupportedError(message)
 
         method_async.__name__ = method_async.__qualname__ = name
         method_async.__doc__ = f"Hosted only: {reason}. Raises NotSupportedError."
         return method_async
 
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotSupportedError(message)
 
     method.__name__ = method.__qualname__ = name

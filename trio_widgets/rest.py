@@ -40,10 +40,11 @@ from .backend import (
     WeightsInfo,
 )
 from .connect import Pool, connect
-from .errors import InvalidInputError
+from .errors import CheckpointNotFoundError, InvalidInputError
 from .export import DEFAULT_MAX_EXPORT_BYTES
 from .futures import APIFuture
 from .hosted import hosted_only
+from .protocol.paths import TINKER_SCHEME
 from .types import (
     CheckpointArchiveUrlResponse,
     CheckpointDownloadResult,
@@ -200,10 +201,39 @@ class RestClient:
         urls = self._backend.call(GetExportUrls(tinker_path))
         return ExternalWeightsUrlsResponse(urls=dict(urls.file_urls), expires=urls.expires)
 
+    def _checkpoint_ref(self, checkpoint_id: Any) -> str:
+        """pytrio's `checkpoint_id` as the backend takes it. A tinker:// path (or, in-process, a
+        checkpoint's absolute directory) is taken as it is; anything else is the `checkpoint_id`
+        of one of this key's checkpoints as `list_checkpoints` / `list_user_checkpoints` give it
+        (`"weights/<name>"`), found in that listing: never a path from the current directory."""
+        if not isinstance(checkpoint_id, str) or not checkpoint_id.strip():
+            raise InvalidInputError(f"must be a checkpoint_id from list_checkpoints or a tinker:// path, got "
+                                    f"{checkpoint_id!r:.80}", field="checkpoint_id")
+        if checkpoint_id.startswith(TINKER_SCHEME) or os.path.isabs(checkpoint_id):
+            return checkpoint_id
+        found: list[str] = []
+        offset = 0
+        while True:
+            page = self.list_user_checkpoints(limit=100, offset=offset).result()
+            found += [c.tinker_path for c in page.checkpoints if c.checkpoint_id == checkpoint_id]
+            offset += len(page.checkpoints)
+            if not page.checkpoints or page.cursor is None or offset >= page.cursor.total_count:
+                break
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise CheckpointNotFoundError(
+                f"no checkpoint of yours has the id {checkpoint_id!r:.120}; pass a checkpoint_id that "
+                f"list_checkpoints(run_id) lists, or the checkpoint's tinker:// path", path=checkpoint_id,
+                field="checkpoint_id")
+        raise InvalidInputError(f"{len(found)} of your runs have a checkpoint {checkpoint_id!r:.120} "
+                                f"({', '.join(found[:5])}): pass the tinker:// path of the one you mean",
+                                field="checkpoint_id")
+
     def get_checkpoint_archive_url(self, checkpoint_id: str) -> APIFuture[CheckpointArchiveUrlResponse]:
         """pytrio: the URL of the checkpoint's PEFT directory as one tar, valid until `expires`
-        (`checkpoint_id`: its tinker:// path, or its directory in-process, where the URL is the
-        directory's file:// URL)."""
+        (`checkpoint_id`: as listed by `list_checkpoints`, its tinker:// path, or its directory
+        in-process, where the URL is the directory's file:// URL)."""
         def archive() -> CheckpointArchiveUrlResponse:
             urls = self._backend.call(GetExportUrls(self._checkpoint_ref(checkpoint_id)))
             return CheckpointArchiveUrlResponse(url=urls.archive_url, expires=urls.expires)
@@ -233,7 +263,8 @@ class RestClient:
                 raise InvalidInputError(f"must be a directory path, got {destination_path!r:.80}",
                                         field="destination_path")
             destination = Path(os.fspath(destination_path)).expanduser()
-            sizes = self._backend.call(DownloadCheckpoint(self._checkpoint_ref(checkpoint_id), destination, int(max_bytes)))
+            source = self._checkpoint_ref(checkpoint_id)
+            sizes = self._backend.call(DownloadCheckpoint(source, destination, int(max_bytes)))
             total = sum(sizes.values())
             return CheckpointDownloadResult(checkpoint_id=str(checkpoint_id), path=str(destination),
                                             bytes_written=total, file_size_bytes=total)

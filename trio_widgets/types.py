@@ -24,6 +24,7 @@ import numpy as np
 from ._numbers import is_int
 from .errors import InvalidInputError, RequestErrorCategory
 from .futures import APIFuture
+from .hosted import hosted_only
 from .protocol.paths import TINKER_SCHEME, parse_tinker_path
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ __all__ = [
     "PerDatumLossFn",
     "PromptAltTokens",
     "RequestErrorCategory",
+    "SDKTypeError",
     "SampledSequence",
     "SampleResponse",
     "SampleSequence",
@@ -88,6 +90,9 @@ __all__ = [
     "check_text_only",
     "finish_sample_response",
     "first_non_text_chunk",
+    "from_sdk",
+    "sdk_of",
+    "to_sdk",
 ]
 
 # tinker also has "stable_reinforce" (its objective is not published: see engine/losses.py)
@@ -160,8 +165,105 @@ def _cast(array: np.ndarray, dtype: TensorDtype | None) -> tuple[np.ndarray, Ten
     return array.astype(_NUMPY_DTYPES[dtype], copy=False), dtype
 
 
+# -- the hosted SDKs' own objects, and ours handed to them ------------------------------------
+
+_SDK_PACKAGES = ("tinker", "pytrio")
+
+
+def sdk_of(value: Any) -> str | None:
+    """"tinker" or "pytrio" for an object of that SDK's own types, else None."""
+    package = type(value).__module__.split(".", 1)[0]
+    return package if package in _SDK_PACKAGES else None
+
+
+class SDKTypeError(AttributeError, TypeError):
+    """A trio_widgets object handed to a hosted SDK's code, which read an attribute only its own
+    type has. A TypeError that says what to pass instead; also an AttributeError, so that
+    `hasattr` and `getattr(..., default)` behave as before."""
+
+
+class _SDKInterop:
+    """What trio's input types (Datum, ModelInput and its chunks, TensorData, AdamParams,
+    SamplingParams) share with the SDKs' own, whose shapes they have: `to_tinker()` /
+    `to_pytrio()` give the SDK's object; SDK code that reads one of ours as its own gets an
+    SDKTypeError saying so, not a bare AttributeError deep inside the SDK; and ours accept
+    theirs (`from_sdk`)."""
+
+    def to_tinker(self) -> Any:
+        """The same value as the tinker SDK's own type (for the official tinker client)."""
+        return to_sdk(self, "tinker")
+
+    def to_pytrio(self) -> Any:
+        """The same value as the pytrio SDK's own type (for the official pytrio client)."""
+        return to_sdk(self, "pytrio")
+
+    def __getattr__(self, name: str) -> Any:  # only reached for an attribute this object lacks
+        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+        sdk = caller.split(".", 1)[0]
+        cls = type(self).__name__
+        if sdk in _SDK_PACKAGES:
+            raise SDKTypeError(
+                f"{sdk}'s SDK read {name!r} of a trio_widgets.{cls}, which only its own {sdk}.types.{cls} has: hand "
+                f"{sdk} its own types; trio's Datum, ModelInput, TensorData, AdamParams and SamplingParams convert "
+                f"with .to_{sdk}() (a batch: [d.to_{sdk}() for d in data])")
+        raise AttributeError(f"{cls!r} object has no attribute {name!r}")
+
+
+def from_sdk(value: Any) -> Any:
+    """Ours for a tinker or pytrio Datum, ModelInput, chunk, TensorData, AdamParams or
+    SamplingParams (field by field: the shapes agree), and for a list or tuple of them a list;
+    anything else as it is (the checks then name what is wrong)."""
+    if isinstance(value, (list, tuple)):
+        return [from_sdk(v) for v in value] if any(sdk_of(v) for v in value) else value
+    sdk = sdk_of(value)
+    if sdk is None:
+        return value
+    name = type(value).__name__
+    if name == "TensorData":
+        if hasattr(value, "to_numpy"):  # tinker's densifies a sparse one
+            return TensorData(np.asarray(value.to_numpy()), value.dtype)
+        return TensorData(value.data, value.dtype, value.shape)
+    if name == "ModelInput":
+        return ModelInput(chunks=[from_sdk(c) for c in value.chunks])
+    if name == "Datum":
+        for spans in ("model_input_spans", "loss_fn_input_spans"):
+            if getattr(value, spans, None) is not None:
+                raise TypeError(f"{sdk}.types.Datum.{spans} is set: provenance spans only serve tinker's "
+                                f"stable_reinforce, which the local pool does not have; pass the Datum without them")
+        return Datum(from_sdk(value.model_input), {k: from_sdk(v) for k, v in value.loss_fn_inputs.items()})
+    ours = _SAME_FIELDS.get(name)
+    if ours is None:
+        return value
+    fields_of = ours.__dataclass_fields__  # type: ignore[attr-defined]
+    return ours(**{f: from_sdk(getattr(value, f)) for f in fields_of if f != "type" and hasattr(value, f)})
+
+
+def to_sdk(value: Any, sdk: str) -> Any:
+    """The hosted SDK's own object (`sdk`: "tinker" or "pytrio") for one of ours."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"{sdk}.types")
+    except ImportError:
+        raise ImportError(f"to_{sdk}() needs the {sdk} SDK installed (pip install {sdk})") from None
+    if isinstance(value, TensorData):
+        return module.TensorData.from_numpy(value.to_numpy())
+    if isinstance(value, ModelInput):
+        return module.ModelInput(chunks=[to_sdk(c, sdk) for c in value.chunks])
+    if isinstance(value, Datum):
+        return module.Datum(model_input=to_sdk(value.model_input, sdk),
+                            loss_fn_inputs={k: to_sdk(v, sdk) for k, v in value.loss_fn_inputs.items()})
+    if isinstance(value, (list, tuple)):
+        return [to_sdk(v, sdk) for v in value]
+    name = type(value).__name__
+    theirs = getattr(module, name, None)
+    if type(value) not in _SAME_FIELDS.values() or theirs is None:
+        raise TypeError(f"{sdk} has no counterpart of a trio_widgets {name}")
+    return theirs(**{f: getattr(value, f) for f in value.__dataclass_fields__ if f != "type"})
+
+
 @dataclass(init=False)
-class TensorData:
+class TensorData(_SDKInterop):
     """A flat-or-shaped numeric array that crosses the client boundary as a list.
 
     `TensorData(data=[...])` infers `dtype` (tinker requires it, pytrio infers it from
@@ -195,7 +297,9 @@ class TensorData:
 
     @classmethod
     def from_any(cls, value: Any) -> TensorData:
-        """Lists, numpy arrays, torch tensors and TensorData all become TensorData."""
+        """Lists, numpy arrays, torch tensors and TensorData (ours, tinker's or pytrio's) all become TensorData."""
+        if sdk_of(value) and type(value).__name__ == "TensorData":
+            return from_sdk(value)
         return value if isinstance(value, TensorData) else cls(value)
 
     def to_numpy(self) -> np.ndarray:
@@ -219,7 +323,7 @@ class TensorData:
 # -- model input -------------------------------------------------------------------------
 
 @dataclass
-class EncodedTextChunk:
+class EncodedTextChunk(_SDKInterop):
     """A run of token ids in a `ModelInput`.
 
     Example: `ModelInput(chunks=[EncodedTextChunk(tokens=[72, 105])])`, or `ModelInput.from_ints([72, 105])`.
@@ -270,7 +374,7 @@ def _image_length(kind: str, expected_tokens: int | None) -> int:
 
 
 @dataclass
-class ImageChunk:
+class ImageChunk(_SDKInterop):
     """An image in a prompt. Accepted so that multimodal code builds its inputs; the local
     base models read text only, so a request containing one is rejected at submit
     (`check_text_only`) with an error naming the base model."""
@@ -291,7 +395,7 @@ class ImageChunk:
 
 
 @dataclass
-class ImageAssetPointerChunk:
+class ImageAssetPointerChunk(_SDKInterop):
     """tinker: an image by path or URL. Accepted and rejected at submit, as ImageChunk."""
 
     format: Literal["png", "jpeg"]
@@ -309,7 +413,7 @@ class ImageAssetPointerChunk:
 
 
 @dataclass
-class DmelChunk:
+class DmelChunk(_SDKInterop):
     """tinker: serialized DMel (audio) model tokens. Accepted and rejected at submit."""
 
     dmel: bytes
@@ -330,13 +434,17 @@ ModelInputChunk = Union[EncodedTextChunk, ImageChunk, ImageAssetPointerChunk, Dm
 
 
 @dataclass
-class ModelInput:
+class ModelInput(_SDKInterop):
     """The tokens a model reads: a list of chunks (text tokens here; images are the hosted services').
 
     Example: `trio.ModelInput.from_ints(tokenizer.encode("1+1="))`.
     """
 
     chunks: list[ModelInputChunk] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if any(sdk_of(c) for c in self.chunks):  # tinker's or pytrio's chunks: ours, field by field
+            self.chunks = [from_sdk(c) for c in self.chunks]
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
@@ -423,7 +531,7 @@ def check_text_only(model_input: ModelInput, base_model: str, field: str = "mode
 # -- training ----------------------------------------------------------------------------
 
 @dataclass
-class Datum:
+class Datum(_SDKInterop):
     """One training sequence and everything its loss needs.
 
     `loss_fn_inputs` values may be plain lists, numpy arrays, torch tensors or
@@ -438,6 +546,8 @@ class Datum:
     def __post_init__(self) -> None:
         if isinstance(self.model_input, (list, tuple)):
             self.model_input = ModelInput.from_ints(self.model_input)
+        elif sdk_of(self.model_input):  # tinker's or pytrio's ModelInput
+            self.model_input = from_sdk(self.model_input)
         if not isinstance(self.loss_fn_inputs, dict):
             raise InvalidInputError(f"must be a dict of arrays, got {type(self.loss_fn_inputs).__name__}",
                                     field="loss_fn_inputs")
@@ -459,7 +569,7 @@ class Datum:
 
 
 @dataclass
-class AdamParams:
+class AdamParams(_SDKInterop):
     """AdamW settings of one `optim_step` (tinker's defaults; also pytrio's `OptimParams`).
 
     Example: `tc.optim_step(trio.AdamParams(learning_rate=3e-3))`.
@@ -485,7 +595,7 @@ class AdamOptimizerConfig:
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(_SDKInterop):
     """How `SamplingClient.sample` generates (fields in the SDKs' order).
 
     `temperature` 0 is greedy; `top_k` -1 (or 0) and `top_p` 1.0 turn those filters off;
@@ -501,6 +611,11 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+
+
+# the input types whose fields are the SDKs' (by name), converted field by field both ways
+_SAME_FIELDS: dict[str, type] = {cls.__name__: cls for cls in (
+    EncodedTextChunk, ImageChunk, ImageAssetPointerChunk, DmelChunk, AdamParams, SamplingParams)}
 
 
 @dataclass
@@ -623,6 +738,7 @@ class SampleResponse:
     prompt_cache_hit_tokens: int = 0
     target_prompt_logprobs: TensorData | None = None
     prompt_alt_tokens: PromptAltTokens | None = None
+    type: Literal["sample"] = "sample"  # pytrio's response-type tag (tinker's has none)
 
     @property
     def output_tokens(self) -> int:
@@ -665,6 +781,9 @@ class SaveWeightsResponse:
     model: str = ""
     size: int = 0
 
+    # tinker's link to the checkpoint's page on its web console: hosted only (trio_widgets/hosted.py)
+    get_console_url = hosted_only("get_console_url")
+
 
 @dataclass
 class SaveWeightsForSamplerResponse:
@@ -674,6 +793,10 @@ class SaveWeightsForSamplerResponse:
     path: str | None
     model: str = ""
     size: int = 0
+
+    # tinker's links to the checkpoint's console page and playground: hosted only
+    get_console_url = hosted_only("get_console_url")
+    get_playground_url = hosted_only("get_playground_url")
 
 
 @dataclass

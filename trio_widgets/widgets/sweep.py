@@ -104,7 +104,7 @@ class SweepLauncher:
     def _make_clients(self, n: int) -> list[TrainingClient]:
         service = ServiceClient(self.pool)
         self._starts += 1
-        clients = []
+        clients: list[TrainingClient] = []
         for i in range(n):
             name = f"run{i + 1}" if n > 1 else "run"
             if self._starts > 1:
