@@ -142,6 +142,8 @@ def measure(shape: str, name: str, device: torch.device, args) -> Result:
             with pool.hold():
                 futures = [s.sample(trio.ModelInput.from_ints(p), SAMPLES, sp)
                            for s, p, sp in zip(samplers, tenant_prompts, params)]
+                # delivered by the pool's clock thread, which ran the decode: its torch thread count
+                futures[0].add_done_callback(lambda _f: threads.__setitem__("pool", torch.get_num_threads()))
             for f in futures:
                 assert all(len(seq.tokens) == new for seq in f.result().sequences)
 
@@ -172,7 +174,10 @@ def measure(shape: str, name: str, device: torch.device, args) -> Result:
                     best[0] = min(best[0], time.perf_counter() - start)
 
         arms = {"pool": ours, "sequential": sequential, "fused": fused, "limit": limit}
+        threads = {"PEFT": torch.get_num_threads()}  # the arms' torch threads: the same, or the run is unfair
         seconds = side_by_side(arms, args.reps)
+        print(f"    torch threads: pool {threads.get('pool')} (its clock thread), PEFT and limit {threads['PEFT']}"
+              + ("" if threads.get("pool") == threads["PEFT"] else " (UNFAIR: they differ)"))
         seconds["limit"] = best[0] * new  # one step's matmuls -> a whole sample's
         rss_ok = _reset_peak_rss()
         before = _rss_mib("VmRSS")
