@@ -554,7 +554,8 @@ class Datum(_SDKInterop):
         converted = {}
         for key, value in self.loss_fn_inputs.items():
             try:
-                if key == "target_tokens" and not isinstance(value, TensorData) and _as_array(value).dtype.kind == "b":
+                if key == "target_tokens" and not isinstance(value, TensorData) and not sdk_of(value) \
+                        and _as_array(value).dtype.kind == "b":
                     raise TypeError("target tokens must be token ids, got booleans")
                 td = TensorData.from_any(value)
                 if LOSS_INPUT_DTYPES.get(key) == "float32" and td.dtype != "float32":
