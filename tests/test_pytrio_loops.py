@@ -100,6 +100,7 @@ def test_dpo_loop_with_minus_100_masking(service):
         losses.append(out.metrics["dpo_loss"])
     assert losses[0] == pytest.approx(math.log(2), abs=1e-5)  # the policy is the reference at step 0
     assert losses[-1] < 0.5 * losses[0] and out.metrics["accuracy"] == 1.0, losses
+    assert out.metrics["token_count"] == n_read  # the custom loss's count skips -100 too
 
 
 def test_grpo_style_loop_reward_rises(service):

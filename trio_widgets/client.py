@@ -61,6 +61,7 @@ from .connect import default_pool as default_pool
 from .errors import ClientClosedError, InvalidInputError, NotSupportedError, RequestErrorCategory, RequestFailedError
 from .futures import APIFuture
 from .hosted import hosted_only
+from .protocol.losses import IGNORE_TARGET
 from .protocol.names import same_origin
 from .types import (
     AdamOptimizerConfig,
@@ -395,7 +396,7 @@ class TrainingClient(_Client):
         reported: dict[str, float] = {}
         self._backend.run_in_background(
             lambda: _finish_custom_loss(forward, slot, data, call, self.client_id, reported))
-        tokens = sum(len(d.loss_fn_inputs["target_tokens"].data) for d in forward_data)
+        tokens = sum(t != IGNORE_TARGET for d in forward_data for t in d.loss_fn_inputs["target_tokens"].data)
         return slot.future.map(lambda out: replace(out, loss_fn_output_type="custom",
                                                    metrics=_custom_metrics(reported, out, tokens)))
 
