@@ -307,36 +307,37 @@ def _topk_lists(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
 _BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
-def _inverse_cdf(z: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row of `z` [rows, vocab] (logits over temperature), the first token id whose
-    cumulative probability, in id order, passes `u` (float64, [rows]) of the total. The CDF is
-    taken in two levels: the probabilities' sums per block of `_BLOCK` ids (float64), then the
-    cumulative sum within the one block that holds the draw. (A float64 softmax and cumsum over
-    a 32,000-token vocabulary cost 5% of a Llama 8 x 512 step; this reads the vocabulary twice
-    in float32.) Each row's pick depends only on its own logits and uniform."""
-    rows, vocab = z.shape
-    probs = torch.exp(z - z.amax(dim=-1, keepdim=True))  # unnormalised, the largest is 1
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `weights` [rows, vocab] (unnormalised probabilities, float32), the first token
+    id whose cumulative weight, in id order, passes `u` (float64, [rows]) of the total. The CDF
+    is taken in two levels: the weights' sums per block of `_BLOCK` ids, cumulated in float64,
+    then the cumulative sum (float64) within the one block that holds the draw, searched at the
+    draw's fraction of that block. (A float64 softmax and cumsum over a 32,000-token vocabulary
+    cost 5% of a Llama 8 x 512 step.) Each row's pick depends only on its own weights and uniform."""
+    rows, vocab = weights.shape
     pad = -vocab % _BLOCK
-    blocks = (F.pad(probs, (0, pad)) if pad else probs).view(rows, -1, _BLOCK)
-    ends = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, blocks]
+    blocks = (F.pad(weights, (0, pad)) if pad else weights).view(rows, -1, _BLOCK)
+    ends = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, blocks]
     target = (u * ends[:, -1])[:, None]
     block = torch.searchsorted(ends, target, right=True).clamp(max=ends.shape[1] - 1)  # [rows, 1]
     before = ends.gather(1, (block - 1).clamp(min=0)).masked_fill(block == 0, 0.0)
+    fraction = (target - before) / (ends.gather(1, block) - before)  # in [0, 1): the draw within its block
     inside = blocks.gather(1, block[:, :, None].expand(-1, 1, _BLOCK)).squeeze(1).double().cumsum(dim=-1)
-    at = torch.searchsorted(inside, target - before, right=True).clamp(max=_BLOCK - 1)
+    at = torch.searchsorted(inside, fraction * inside[:, -1:], right=True).clamp(max=_BLOCK - 1)
     return (block * _BLOCK + at).clamp(max=vocab - 1).squeeze(1)
 
 
-def _pick(logits: torch.Tensor, u: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-          filtered: torch.Tensor | None) -> torch.Tensor:
+def _pick(shifted: torch.Tensor, weights: torch.Tensor, u: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
+          top_p: torch.Tensor, filtered: torch.Tensor | None) -> torch.Tensor:
     """One token per row by inverse CDF at uniform `u` (float64): over the vocabulary in id
-    order when the row keeps the whole distribution (`_inverse_cdf`), over the tokens by
+    order when the row keeps the whole distribution (`_inverse_cdf` of `weights`, each row's
+    exp(`shifted` / temperature), `shifted` its logits less their max), over the tokens by
     descending probability (stable, float64) once top-k / top-p cut it (`filtered`: those rows'
     positions). Each row's pick depends only on its own logits and uniform."""
-    vocab = logits.shape[-1]
-    out = _inverse_cdf(logits / temps.to(logits.dtype)[:, None], u)
+    vocab = shifted.shape[-1]
+    out = _inverse_cdf(weights, u)
     if filtered is not None:
-        zf = logits.index_select(0, filtered).double() / temps.index_select(0, filtered)[:, None]
+        zf = shifted.index_select(0, filtered).double() / temps.index_select(0, filtered)[:, None]
         z_sorted, order = torch.sort(zf, dim=-1, descending=True, stable=True)
         ps = torch.softmax(z_sorted, dim=-1)
         keep = torch.arange(vocab, device=zf.device)[None] < top_k.index_select(0, filtered)[:, None]
@@ -494,6 +495,7 @@ class _Decoding:
         if self.stochastic is not None:
             filtered = self.filtered.index_select(0, active.index_select(0, stochastic)).nonzero().squeeze(1)
             self.filtered_now = filtered if len(filtered) else None
+            self.unit_temps = bool((self.temps.index_select(0, active.index_select(0, stochastic)) == 1).all())
 
     @property
     def done(self) -> bool:
@@ -524,23 +526,29 @@ class _Decoding:
         assert self.step_logits is not None
         step, active = self.step, self.active
         logits = self.step_logits.float()
-        # the model's log-probabilities, of the chosen tokens only (no [rows, vocab] log-softmax)
-        log_total = torch.logsumexp(logits, dim=-1)
+        # the model's log-probabilities, of the chosen tokens only (no [rows, vocab] log-softmax):
+        # log_softmax's own terms, whose exponentials are also the temperature-1 rows' weights
+        shifted = logits - logits.amax(dim=-1, keepdim=True)
+        weights = shifted.exp()
+        log_total = weights.sum(dim=-1).log()
         if self.stochastic is None:
             chosen = logits.argmax(dim=-1)
         else:
             rows = active.index_select(0, self.stochastic)
             u = self.uniforms.index_select(0, rows)[:, step]
             everyone = len(self.stochastic) == len(active)  # (then no argmax over the vocabulary)
-            picked = _pick(logits if everyone else logits.index_select(0, self.stochastic), u,
-                           self.temps.index_select(0, rows), self.top_k.index_select(0, rows),
+            mine = (lambda t: t) if everyone else (lambda t: t.index_select(0, self.stochastic))
+            temps = self.temps.index_select(0, rows)
+            # each row's weights at its temperature, unnormalised (the largest is 1)
+            weighted = mine(weights) if self.unit_temps else torch.exp(mine(shifted) / temps.float()[:, None])
+            picked = _pick(mine(shifted), weighted, u, temps, self.top_k.index_select(0, rows),
                            self.top_p.index_select(0, rows), self.filtered_now)
             chosen = picked if everyone else logits.argmax(dim=-1).index_copy(0, self.stochastic, picked)
-        token_lp = logits.gather(1, chosen[:, None]).squeeze(1) - log_total
+        token_lp = shifted.gather(1, chosen[:, None]).squeeze(1) - log_total
         self.tokens[active, step] = chosen
         self.logprobs[active, step] = token_lp
         if self.topk_width:
-            values, ids = logits.topk(self.topk_width, dim=-1)
+            values, ids = shifted.topk(self.topk_width, dim=-1)
             self.topk_ids[active, step] = ids
             self.topk_values[active, step] = values - log_total[:, None]
         stop = torch.zeros_like(chosen, dtype=torch.bool)
