@@ -126,9 +126,9 @@ def _check_targets(targets: Sequence[int], vocab: int | None, where: str, index:
     """Target ids in [0, vocab), or -100 (IGNORE_TARGET: the position is not read, pytrio's rule)."""
     for pos, tok in enumerate(targets):
         if tok != IGNORE_TARGET and (tok < 0 or (vocab is not None and tok >= vocab)):
-            bound = f"[0, {vocab})" if vocab is not None else ">= 0"
-            raise InvalidInputError(f"target token id {tok} at position {pos} is neither a token id {bound} nor "
-                                    f"{IGNORE_TARGET} (ignore this position)", field=where, datum_index=index)
+            bound = f"outside the vocabulary [0, {vocab})" if vocab is not None and tok >= 0 else "negative"
+            raise InvalidInputError(f"target token id {tok} at position {pos} is {bound} and not {IGNORE_TARGET} "
+                                    f"(ignore this position)", field=where, datum_index=index)
 
 
 def check_batch(data: Any, loss_fn: str, limits: ModelLimits | None = None,
