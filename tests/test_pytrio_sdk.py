@@ -278,3 +278,36 @@ def test_the_official_tinker_client_takes_our_types_converted(monkeypatch):
             assert tc.optim_step(trio.AdamParams(learning_rate=1e-3).to_tinker()).result(timeout=60) is not None
         finally:
             sdk.close("success").result(timeout=60)
+
+
+def test_every_async_creator_gives_the_plain_client_after_one_await(ckpool):
+    """As both SDKs' `*_async` creators: one await gives the client itself (the return kind
+    test_sdk_parity.py reads off the annotations, here at run time)."""
+    service = trio.ServiceClient(ckpool)
+    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    path = tc.save_state("a").result(timeout=60).path
+    sampler_path = tc.save_weights_for_sampler("b").result(timeout=60).path
+
+    async def made():
+        return {
+            "ServiceClient.create_lora_training_client_async":
+                await service.create_lora_training_client_async(trio.DEFAULT_MODEL, rank=2),
+            "ServiceClient.create_training_client_from_state_async":
+                await service.create_training_client_from_state_async(path),
+            "ServiceClient.create_training_client_from_state_with_optimizer_async":
+                await service.create_training_client_from_state_with_optimizer_async(path),
+            "ServiceClient.create_sampling_client_async":
+                await service.create_sampling_client_async(base_model=trio.DEFAULT_MODEL),
+            "TrainingClient.create_sampling_client_async": await tc.create_sampling_client_async(sampler_path),
+            "TrainingClient.save_weights_and_get_sampling_client_async":
+                await tc.save_weights_and_get_sampling_client_async(),
+        }
+
+    for name, client in asyncio.run(made()).items():
+        kind = trio.SamplingClient if "sampling" in name else trio.TrainingClient
+        assert isinstance(client, kind) and not isinstance(client, trio.APIFuture), name
+        assert not hasattr(client, "__await__") and not hasattr(client, "result"), name
+        for sdk in (tinker, pytrio):
+            cls_name, method = name.split(".")
+            assert return_kind(getattr(sdk, cls_name), method) == "awaitable of value", (sdk, name)
+    service.close()

@@ -548,7 +548,7 @@ class TrainingClient(_Client):
     async def create_sampling_client_async(self, model_path: str, retry_config: Any = None,
                                            record_stability_info: bool = False) -> SamplingClient:
         """The async twin of `create_sampling_client`: the same client, awaited."""
-        return self.create_sampling_client(model_path, retry_config, record_stability_info)
+        return self.create_sampling_client(model_path, retry_config, record_stability_info).result()
 
     # -- info ------------------------------------------------------------------------
     def get_info(self) -> GetInfoResponse:
@@ -1164,7 +1164,7 @@ class ServiceClient:
                                                 optimizer: Any = None) -> TrainingClient:
         """The async twin of `create_lora_training_client`: the same client, awaited."""
         return self.create_lora_training_client(base_model, rank, seed, train_mlp, train_attn, train_unembed,
-                                                user_metadata, optimizer)
+                                                user_metadata, optimizer).result()
 
     def _resolve_sampler_paths(self, model_path: Any, base_model: Any) -> tuple[Any, Any]:
         """(model_path, base_model) from a call in tinker's order or pytrio's
@@ -1241,7 +1241,7 @@ class ServiceClient:
                                            user_metadata: dict[str, str] | None = None) -> SamplingClient:
         """The async twin of `create_sampling_client`: the same client, awaited."""
         return self.create_sampling_client(model_path, base_model, retry_config, record_stability_info,
-                                           user_metadata=user_metadata)
+                                           user_metadata=user_metadata).result()
 
     async def create_training_client_from_state_async(self, path: str, base_model: str | None = None,
                                                       user_metadata: dict[str, str] | None = None,
@@ -1249,14 +1249,14 @@ class ServiceClient:
                                                       optimizer: Any = None) -> TrainingClient:
         """The async twin of `create_training_client_from_state`: the same client, awaited."""
         return self.create_training_client_from_state(path, base_model, user_metadata, weights_access_token,
-                                                      optimizer)
+                                                      optimizer).result()
 
     async def create_training_client_from_state_with_optimizer_async(
             self, path: str, base_model: str | None = None, user_metadata: dict[str, str] | None = None,
             weights_access_token: str | None = None) -> TrainingClient:
         """The async twin of `create_training_client_from_state_with_optimizer`: the same client, awaited."""
         return self.create_training_client_from_state_with_optimizer(path, base_model, user_metadata,
-                                                                     weights_access_token)
+                                                                     weights_access_token).result()
 
 
 def _local_user() -> str:
