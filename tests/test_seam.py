@@ -194,7 +194,7 @@ def test_a_call_nobody_answers_is_refused_by_name():
         assert local.call(backend.IsCheckpoint("/nonexistent/x")) is False
 
 
-_CODECS = ["trio_widgets/http/service.py", "trio_widgets/http/routes.py"]
+_CODECS = ["trio_widgets/http/service.py", "trio_widgets/http/routes.py", "trio_widgets/http/pytrio_wire.py"]
 
 
 @pytest.mark.parametrize("path", _CODECS)

@@ -17,7 +17,8 @@ from starlette.responses import JSONResponse
 
 from ..protocol import WireError, wire_error
 
-__all__ = ["HttpError", "Signer", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of", "wire_of"]
+__all__ = ["HttpError", "Signer", "api_key_of", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of",
+           "wire_of"]
 
 
 class HttpError(Exception):
@@ -41,6 +42,16 @@ def not_found(what: str) -> HttpError:
 
 def wire_of(exc: BaseException, code: str | None = None) -> WireError:
     return exc.wire() if isinstance(exc, HttpError) else wire_error(exc, code=code)
+
+
+def api_key_of(headers: Any) -> str | None:
+    """The key a request presents: tinker's X-API-Key header, or PyTRIO's `Authorization: Bearer`
+    (its control plane sends both; its actor calls only the bearer, which is the same key here)."""
+    key = headers.get("x-api-key")
+    if key:
+        return key
+    scheme, _, token = (headers.get("authorization") or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def is_loopback(host: str) -> bool:

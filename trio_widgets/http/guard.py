@@ -43,15 +43,16 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ..protocol import WireError
-from .auth import HttpError, error_response
+from .auth import HttpError, api_key_of, error_response
 
 __all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app"]
 
 log = logging.getLogger("trio_widgets.http.server")
 
 _JSON, _PROTOBUF = "application/json", "application/x-protobuf"
+_MSGPACK = "application/msgpack"  # PyTRIO's actor events
 _LOOKED_AT = frozenset((b"host", b"origin", b"content-type", b"content-length", b"transfer-encoding",
-                        b"sec-fetch-site", b"x-api-key"))
+                        b"sec-fetch-site", b"x-api-key", b"authorization"))
 # what a browser says of a request a page of another site made (Fetch Metadata); no client of ours
 # sends the header, and a page's no-cors GET carries no Origin, only this
 _FROM_ANOTHER_SITE = frozenset(("cross-site", "same-site"))
@@ -126,7 +127,7 @@ def policy_app(app: Any, policy: Policy, connections: Connections | None = None)
         # only the headers looked at here (ASGI servers give names in lower case)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ()) if k in _LOOKED_AT}
         host, origin = headers.get("host", ""), headers.get("origin")
-        over, key = None, headers.get("x-api-key")
+        over, key = None, api_key_of(headers)
         owner = connections.identify(key) if connections is not None else None
         if connections is not None and scope.get("client"):
             over = connections.started(tuple(scope["client"]), owner)
@@ -168,7 +169,7 @@ def policy_app(app: Any, policy: Policy, connections: Connections | None = None)
 
 def _typed(ctype: str, headers: dict[str, str]) -> bool:
     media = ctype.split(";", 1)[0].strip().lower()
-    if media in (_JSON, _PROTOBUF):
+    if media in (_JSON, _PROTOBUF, _MSGPACK):
         return True
     # no body at all needs no type (a bodiless POST is no form a page could forge with data)
     return not media and headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers

@@ -130,7 +130,8 @@ def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
     return handler
 
 
-def build_app(service: Service) -> Starlette:
+def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
+    """Tinker's routes, then `more` (PyTRIO's: trio_widgets/http/pytrio_wire.py), then 404 for the rest."""
     async def config(s: Service, owner: str, request: Request) -> dict:
         await read_body(request, s, owner)
         # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
@@ -305,6 +306,6 @@ def build_app(service: Service) -> Starlette:
         get("/trio/tokenizer", tokenizer),
         get("/trio/telemetry", telemetry, observer=True),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(routes=[*routes, *(more or ())])
     app.add_route("/{path:path}", unknown, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     return app

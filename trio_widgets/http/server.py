@@ -54,6 +54,7 @@ from ..protocol import names, parse_tinker_path
 from . import new_event_loop
 from .auth import check_bind, owner_of
 from .guard import Connections, Policy, guarded_protocol, policy_app
+from .pytrio_wire import pytrio_routes
 from .routes import build_app
 from .service import RETRIEVED_KEPT_S, Service
 
@@ -184,7 +185,7 @@ class Server:
 
         # the Host / Origin / Content-Type checks in front of the routes, the connection limits
         # around uvicorn's protocol (trio_widgets/http/guard.py)
-        app = policy_app(build_app(self._service), self._policy, self._connections)
+        app = policy_app(build_app(self._service, pytrio_routes(self._service)), self._policy, self._connections)
         config = uvicorn.Config(app, http=guarded_protocol(AutoHTTPProtocol, self._connections), log_level="warning",
                                 access_log=False, log_config=None, lifespan="off", limit_concurrency=None,
                                 # the peer is the socket's: X-Forwarded-For from a loopback client must not

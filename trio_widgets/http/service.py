@@ -62,7 +62,7 @@ from ..types import SaveWeightsForSamplerResponse, SaveWeightsResponse
 from ..validation import check_loss
 from . import wire
 from .auth import HttpError as _HttpError
-from .auth import authenticate, owner_of, wire_of
+from .auth import api_key_of, authenticate, owner_of, wire_of
 from .auth import not_found as _not_found
 from .exports import Exports, parse_age_recipients
 from .guard import Budget
@@ -194,6 +194,8 @@ class _Session:
     sampler_ids: dict[int, str] = field(default_factory=dict)  # sampling_session_seq_id -> sampler id
     clients: list[str] = field(default_factory=list)  # model and sampler ids, for release
     released: deque[str] = field(default_factory=lambda: deque(maxlen=256))  # closed ones: "closed", not "unknown"
+    # ids a client chose for its requests (PyTRIO's event ids) -> our request ids; bounded
+    aliases: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
 
 @dataclass
@@ -280,7 +282,7 @@ class Service:
 
     # -- auth ---------------------------------------------------------------------------
     def authenticate(self, request: Request, observer: bool = False) -> str:
-        return authenticate(request.headers.get("x-api-key"), self.api_keys, self.observer_keys, observer)
+        return authenticate(api_key_of(request.headers), self.api_keys, self.observer_keys, observer)
 
     def of(self, owner: str) -> Backend:
         """The backend of an API key (made on its first request; one per key the server was given)."""
@@ -588,11 +590,19 @@ class Service:
                                      train_unembed=bool(lora.get("train_unembed", True)), label=label,
                                      user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
                                      session_id=session.session_id)
-        entry = self.new_entry(owner, session, "create_model")
+        entry = self.open_run(owner, session, n, request, label)
+        return {"request_id": entry.request_id, "model_id": model_id}
+
+    def open_run(self, owner: str, session: _Session, n: int, request: CreateModelRequest | FromStateRequest,
+                 label: str, then: Callable[[dict], dict] = lambda out: out, kind: str = "create_model") -> _Entry:
+        """Run `n` of `session` (a new adapter, or one from a checkpoint) made on the worker threads;
+        its entry settles with `then` of the registered model (both wire codecs)."""
+        model_id = names.run_id(session.session_id, n)
+        entry = self.new_entry(owner, session, kind)
         session.model_requests[n] = entry
         self.in_background(entry, lambda: self.of(owner).open(request),
-                           lambda handle: self._register_model(session, model_id, handle, label))
-        return {"request_id": entry.request_id, "model_id": model_id}
+                           lambda handle: then(self._register_model(session, model_id, handle, label)))
+        return entry
 
     def load_weights(self, owner: str, body: dict) -> dict:
         optimizer = body.get("optimizer")
@@ -621,14 +631,8 @@ class Service:
         request = FromStateRequest(body["path"], optimizer, label, base_model=base if isinstance(base, str) else None,
                                    user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
                                    session_id=session.session_id)
-        entry = self.new_entry(owner, session, "load_weights")
-        session.model_requests[n] = entry
-
-        def register(handle: ModelHandle) -> dict:
-            self._register_model(session, model_id, handle, label)
-            return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
-
-        self.in_background(entry, lambda: self.of(owner).open(request), register)
+        entry = self.open_run(owner, session, n, request, label, kind="load_weights",
+                              then=lambda _out: {"path": body["path"], "model_id": model_id, "type": "load_weights"})
         return {"request_id": entry.request_id, "model_id": model_id}
 
     def get_info(self, owner: str, body: dict, local: bool = True) -> dict:
@@ -891,18 +895,21 @@ class Service:
                                 target_prompt_logprobs=None if target is None else
                                 wire.tensor_from_json(target, "target_prompt_logprobs", 1 << 22, pad=-1),
                                 prompt_alt_tokens_k=body.get("prompt_alt_tokens_k") or 0)
-        entry = self.new_entry(owner, sampler.session, "sample")
-        try:
-            self.launch(entry, lambda: self.backend.submit(sampler.handle.client_id, "sample", request),
-                        lambda r: (wire.encode_sample_response(r), True), raise_invalid=True)
-        except InvalidInputError:
-            raise
+        entry = self.sample(owner, sampler, request, lambda r: (wire.encode_sample_response(r), True))
         ids = [f"seq-{secrets.token_hex(8)}" for _ in range(int(num))]
         if seq is not None:
             sampler.seen[(caller, seq)] = (entry.request_id, ids)
             while len(sampler.seen) > _SEEN_PER_SAMPLER:
                 sampler.seen.popitem(last=False)
         return {"request_id": entry.request_id, "sample_sequence_ids": ids}
+
+    def sample(self, owner: str, sampler: _Sampler, request: SampleRequest,
+               encode: Callable[[Any], tuple[bytes | dict, bool]]) -> _Entry:
+        """A sample request of `sampler` into the pool (both wire codecs); a refusal raises."""
+        entry = self.new_entry(owner, sampler.session, "sample")
+        self.launch(entry, lambda: self.backend.submit(sampler.handle.client_id, "sample", request), encode,
+                    raise_invalid=True)
+        return entry
 
     def release(self, owner: str, body: dict) -> dict:
         """trio's client closed a training or sampling client: retire it once its queue is empty."""

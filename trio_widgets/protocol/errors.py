@@ -90,6 +90,16 @@ class WireError:
             body["datum_index"] = self.datum_index
         return body
 
+    def pytrio_body(self) -> dict[str, Any]:
+        """The same refusal or failure in PyTRIO's shape (its control plane and actor read `code` and
+        `message`; `field` and `category` ride along in its `details`)."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message, "category": self.category}
+        if self.field is not None:
+            body["field"] = self.field
+        if self.datum_index is not None:
+            body["datum_index"] = self.datum_index
+        return body
+
 
 def wire_error(exc: BaseException, *, code: str | None = None) -> WireError:
     """How `exc` travels. `code` may name a reason that maps to the same class (an alias)."""
