@@ -243,3 +243,37 @@ def test_every_public_name_of_the_sdks_clients_exists_and_works_or_says_why_not(
     # what works is tested where it is used (this file, test_sdk_parity.py, test_sdk_client.py, ...)
     assert len(working) > 40, len(working)
     assert refused or sdk == "pytrio", refused  # every pytrio name works since the downloads (test_export.py)
+
+
+@pytest.mark.parametrize("sdk", ["tinker", "pytrio"])
+def test_every_hosted_only_name_of_the_sdks_response_types_says_why(sdk):
+    """Every response type the SDK's clients return (tests/sdk_compare.response_types): each of
+    its members ours has as hosted-only raises NotSupportedError naming the hosted feature."""
+    import importlib
+    import inspect
+
+    from sdk_compare import response_types
+
+    from trio_widgets import types
+    from trio_widgets.hosted import REASONS
+
+    module = importlib.import_module(sdk)
+    namespaces = [importlib.import_module(f"{sdk}.types"), module]
+    clients = {n: getattr(module, n) for n in ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")}
+    refused = []
+    for name, (cls, _via) in sorted(response_types(clients, sdk, namespaces).items()):
+        ours = getattr(types, name, None)
+        if ours is None:
+            continue
+        for member in sorted(n for n in dir(cls) if not n.startswith("_")):
+            static = inspect.getattr_static(ours, member, None)
+            if static is None or not _hosted_only(static):
+                continue
+            assert member in REASONS
+            with pytest.raises(trio.NotSupportedError) as info:
+                getattr(object.__new__(ours), member)()  # (a hosted-only method reads nothing of its object)
+            assert member in str(info.value) and len(str(info.value)) > len(member) + 40, str(info.value)
+            refused.append(f"{name}.{member}")
+    if sdk == "tinker":
+        assert {"SaveWeightsResponse.get_console_url", "SaveWeightsForSamplerResponse.get_console_url",
+                "SaveWeightsForSamplerResponse.get_playground_url"} <= set(refused), refused
