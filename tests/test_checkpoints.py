@@ -510,3 +510,33 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path)
                                             "optimizer.safetensors", "trio_checkpoint.json"]
         return
     pytest.fail("the kill never landed in the middle of a save")
+
+
+def test_a_listing_shows_each_change_on_disk_at_once(both, pool):
+    """Listings keep what they read of each checkpoint while it is unchanged (engine/checkpoints.py
+    `_listed`): a replace, a TTL, a manifest broken on disk and a deletion each show in the next
+    listing, through every codec."""
+    rest = both.create_rest_client()
+    tc = both.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=5)
+    path = tc.save_state("listed").result().path
+    tc.save_state("kept").result()
+
+    def listed() -> dict[str, trio.types.Checkpoint]:
+        return {c.checkpoint_id: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+
+    first = listed()["weights/listed"]
+    assert first.expires_at is None and set(listed()) == {"weights/listed", "weights/kept"}
+    _step(tc, 0)
+    tc.save_state("listed", overwrite=True).result()  # a new directory: its own time
+    assert listed()["weights/listed"].time >= first.time
+    rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result()  # the manifest rewritten in place
+    assert listed()["weights/listed"].expires_at is not None
+    directory = checkpoint_dir(both, pool, path)
+    manifest = directory / "trio_checkpoint.json"
+    manifest.write_text(manifest.read_text()[:-5])  # a lie on disk: not listed (loading it names it)
+    assert set(listed()) == {"weights/kept"}
+    shutil.rmtree(directory)
+    assert set(listed()) == {"weights/kept"}
+    rest.delete_checkpoint(tc.model_id, "weights/kept").result()
+    assert listed() == {}
+    tc.close()

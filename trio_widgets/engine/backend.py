@@ -454,7 +454,8 @@ class LocalBackend:
         return Checkpoint(checkpoint_id=entry.checkpoint_id, checkpoint_type=ckpt.SEGMENTS[entry.segment],
                           time=_utc(entry.created), tinker_path=path,
                           path=path, size_bytes=entry.size_bytes, public=False,
-                          user_metadata=entry.meta.get("user_metadata"),
+                          user_metadata=dict(entry.meta["user_metadata"]) if entry.meta.get("user_metadata")
+                          else entry.meta.get("user_metadata"),
                           expires_at=_utc(expires) if expires is not None else None)
 
     def _on_checkpoints(self, run_id: str | None = None) -> list[Checkpoint]:

@@ -45,7 +45,9 @@ import re
 import secrets
 import shutil
 import stat
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -981,7 +983,8 @@ class CheckpointEntry:
     segment: str  # "weights" or "sampler_weights"
     name: str
     directory: Path
-    meta: dict
+    meta: dict  # read-only: a listing shares it with the next (copy what you hand out)
+    size: int | None = None  # its files' bytes, where the listing knew them already
 
     @property
     def checkpoint_id(self) -> str:
@@ -1008,6 +1011,8 @@ class CheckpointEntry:
     @property
     def size_bytes(self) -> int:
         """The bytes of its files (what saving it wrote)."""
+        if self.size is not None:
+            return self.size
         total = 0
         for fname in (MANIFEST, *LAYOUT_FILES):
             try:
@@ -1017,6 +1022,51 @@ class CheckpointEntry:
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
         return total
+
+
+# What listings read of each checkpoint (its checked manifest, its size), kept while neither the
+# directory nor its manifest changed (inode, mtime, size: a save replaces the directory, a TTL
+# rewrites the manifest). Listing a key's thousands of checkpoints is then a stat or two each,
+# not a read, parse and check: the catalog's one thread stays mostly idle under a listing loop.
+_LISTED: OrderedDict[tuple, tuple[tuple, dict, int]] = OrderedDict()
+_LISTED_MAX = 16384
+_LISTED_LOCK = threading.Lock()
+
+
+def _stamp(directory: str) -> tuple | None:
+    """What changes when a checkpoint directory or its manifest does; None: not a real directory."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    try:
+        m = os.lstat(os.path.join(directory, MANIFEST))
+        manifest: tuple | None = (m.st_ino, m.st_mtime_ns, m.st_size, m.st_mode)
+    except OSError:
+        manifest = None
+    return st.st_ino, st.st_mtime_ns, manifest
+
+
+def _listed(directory: Path, pool: Any) -> tuple[dict, int]:
+    """A listed checkpoint's checked manifest and size (CheckpointError / OSError as read_manifest)."""
+    path = os.fspath(directory)
+    key = (path, _pool_max_rank(pool), tuple(sorted(file_limits(pool).items())))
+    stamp = _stamp(path)
+    with _LISTED_LOCK:
+        hit = _LISTED.get(key)
+        if hit is not None and stamp is not None and hit[0] == stamp:
+            _LISTED.move_to_end(key)
+            return hit[1], hit[2]
+    meta = read_manifest(directory, pool)
+    size = CheckpointEntry("", "", "", directory, meta).size_bytes
+    if stamp is not None and _stamp(path) == stamp:  # unchanged while it was read: keep it
+        with _LISTED_LOCK:
+            _LISTED[key] = (stamp, meta, size)
+            while len(_LISTED) > _LISTED_MAX:
+                _LISTED.popitem(last=False)
+    return meta, size
 
 
 def _entries_of_run(root: Path, run_id: str, pool: Any, now: float, run_dir: str | None = None
@@ -1033,13 +1083,13 @@ def _entries_of_run(root: Path, run_id: str, pool: Any, now: float, run_dir: str
             if name.startswith(".") or not is_checkpoint_dir(directory):
                 continue  # temporary and set-aside copies of an atomic write, stray files
             try:
-                meta = read_manifest(directory, pool)
+                meta, size = _listed(directory, pool)
             except (CheckpointError, OSError):
                 continue  # a broken checkpoint is not listed (loading it names the problem)
             if meta and expired(meta, str(directory), now):
                 _remove_expired(directory)
                 continue
-            entries.append(CheckpointEntry(run_id, segment, name, directory, meta))
+            entries.append(CheckpointEntry(run_id, segment, name, directory, meta, size))
     return entries
 
 
