@@ -267,3 +267,17 @@ def test_token_count_rule_matches_pytrios():
         plan = plan_training_batch(data, loss_fn=loss_fn, auto_shift=False, limits=TrainingLimits(None, None, None),
                                    tokenizer_vocab_size=VOCAB)
         assert plan.totals.total_active_tokens == ours, loss_fn
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (([], 1, trio.SamplingParams(max_tokens=2)), r"^prompt: the prompt is empty"),
+    (([5, 6], 1, trio.SamplingParams(max_tokens=0)), r"^sampling_params\.max_tokens: must be an integer >= 1, got 0"),
+    (([5, 6], 1, trio.SamplingParams(max_tokens=None)),  # pytrio's default, which pytrio refuses at sample time
+     r"^sampling_params\.max_tokens: must be an integer >= 1, got None"),
+    (([5, 6], 0, trio.SamplingParams(max_tokens=2)), r"^num_samples: must be an integer >= 1, got 0"),
+], ids=["empty-prompt", "max-tokens-0", "max-tokens-None", "no-samples"])
+def test_pytrios_sampling_rules(pool, args, pattern):
+    """pytrio's SamplingClient refuses an empty prompt and max_tokens that is None or <= 0."""
+    sampler = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    with pytest.raises(trio.InvalidInputError, match=pattern):
+        sampler.sample(*args).result(timeout=60)
