@@ -153,3 +153,76 @@ def test_bad_pytrio_requests_are_4xx_naming_the_field(run):
         assert other.status_code == 404  # another key's run: as unknown
         anonymous = httpx.get(f"{url}/api/openapi/v1/api-key/verify", timeout=30)
         assert anonymous.status_code == 401
+
+
+HOSTILE: list = [None, True, -1, 2**63, 1e308, float("nan"), "", "x" * 5000, "../../etc/passwd", "tinker://",
+                 "tinker://r/weights/x/y", "sess-0123456789abcdef:train:0", "\u0000", [], [[1]], {}, {"a": 1},
+                 {"chunks": None}, {"chunks": [{"type": "image"}]}]
+
+
+def test_hostile_pytrio_requests_never_get_a_500(run):
+    """Each field of a valid control body, event envelope and payload replaced by a hostile value,
+    dropped, or the body replaced: a 2xx, or a 4xx whose body names the problem."""
+    url = run["url"]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {PYTRIO_KEY}"}, timeout=60) as http:
+        sid = http.post("/api/openapi/v1/service-sessions", json={"sdk_version": "0.2.9"}).json()
+        sid = sid["service_session_cuid"]
+        made = http.post(f"/api/openapi/v1/service-sessions/{sid}/training-runs",
+                         json={"base_model": "trio/tiny-llama-byte", "lora_rank": 4})
+        rid = made.json()["training_run_cuid"]
+        answers = []
+
+        def check(answer: httpx.Response, what: str) -> None:
+            assert answer.status_code < 500, (what, answer.status_code, answer.text[:300])
+            if answer.status_code >= 400:
+                assert answer.json().get("message"), (what, answer.text[:300])
+            answers.append(answer.status_code)
+
+        control = [("POST", f"/api/openapi/v1/service-sessions/{sid}/training-runs",
+                    {"base_model": "trio/tiny-llama-byte", "source_checkpoint_uri": ""}),
+                   ("PATCH", f"/api/openapi/v1/service-sessions/{sid}/training-runs/{rid}",
+                    {"source_checkpoint_uri": "tinker://x/weights/y", "restore_optimizer": False}),
+                   ("POST", f"/api/openapi/v1/service-sessions/{sid}/sampling-runs",
+                    {"base_model": "trio/tiny-llama-byte", "source_checkpoint_uri": ""})]
+        for method, path, body in control:
+            for name in body:
+                for value in [*HOSTILE, ...]:
+                    mutated = {k: v for k, v in body.items() if k != name or value is not ...}
+                    if value is not ...:
+                        mutated[name] = value
+                    check(http.request(method, path, content=json.dumps(mutated).encode(),
+                                       headers={"Content-Type": "application/json"}), f"{path} {name}={value!r:.40}")
+        init = {"base_model": "trio/tiny-llama-byte", "lora_config": {"rank": 4, "train_mlp": True,
+                                                                      "train_attn": True, "train_unembed": True}}
+        fb = {"data": [{"model_input": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                        "target_ids": [6, 7, 8], "weights": [1.0, 1.0, 1.0]}],
+              "loss": {"type": "cross_entropy", "config": {}},
+              "gradient_accumulation": {"total_samples": 1, "total_active_tokens": 3, "total_advantage_tokens": 0}}
+        index = 0
+
+        def event(kind: str, payload: object, **meta: object) -> httpx.Response:
+            nonlocal index
+            index += 1
+            envelope = {"version": 1, "event_id": f"event_{index:012d}", "type": kind, "payload": payload,
+                        "metadata": {"index": index, "step": 0, "timestamp": 0, "sdk": "pytrio", "sdk_version": "0.2.9",
+                                     "run_id": rid, **meta}}
+            return http.post(f"/api/pytrio/{sid}/v1/events", content=msgpack.packb(envelope),
+                             headers={"Content-Type": "application/msgpack"})
+
+        check(event("trainer.init_run", init), "init")
+        for kind, payload in (("trainer.forward_backward", fb), ("trainer.optimize_step", {"adam_params": {}}),
+                              ("trainer.save_state", {"name": "fuzz"}), ("trainer.unknown", {})):
+            for name in payload:
+                for value in [*HOSTILE, ...]:
+                    if isinstance(value, str) and "\ud800" in value:
+                        continue
+                    mutated = {k: v for k, v in payload.items() if k != name or value is not ...}
+                    if value is not ...:
+                        mutated[name] = value
+                    check(event(kind, mutated), f"{kind} {name}={value!r:.40}")
+        for junk in (b"", b"\x93\x01\x02", msgpack.packb([1, 2]), msgpack.packb({"payload": 1})):
+            check(http.post(f"/api/pytrio/{sid}/v1/events", content=junk,
+                            headers={"Content-Type": "application/msgpack"}), f"junk {junk!r:.20}")
+        check(http.get(f"/api/pytrio/{sid}/v1/events/event_nope"), "unknown event")
+        check(http.post(f"/api/pytrio/{sid}/v1/sampling-runs/{sid}:sample:99/sample", json={"prompt": {}}), "sample")
+        assert any(a < 300 for a in answers) and any(a >= 400 for a in answers)

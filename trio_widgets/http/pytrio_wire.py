@@ -413,17 +413,16 @@ class PyTrio:
         run_id = _field(meta.get("run_id"), str, "metadata.run_id")
         index = _field(meta.get("index"), int, "metadata.index")
         payload = _field(envelope.get("payload"), dict, "payload")
-        if kind == "trainer.init_run":
-            entry = self._init_run(owner, session, run_id, payload, request)
-        else:
-            model = self.s.model(run_id, owner)
-            if model.session is not session:
-                raise not_found(f"run {run_id!r:.80} in this session")
-            try:
-                found = self._op(owner, model, index - 1, kind, payload)  # init_run is seq 0, as tinker's create
-            except (InvalidInputError, NotSupportedError) as exc:  # refused: a failed event, as the actor's
-                return self._event(event_id, kind, None, wire_of(exc))
-            entry = self.s.entries.get(found)
+        model = None if kind == "trainer.init_run" else self.s.model(run_id, owner)
+        if model is not None and model.session is not session:
+            raise not_found(f"run {run_id!r:.80} in this session")
+        try:
+            entry = self._init_run(owner, session, run_id, payload, request) if model is None else \
+                self.s.entries.get(self._op(owner, model, index - 1, kind, payload))  # init_run is seq 0
+        except (InvalidInputError, NotSupportedError) as exc:  # refused: a failed event, as the actor's
+            if model is not None and isinstance(exc, NotSupportedError):
+                model.seq.refuse(index - 1)  # its index is used up: the events after it do not wait for it
+            return self._event(event_id, kind, None, wire_of(exc))
         if entry is not None:
             session.aliases[event_id] = entry.request_id
             while len(session.aliases) > _ALIASES:
@@ -489,7 +488,6 @@ class PyTrio:
             encode = lambda r: {"checkpoint": {"uri": getattr(r, "path", None) or path,  # noqa: E731
                                                "model_id": base, "size_bytes": int(getattr(r, "size", 0) or 0)}}
         else:
-            model.seq.refuse(seq)  # its index is used up: the events after it do not wait for it
             raise NotSupportedError(f"event type {kind!r:.40} is not supported by a local trio pool")
         return s._sequenced(model, owner, seq, op, request, lambda r: (encode(r), False))["request_id"]
 
