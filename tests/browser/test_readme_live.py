@@ -30,7 +30,7 @@ import trio_widgets as trio
 pool = trio.LocalPool(min_cycle_s=0.05)
 tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=16)
 batches = trio.data.addition_batches(tc.get_tokenizer(), batch_size=8)
-for step in range(120):                # blocks the cell: submit both, then wait for both
+for step in range(80):                 # blocks the cell: submit both, then wait for both
     fb = tc.forward_backward(next(batches), "cross_entropy")
     opt = tc.optim_step(trio.AdamParams(learning_rate=3e-3))
     fb.result(); opt.result()
