@@ -18,6 +18,10 @@ Attacks, each held while the neighbour makes `--updates` updates:
                 (or nothing), and close them (issue 36 point 5); from 127.0.0.2, another address than
                 the neighbour's (the server bounds new connections per address: max_new_connections_
                 per_address_s; from the neighbour's own address they would delay its new connections)
+  big-sample    another key samples at the most one request may ask (128 samples x 256 tokens,
+                max_num_samples x max_tokens = max_sampled_tokens), 8 requests in flight (issue 36
+                point 3: 6.65x)
+  big-stop-sample  the same with the most stop strings (64 of 64 characters)
   listing       another key, with 2,000 checkpoints saved, lists them (runs, checkpoints, its
                 user checkpoints) in a loop from 4 threads; besides the ratio, the neighbour's
                 heartbeat latency while it goes on (target: max <= 100 ms: listings run off the
@@ -122,7 +126,8 @@ class Attack:
                 c()
 
 
-def stop_strings(url: str, max_tokens: int, label: str, n_stops: int = 64) -> Callable[[Attack], None]:
+def stop_strings(url: str, max_tokens: int, label: str, n_stops: int = 64, num_samples: int = 1,
+                 in_flight: int = 4) -> Callable[[Attack], None]:
     def start(a: Attack) -> None:
         service = trio.ServiceClient(base_url=url, api_key=MALLORY)
         a.cleanup.append(service.close)
@@ -134,12 +139,12 @@ def stop_strings(url: str, max_tokens: int, label: str, n_stops: int = 64) -> Ca
         def run() -> None:
             while not a.stop.is_set():
                 try:
-                    sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, params).result(timeout=300)
+                    sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), num_samples, params).result(timeout=600)
                     a.answers[label] += 1
                 except Exception as exc:
                     a.answers[type(exc).__name__] += 1
 
-        a.background(run, 4)
+        a.background(run, in_flight)
     return start
 
 
@@ -357,6 +362,10 @@ def main() -> None:
             "64-sessions": lambda: many_sessions(url), "trickle": lambda: trickle(port),
             "churn": lambda: churn(port),
             "long-sample": lambda: stop_strings(url, 480, "samples of 480 tokens"),
+            "big-sample": lambda: stop_strings(url, 256, "requests of 128 x 256 tokens", n_stops=0, num_samples=128,
+                                               in_flight=8),
+            "big-stop-sample": lambda: stop_strings(url, 256, "requests of 128 x 256 tokens, 64 stops",
+                                                    num_samples=128, in_flight=8),
             "listing": lambda: listing(url)}
         if only - set(rows):
             parser.error(f"--only: no rows {sorted(only - set(rows))}; the rows are {', '.join(rows)}")

@@ -69,11 +69,15 @@ def _resolve_ops() -> dict[str, _Op]:
     return resolved
 
 
-def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int) -> list[Request]:
-    """The requests of one client's queue that this cycle runs, in order."""
+def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int, max_rows: int | None = None,
+          max_prompt_tokens: int | None = None) -> list[Request]:
+    """The requests of one client's queue that this cycle runs, in order. Its new samples start at
+    most `max_rows` decode rows and `max_prompt_tokens` of prefill a cycle (one request whatever its
+    size): a client's sampling is cut into bounded slices per cycle, and its neighbours' work waits
+    for one slice, not for all it asked at once."""
     taken: list[Request] = []
     took_forward = took_optim = False
-    samples = 0
+    samples = rows = prompt_tokens = 0
     for request in queue:
         if not request.ready:  # a reserved place: what follows keeps its order behind it
             break
@@ -89,9 +93,40 @@ def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int) -> 
         elif kind == "sample":
             if samples >= max_samples:
                 break
+            more_rows, more_tokens = _sample_size(request)
+            if samples and ((max_rows is not None and rows + more_rows > max_rows)
+                            or (max_prompt_tokens is not None and prompt_tokens + more_tokens > max_prompt_tokens)):
+                break
             samples += 1
+            rows += more_rows
+            prompt_tokens += more_tokens
         taken.append(request)
     return taken
+
+
+_BUSY_CYCLES = 4  # a client that had work this many cycles ago still shares the cycle
+
+
+def _sample_size(request: Request) -> tuple[int, int]:
+    """(decode rows, prompt tokens) of a sample or logprobs request (its SampleSpec)."""
+    spec = request.payload
+    return max(1, int(getattr(spec, "num_samples", 1) or 1)), len(getattr(spec, "prompt", ()) or ())
+
+
+def _slices(samples: list[Request], max_rows: int) -> list[list[Request]]:
+    """A cycle's sample requests in order, cut into groups of at most `max_rows` decode rows (one
+    request whatever its size): each group decodes as one batch, carried on alone, so a decode step
+    (and the steps every cycle owes it) costs at most a slice's rows."""
+    groups: list[list[Request]] = []
+    rows = 0
+    for request in samples:
+        more = _sample_size(request)[0]
+        if not groups or rows + more > max_rows:
+            groups.append([])
+            rows = 0
+        groups[-1].append(request)
+        rows += more
+    return groups
 
 
 _ATEXIT_LOCK = threading.Lock()
@@ -111,9 +146,64 @@ class _Carried:
     carry: Carry
     requests: list[Request]
     waiting: set[int] = field(default_factory=set)
+    step_s: float = 0.0  # how long its last decode step took (what the next is expected to)
 
     def unfinished(self) -> list[Request]:
         return [self.requests[i] for i in sorted(self.waiting)]
+
+
+class _Share:
+    """A cycle's decode budget while more than one client has work (issue 36 point 3): instead of
+    `min_decode_steps` owed whatever the time (a step of a large batch outlasted a neighbour's
+    whole update), decoding spends a credit: each cycle adds its share (StepBudget's rule: until
+    max(min_cycle_s, twice the cycle's other work)), every step, prefill included, is paid from it,
+    and a step runs only while the credit covers what its batch's last step took. A step longer
+    than one share runs every few cycles (deficit round robin): the decodes always progress, at
+    their share, and a neighbour's cycle holds at most one slice's step beyond its share."""
+
+    CAP_S = 2.0  # credit kept at most (seconds)
+
+    def __init__(self, pool: LocalPool, boundary: float):
+        self.pool, self.boundary = pool, boundary
+        self.opened = False
+
+    def open(self, now: float) -> None:
+        if not self.opened:
+            self.opened = True
+            other = now - self.boundary
+            share = max(self.pool.min_cycle_s - other, other)
+            self.pool._decode_credit = min(self.CAP_S, self.pool._decode_credit + share)
+
+    def view(self, entry: _Carried | None) -> _ShareView:
+        return _ShareView(self, entry)
+
+
+class _ShareView:
+    """One decode batch's take() on a cycle's `_Share` (what `advance(budget)` asks before each step)."""
+
+    def __init__(self, share: _Share, entry: _Carried | None):
+        self.share, self.entry = share, entry
+        self.mark = time.perf_counter()
+        self.stepping = False
+
+    def _spend(self, now: float) -> None:
+        spent, self.mark = now - self.mark, now
+        self.share.pool._decode_credit -= spent
+        if self.stepping and self.entry is not None:
+            self.entry.step_s = spent
+
+    def take(self) -> bool:
+        now = time.perf_counter()
+        self._spend(now)
+        self.share.open(now)
+        credit = self.share.pool._decode_credit
+        expected = self.entry.step_s if self.entry is not None else 0.0
+        self.stepping = credit > 0 and (credit >= expected or credit >= _Share.CAP_S)
+        return self.stepping
+
+    def finish(self) -> None:
+        self._spend(time.perf_counter())
+        self.stepping = False
 
 
 class _Clock:
@@ -246,7 +336,16 @@ class LocalPool:
         # sample goes on over several cycles instead of holding its cycle (and every tenant in
         # it). None: every sample decodes to its end in its cycle.
         self.min_decode_steps = None if min_decode_steps is None else int(min_decode_steps)
-        self.decode_budget = StepBudget(self.min_decode_steps)  # this cycle's (clock thread)
+        # this cycle's (clock thread); a _Share's view while several clients have work (duck-typed:
+        # what a decode asks of it is take())
+        self.decode_budget: Any = StepBudget(self.min_decode_steps)
+        self._contended = False
+        self._last_busy: dict[str, int] = {}  # client -> the last cycle it had work in (clock thread)
+        # a decode batch holds at most this many rows (a request's most), and a client starts at most
+        # this many new rows a cycle, and max_tokens_per_pass of prompts: the forced decode steps of a
+        # cycle cost a slice, not every row a participant asked for at once (issue 36 point 3)
+        self.decode_slice_rows = max(1, int(max_num_samples))
+        self._decode_credit = 0.0  # seconds of decode owed (clock thread; see _Share)
         self.limits = RequestLimits(int(max_request_tokens), int(max_request_data), int(max_num_samples),
                                     int(max_sampled_tokens))
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
@@ -518,17 +617,35 @@ class LocalPool:
 
     # -- one cycle (clock thread) -------------------------------------------------------
     def _take_boundary(self, now: float) -> tuple[int, dict[str, list[Request]]]:
-        self.decode_budget = StepBudget(self.min_decode_steps, now, self.min_cycle_s)
         decoding = Counter(c.requests[i].client_id for c in self._clock.carried for i in c.waiting)
         with self._clock.cond:
             self._clock.poked = False  # what changed until now, this boundary sees
             index = self.cycle_index
             self.cycle_index += 1
             depths = {cid: len(q) for cid, q in self._queues.items()}
+            # more than one client with work: decoding gets its share of each cycle (_Share), new
+            # samples start in bounded slices, and a client whose decodes overspent starts none
+            # samples still decoding count against the client's samples per cycle. A client counts as
+            # busy for a few cycles after its last work (a pipelined trainer awaiting a result has an
+            # empty queue at some boundaries)
+            for cid in {cid for cid, q in self._queues.items() if q and q[0].ready} | set(decoding):
+                self._last_busy[cid] = index
+            for cid in [c for c, last in self._last_busy.items() if index - last > _BUSY_CYCLES]:
+                del self._last_busy[cid]
+            self._contended = len(self._last_busy) > 1 and self.min_decode_steps is not None
+            if self._contended:
+                self.decode_budget = _Share(self, now)
+            else:
+                self.decode_budget = StepBudget(self.min_decode_steps, now, self.min_cycle_s)
+                self._decode_credit = 0.0
+            rows, prompt_tokens = (self.decode_slice_rows, self.max_tokens_per_pass) if self._contended \
+                else (None, None)
             taken: dict[str, list[Request]] = {}
             for cid, queue in self._queues.items():
-                # samples still decoding count against the client's samples per cycle
-                requests = _take(queue, self._kinds, self.max_samples_per_cycle - decoding.get(cid, 0))
+                samples = self.max_samples_per_cycle - decoding.get(cid, 0)
+                if self._contended and self._decode_credit < 0 and decoding.get(cid, 0):
+                    samples = 0  # its decodes spent more than their share: they go on, nothing new starts
+                requests = _take(queue, self._kinds, samples, rows, prompt_tokens)
                 for _ in requests:
                     queue.popleft()
                 if requests:
@@ -572,17 +689,31 @@ class LocalPool:
         for request in after:
             outcomes.append((request, self._run_single(request)))
         outcomes.extend(self._advance_carried())  # the oldest samples first: they finish first
-        outcomes.extend(self._run_batched(samples))
+        if not isinstance(self.decode_budget, _Share):
+            outcomes.extend(self._run_batched(samples))
+            return outcomes
+        share = self.decode_budget
+        for group in _slices(samples, self.decode_slice_rows):
+            view = self.decode_budget = share.view(None)  # (the sample handler reads pool.decode_budget)
+            try:
+                outcomes.extend(self._run_batched(group))
+            finally:
+                view.finish()
+                self.decode_budget = share
         return outcomes
 
     def _advance_carried(self) -> list[tuple[Request, Any]]:
         """This cycle's share of the samples still decoding from earlier cycles."""
         outcomes = []
         for entry in list(self._clock.carried):
+            budget = self.decode_budget.view(entry) if isinstance(self.decode_budget, _Share) else self.decode_budget
             try:
-                finished = entry.carry.advance(self.decode_budget)
+                finished = entry.carry.advance(budget)
             except Exception as exc:  # a bug: what is left of it fails, the clock goes on
                 finished = {i: _as_failure(entry.requests[i], exc) for i in entry.waiting}
+            finally:
+                if isinstance(budget, _ShareView):
+                    budget.finish()
             now = time.perf_counter()
             for i, value in finished.items():
                 if i in entry.waiting:
