@@ -37,7 +37,8 @@ EXPECTED = {
     "pytrio_async_rl.py": [r"step 4: loss_sum=-?\d+\.\d+ token_count=\d+"],
     "pytrio_custom_loss.py": [r"'custom_nll': .*'loss_mean'"],
     "pytrio_checkpoint.py": [r"\(model=trio/tiny-llama-byte, size=\d+ bytes\)", r"prompt logprobs: \[None, -\d",
-                             r"training: weights/checkpoint-001 -> tinker://"],
+                             r"training: weights/checkpoint-001 -> tinker://", r"sample response type: sample",
+                             r"downloaded (sampler_)?weights/\S+-001: [1-9]\d* bytes"],
 }
 
 

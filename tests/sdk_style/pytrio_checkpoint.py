@@ -11,9 +11,13 @@ Origin (site-packages/pytrio, pytrio==0.2.9):
 - client/service.py:224-234 + client/rest.py:199-210 create_rest_client().list_checkpoints(run_id) ->
   concurrent.futures.Future[CheckpointsListResponse]
 - client/sampling.py:204-217   compute_logprobs(prompt) -> APIFuture[list[float | None]]
+- types/sample/sample_response.py:40  SampleResponse.type == "sample"
+- client/rest.py:325-348       download_checkpoint(checkpoint_id, destination_path, *, resume=True)
+  -> concurrent.futures.Future[CheckpointDownloadResult]
 """
 
 import os
+import tempfile
 
 import trio_widgets as trio  # was: import pytrio as trio
 
@@ -51,6 +55,7 @@ out = sampler.sample(
     sampling_params=trio.SamplingParams(max_tokens=10),
 ).result()
 print(out.sequences[0].text)
+print("sample response type:", out.type)
 
 logprobs = sampler.compute_logprobs(trio.ModelInput.from_ints(tokens)).result()
 print("prompt logprobs:", logprobs[:5])
@@ -60,3 +65,7 @@ rest = service.create_rest_client()
 # stated explicitly in the SDK). RestClient sync methods return concurrent.futures.Future -> use .result().
 for checkpoint in rest.list_checkpoints(trainer.training_run_cuid).result().checkpoints:
     print(f"  {checkpoint.checkpoint_type}: {checkpoint.checkpoint_id} -> {checkpoint.path}")
+
+# Download a listed checkpoint by its id.
+done = rest.download_checkpoint(checkpoint.checkpoint_id, os.path.join(tempfile.mkdtemp(), "download")).result()
+print(f"downloaded {done.checkpoint_id}: {done.bytes_written} bytes")
