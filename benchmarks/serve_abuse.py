@@ -61,20 +61,26 @@ BATCH = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8, 9, 10, 11, 12]),
 
 
 @contextlib.contextmanager
-def server_process(port: int, *, min_cycle_s: float = 0.02, keys: tuple[str, ...] = (ALICE, MALLORY)
-                   ) -> Iterator[tuple[str, int]]:
+def server_process(port: int, *, min_cycle_s: float = 0.02, keys: tuple[str, ...] = (ALICE, MALLORY),
+                   fleet: bool = False) -> Iterator[tuple[str, int]]:
     """A real `python -m trio_widgets serve` on 127.0.0.1:`port` (keys from $TRIO_API_KEYS; none:
-    keyless loopback); yields its URL and pid, and stops it."""
-    env = {**os.environ, "TRIO_API_KEYS": ",".join(keys), "TRIO_TORCH_THREADS": "1"}
+    keyless loopback), or a two-pool fleet (`serve --ray --pools 2`: its pid is the front door's);
+    yields its URL and pid, and stops it."""
+    env = {**os.environ, "TRIO_API_KEYS": ",".join(keys), "TRIO_TORCH_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     with tempfile.TemporaryDirectory() as ckpt:
         proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--port", str(port),
-                                 "--checkpoint-dir", ckpt, "--min-cycle-s", str(min_cycle_s)],
+                                 "--checkpoint-dir", ckpt, "--min-cycle-s", str(min_cycle_s),
+                                 *(["--ray", "--pools", "2"] if fleet else [])],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             assert proc.stdout is not None
-            line = proc.stdout.readline()
+            seen = ""
+            for line in proc.stdout:  # (Ray may log first)
+                seen += line
+                if "serving" in line or not fleet:
+                    break
             if "serving" not in line:
-                raise RuntimeError(f"the server did not start: {line}{proc.stdout.read()}")
+                raise RuntimeError(f"the server did not start: {seen[-3000:]}{proc.stdout.read()}")
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # drain its log
             yield f"http://127.0.0.1:{port}", proc.pid
         finally:
@@ -348,10 +354,11 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=20)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--only", default="", help="comma-separated rows to run (default: all)")
+    parser.add_argument("--fleet", action="store_true", help="against a two-pool fleet (serve --ray --pools 2)")
     args = parser.parse_args()
     only = {name for name in args.only.split(",") if name}
     port = args.port or _free_port()
-    with server_process(port) as (url, pid):
+    with server_process(port, fleet=args.fleet) as (url, pid):
         neighbour = trio.ServiceClient(base_url=url, api_key=ALICE)
         tc = neighbour.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         seconds_per_update(tc, 3)  # warm up

@@ -23,17 +23,27 @@ ingress routes every request by the id it names, with no table to lose:
   that prefix.
 
 The pools authenticate every request (the ingress forwards the caller's key and keeps none).
-Ray Serve runs the ingress and the pools (trio_widgets/http/ray_fleet.py); `Members` is all
-the ingress needs of them.
+Ray Serve runs the pools (trio_widgets/http/ray_fleet.py); `Members` is all the ingress needs
+of them.
+
+**The front door** (`FrontDoor`) serves the ingress as `serve` serves a pool, with the same
+guards (trio_widgets/http/guard.py): Host / Origin / Content-Type checks, header and idle
+timeouts, connections bounded per address, per key and in all, new connections per address
+paced, and request bodies bounded per connection (max_body_bytes), per key and in all while
+they are read (`Budget`), and in time (body_timeout_s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import re
+import socket
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -44,16 +54,31 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import ClientClosedError, PoolClosedError
 from . import wire
-from .auth import wire_of
+from .auth import HttpError, owner_of, wire_of
+from .guard import Budget, Connections, Policy, guarded_protocol, policy_app
 from .routes import API, error_response
 
-__all__ = ["Ingress", "Members", "PoolState", "pool_tag"]
+__all__ = ["FrontDoor", "Ingress", "Members", "PoolState", "pool_tag"]
+
+log = logging.getLogger(__name__)
 
 TAG = r"p(?P<index>\d{1,4})r(?P<epoch>[0-9a-f]{6})"
 _ID = re.compile(rf"(?:sess|req)-{TAG}-")
 _EXPLICIT = re.compile(r"^/trio/pools/(?P<index>\d{1,4})(?P<rest>/.*)$")
 #: Body fields that name what a request is about, most specific first: a from-state load names
 #: its (new) session and the checkpoint it reads from another pool; the session decides.
+# PyTRIO's control plane and actor (trio_widgets/http/pytrio_wire.py): routed by the ids in their paths
+_PYTRIO = ("/api/openapi/", "/api/pytrio/", "/api/models", "/api/sdk/")
+_PYTRIO_SESSIONS = "/api/openapi/v1/service-sessions"
+# the listings merged from every pool: their key, an item's id, the sort, the cursor's total
+_LISTINGS = {
+    "/training_runs": ("training_runs", "training_run_id", ("last_request_time", "training_run_id"), "total_count"),
+    "/checkpoints": ("checkpoints", "tinker_path", ("time", "tinker_path"), "total_count"),
+    "/api/openapi/v1/training-runs": ("training_runs", "training_run_cuid", ("updated_at", "training_run_cuid"),
+                                      "total"),
+    "/api/openapi/v1/checkpoints": ("checkpoints", "checkpoint_uri", ("created_at", "checkpoint_uri"), "total"),
+    _PYTRIO_SESSIONS: ("service_sessions", "service_session_cuid", ("created_at", "service_session_cuid"), "total"),
+}
 _ROUTING_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "tinker_path", "path",
                    "model_path")
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
@@ -102,10 +127,12 @@ class Ingress:
     Request (Ray Serve calls it; so can a Starlette route)."""
 
     def __init__(self, members: Members, *, max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0,
-                 read_timeout_s: float = 120.0):
+                 read_timeout_s: float = 120.0, budget: Budget | None = None):
         self.members = members
         self.max_body_bytes = int(max_body_bytes)
         self.body_timeout_s = float(body_timeout_s)
+        # bytes of bodies being read, per key and in all (the front door's; unbounded without one)
+        self.budget = budget or Budget(per_key=1 << 62, total=1 << 62)
         # a long-poll is held up to the pools' long_poll_s (<= 40 s): the read timeout outlasts it
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=5.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
@@ -141,17 +168,17 @@ class Ingress:
             explicit = _EXPLICIT.match(path)
             if explicit is not None:
                 return await self._explicit(request, int(explicit["index"]), explicit["rest"])
-            if not path.startswith(API + "/"):
+            if not path.startswith((API + "/", *_PYTRIO)):
                 return _refusal(404, f"no such endpoint: {request.method} {path}")
-            op = path[len(API):]
+            op = path[len(API):] if path.startswith(API + "/") else path  # PyTRIO's: the whole path
             if op == "/trio/fleet" and request.method == "GET":
                 return await self._fleet(request)
             body = await self._body(request)
-            if op == "/create_session":
+            if op == "/create_session" or (op == _PYTRIO_SESSIONS and request.method == "POST"):
                 return await self._place(request, body)
             if op == "/get_server_capabilities":
                 return await self._capabilities(request)
-            if op in ("/training_runs", "/checkpoints") and request.method == "GET":
+            if op in _LISTINGS and request.method == "GET":
                 return await self._merged(request, op)
             if op == "/trio/info":
                 return await self._info(request)
@@ -178,19 +205,25 @@ class Ingress:
                                          f"{self.max_body_bytes} (max_body_bytes); send smaller batches"))
         chunks, size = [], 0
         stream = request.stream()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(anext(stream), self.body_timeout_s)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise _Refused(_refusal(408, f"the body stalled: nothing arrived for {self.body_timeout_s:g} s",
-                                        code="timeout")) from None
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise _Refused(_refusal(413, f"the body is more than this server's limit of "
-                                             f"{self.max_body_bytes} bytes (max_body_bytes)"))
-            chunks.append(chunk)
+        key = request.headers.get("x-api-key")
+        with self.budget.reading(owner_of(key) if key else "anonymous") as take:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), self.body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise _Refused(_refusal(408, f"the body stalled: nothing arrived for {self.body_timeout_s:g} s "
+                                                 f"(body_timeout_s)", code="timeout", close=True)) from None
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    raise _Refused(_refusal(413, f"the body is more than this server's limit of "
+                                                 f"{self.max_body_bytes} bytes (max_body_bytes)", close=True))
+                try:
+                    take(len(chunk))
+                except HttpError as exc:  # over the key's share (429) or the door's (503), naming it
+                    raise _Refused(_refusal(exc.status, str(exc), code=exc.code or "busy", close=True)) from None
+                chunks.append(chunk)
         return b"".join(chunks)
 
     async def _send(self, request: Request, state: PoolState, path: str, body: bytes,
@@ -283,21 +316,21 @@ class Ingress:
             limit = offset = -1
         if not (0 <= limit <= 10_000 and 0 <= offset <= 10_000):
             return _refusal(400, "limit and offset must be integers from 0 to 10000", code="invalid_input")
-        answers = await self._each(request, API + op, query=f"limit={min(10_000, offset + limit)}&offset=0")
-        key, sort = ("training_runs", ("last_request_time", "training_run_id")) if op == "/training_runs" else \
-            ("checkpoints", ("time", "tinker_path"))
+        answers = await self._each(request, op if op.startswith("/api/") else API + op,
+                                   query=f"limit={min(10_000, offset + limit)}&offset=0")
+        key, ident_of, sort, total = _LISTINGS[op]
         merged: dict[str, dict] = {}
         for state, answer in answers:
             if answer.status_code != 200:
                 return _relay(answer, state, str(request.base_url))
             for item in answer.json().get(key, []):
-                ident = item.get("training_run_id") if key == "training_runs" else item.get("tinker_path")
+                ident = item.get(ident_of)
                 mine = isinstance(ident, str) and _owner_index(ident) == state.index
                 if ident not in merged or mine:  # the run's own pool knows it best (it is live there)
                     merged[ident] = item
         items = sorted(merged.values(), key=lambda r: tuple(str(r.get(k)) for k in sort), reverse=True)
         return JSONResponse({key: items[offset:offset + limit],
-                             "cursor": {"offset": offset, "limit": limit, "total_count": len(items)}})
+                             "cursor": {"offset": offset, "limit": limit, total: len(items)}})
 
     async def _info(self, request: Request) -> Response:
         answers = await self._each(request, API + "/trio/info")
@@ -372,8 +405,9 @@ class _Refused(Exception):
         self.response = response
 
 
-def _refusal(status: int, message: str, *, code: str = "not_found") -> JSONResponse:
-    return JSONResponse({"detail": message, "code": code}, status_code=status)
+def _refusal(status: int, message: str, *, code: str = "not_found", close: bool = False) -> JSONResponse:
+    return JSONResponse({"detail": message, "code": code}, status_code=status,
+                        headers={"Connection": "close"} if close else None)
 
 
 def _subject(op: str) -> str:
@@ -445,3 +479,120 @@ def describe(index: int, epoch: str, server: Any, node: str) -> PoolState:
                      node=node, device=pool.device.type, sessions=len(sessions),
                      clients=sum(len(s["clients"]) for s in sessions), tokens_per_cycle=float(tokens),
                      total_updates=int(pool.telemetry.total_updates))
+
+
+class FrontDoor:
+    """The fleet's one URL on `host`:`port`, served from a thread of its own (uvicorn), with
+    every guard `serve` has (trio_widgets/http/guard.py; the settings are `trio.serve`'s of the
+    same names): what a pool's own server holds, the fleet's door holds too."""
+
+    def __init__(self, members: Members, *, host: str = "127.0.0.1", port: int = 8000,
+                 api_keys: Iterable[str] | None = None, observer_keys: Iterable[str] | None = None,
+                 allowed_hosts: Iterable[str] | None = None, allowed_origins: Iterable[str] | None = None,
+                 max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0, header_timeout_s: float = 10.0,
+                 max_waiting_connections: int = 256, max_connections_per_address: int = 512,
+                 max_connections_per_key: int = 512, max_connections: int = 4096,
+                 max_new_connections_per_address_s: float = 256.0, max_inflight_bytes_per_key: int = 64 << 20,
+                 max_inflight_bytes: int = 256 << 20):
+        from .server import _identifier, check_bind
+
+        keys = [*(api_keys or ()), *(observer_keys or ())]
+        check_bind(host, keys)
+        for name, value, low, high in (("header_timeout_s", header_timeout_s, 0.1, 3600.0),
+                                       ("body_timeout_s", body_timeout_s, 0.1, 3600.0),
+                                       ("max_body_bytes", max_body_bytes, 1, 1 << 40),
+                                       ("max_waiting_connections", max_waiting_connections, 1, 1 << 20),
+                                       ("max_connections_per_address", max_connections_per_address, 1, 1 << 20),
+                                       ("max_connections_per_key", max_connections_per_key, 1, 1 << 20),
+                                       ("max_connections", max_connections, 1, 1 << 20),
+                                       ("max_new_connections_per_address_s", max_new_connections_per_address_s,
+                                        1.0, 1e6),
+                                       ("max_inflight_bytes_per_key", max_inflight_bytes_per_key, 1, 1 << 40),
+                                       ("max_inflight_bytes", max_inflight_bytes, 1, 1 << 40)):
+            if not isinstance(value, (int, float)) or not (low <= value <= high):
+                raise ValueError(f"{name} must be a number from {low:g} to {high:g}, got {value!r}")
+        self.host, self._requested_port, self.port = host, int(port), 0
+        budget = Budget(per_key=max(int(max_inflight_bytes_per_key), int(max_body_bytes)),
+                        total=max(int(max_inflight_bytes), int(max_body_bytes)))
+        self.ingress = Ingress(members, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, budget=budget)
+        # the pools answer for themselves under /trio/pools/<k>/ (their downloads are signed URLs)
+        self.policy = Policy.of([host, *(allowed_hosts or ())], allowed_origins,
+                                keyless_paths=(API + "/healthz", API + "/trio/export/", "/trio/pools/"))
+        self.connections = Connections(header_timeout_s=float(header_timeout_s),
+                                       max_waiting=int(max_waiting_connections),
+                                       max_per_address=int(max_connections_per_address),
+                                       max_per_key=int(max_connections_per_key), max_total=int(max_connections),
+                                       new_per_address_s=float(max_new_connections_per_address_s),
+                                       identify=_identifier(keys), keyed=bool(keys))
+        self._uvicorn: Any = None
+        self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stats(self) -> dict[str, int]:
+        """The connection counts of guard.Connections (refused, refused_per_key, evicted, timed_out, ...)."""
+        return dict(self.connections.stats)
+
+    async def _app(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        response = await self.ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    def start(self, timeout: float = 30.0) -> FrontDoor:
+        import uvicorn
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        from . import new_event_loop
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self._requested_port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(f"cannot serve on {self.host}:{self._requested_port}: {exc.strerror or exc}") from None
+        sock.listen(256)
+        sock.setblocking(False)
+        self._socket, self.port = sock, sock.getsockname()[1]
+        config = uvicorn.Config(policy_app(self._app, self.policy, self.connections),
+                                http=guarded_protocol(AutoHTTPProtocol, self.connections), log_level="warning",
+                                access_log=False, log_config=None, lifespan="off", limit_concurrency=None,
+                                proxy_headers=False, timeout_graceful_shutdown=5, timeout_keep_alive=30)
+        self._uvicorn = server = uvicorn.Server(config)
+
+        def run() -> None:
+            loop = new_event_loop()
+            asyncio.set_event_loop(loop)
+            self.loop = loop
+            try:
+                loop.run_until_complete(server.serve(sockets=[sock]))
+                loop.run_until_complete(self.ingress.aclose())
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name="trio-fleet-door", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the fleet's front door on {self.url} did not start")
+            time.sleep(0.01)
+        log.info("the fleet's front door on %s", self.url)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        if self._socket is not None:
+            with contextlib.suppress(OSError):
+                self._socket.close()

@@ -1,6 +1,11 @@
 """A fleet of served pools on Ray Serve: N pool deployments (one LocalPool and its server each;
-one GPU each where there are GPUs) behind one ingress deployment that speaks Tinker's wire
-protocol on one URL (the routing: trio_widgets/http/fleet.py).
+one GPU each where there are GPUs) behind one front door that speaks Tinker's wire protocol on
+one URL (the routing: trio_widgets/http/fleet.py). The door is `fleet.FrontDoor`, run by the
+process that calls `serve_fleet` (Serve's own HTTP proxy is off): it holds what `serve` holds
+(guard.py: Host/Origin checks, header and idle timeouts, connections per address and per key,
+bodies bounded per connection, per key and in all). Pool replicas listen on loopback when the
+Ray cluster is one machine, and on their node's address (their server authenticating every
+request: keys are required there) only when the door may be on another node.
 
 >>> fleet = serve_fleet(pools=2, api_keys=["tml-..."], checkpoint_dir="/shared/ckpt")
 >>> fleet.url                     # tinker.ServiceClient(base_url=fleet.url, api_key=...)
@@ -22,9 +27,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fleet import Ingress, Members, PoolState, describe, pool_tag
+from .fleet import FrontDoor, Members, PoolState, describe, pool_tag
 
 __all__ = ["Fleet", "serve_fleet"]
+
+#: serve_fleet's settings that are the front door's (the others go to every pool's server)
+_DOOR_SETTINGS = ("allowed_hosts", "allowed_origins", "header_timeout_s", "body_timeout_s",
+                  "max_waiting_connections", "max_connections_per_address", "max_connections_per_key",
+                  "max_connections", "max_new_connections_per_address_s", "max_inflight_bytes_per_key",
+                  "max_inflight_bytes")
 
 APP = "trio-fleet"
 
@@ -36,21 +47,25 @@ class Fleet:
     url: str
     pools: int
     checkpoint_dir: str
+    door: FrontDoor | None = field(default=None, repr=False)
     _owns_ray: bool = field(default=False, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
     def stop(self) -> None:
-        """Delete the application (each pool answers its pending futures, then closes) and, when
-        this call started Ray, shut it down."""
+        """Close the front door, delete the pools' applications (each pool answers its pending
+        futures, then closes) and, when this call started Ray, shut it down."""
         if self._stopped:
             return
         self._stopped = True
+        if self.door is not None:
+            self.door.stop()
         import ray
         from ray import serve
 
         if ray.is_initialized():
             try:
-                serve.delete(APP)
+                for k in range(self.pools):
+                    serve.delete(f"{APP}-pool-{k}")
                 if self._owns_ray:
                     serve.shutdown()
             finally:
@@ -74,8 +89,9 @@ class PoolReplica:
         self.index = index
         self.epoch = secrets.token_hex(3)  # new each time Ray (re)starts this replica
         keys = [*server_settings.get("api_keys", ()), *server_settings.get("observer_keys", ())]
-        # Reachable from the ingress on another node when keys guard it; loopback (one machine) without
-        self.node = _node_ip() if keys else "127.0.0.1"
+        # loopback where the cluster is one machine (the door is on it) or without keys; else the node's
+        # address, for a door on another node, every request authenticated by the pool's server
+        self.node = _node_ip() if keys and not _one_machine() else "127.0.0.1"
         self.pool = LocalPool(name=f"pool-{index}", owned_by_cell=False, **pool_settings)
         for name in models:
             self.pool.get_base_model(name)
@@ -104,20 +120,16 @@ class _RayMembers(Members):
         return await self.handles[index].describe.remote()
 
 
-class FleetIngress:
-    """The fleet's one URL (Ray Serve's HTTP proxy hands it every request)."""
-
-    def __init__(self, *pools: Any, max_body_bytes: int = 16 << 20) -> None:
-        self.ingress = Ingress(_RayMembers(list(pools)), max_body_bytes=max_body_bytes)
-
-    async def __call__(self, request: Any) -> Any:
-        return await self.ingress(request)
-
-
 def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def _one_machine() -> bool:
+    import ray
+
+    return len({n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}) <= 1
 
 
 def serve_fleet(pools: int = 2, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
@@ -162,19 +174,25 @@ def serve_fleet(pools: int = 2, *, host: str = "127.0.0.1", port: int = 8000, ad
     threads = torch_threads or max(1, int(cpus_per_pool))
     pool_settings = {"min_cycle_s": min_cycle_s, "device": device if gpus_per_pool or device != "auto" else "cpu",
                      "checkpoint_dir": shared, "torch_threads": threads}
+    door_settings = {k: server_settings.pop(k) for k in _DOOR_SETTINGS if k in server_settings}
     settings = {"api_keys": keys, "observer_keys": observers, "session_timeout_s": session_timeout_s,
-                "max_body_bytes": max_body_bytes, **server_settings}
-    serve.start(http_options={"host": host, "port": port})
+                "max_body_bytes": max_body_bytes, **server_settings, **door_settings}
+    # the pools' own servers keep the door's limits too (allowed_hosts aside: they are asked by the door)
+    settings.pop("allowed_hosts", None)
+    door = FrontDoor(_RayMembers([]), host=host, port=port, api_keys=keys, observer_keys=observers,
+                     max_body_bytes=max_body_bytes, **door_settings)  # checks the settings before Ray works
+    serve.start(proxy_location="Disabled")  # the door is ours (FrontDoor), not Serve's HTTP proxy
     replica: Any = serve.deployment(PoolReplica)  # (typed as a decorator factory)
-    bound = [replica.options(name=f"pool-{k}", num_replicas=1, max_ongoing_requests=64,
-                             health_check_period_s=2.0, health_check_timeout_s=10.0,
-                             ray_actor_options={"num_cpus": cpus_per_pool, "num_gpus": gpus_per_pool,
-                                                "runtime_env": {"env_vars": {"TRIO_TORCH_THREADS": str(threads)}}}
-                             ).bind(k, pool_settings, settings, models)
-             for k in range(pools)]
-    deployment: Any = serve.deployment(FleetIngress)
-    ingress = deployment.options(name="ingress", num_replicas=1, max_ongoing_requests=10_000,
-                                                     ray_actor_options={"num_cpus": 0})
-    serve.run(ingress.bind(*bound, max_body_bytes=max_body_bytes), name=APP, route_prefix="/")
-    shown = f"[{host}]" if ":" in host else host
-    return Fleet(url=f"http://{shown}:{port}", pools=pools, checkpoint_dir=shared, _owns_ray=owns)
+    handles = [serve.run(replica.options(name=f"pool-{k}", num_replicas=1, max_ongoing_requests=64,
+                                         health_check_period_s=2.0, health_check_timeout_s=10.0,
+                                         ray_actor_options={"num_cpus": cpus_per_pool, "num_gpus": gpus_per_pool,
+                                                            "runtime_env": {"env_vars": {
+                                                                "TRIO_TORCH_THREADS": str(threads)}}}
+                                         ).bind(k, pool_settings, settings, models),
+                         name=f"{APP}-pool-{k}", route_prefix=None)
+               for k in range(pools)]
+    members = _RayMembers(handles)
+    door.ingress.members = members
+    door.ingress.placements = [0] * members.size
+    door.start()
+    return Fleet(url=door.url, pools=pools, checkpoint_dir=shared, door=door, _owns_ray=owns)
