@@ -181,8 +181,9 @@ class PyTrio:
     def model_id(self, name: str, request: Request) -> str:
         """The model id a PyTRIO client loads its tokenizer by (AutoTokenizer.from_pretrained): as
         tinker's tokenizer_id, a hub model's name, or for a client on this machine the directory the
-        server keeps the tokenizer of a built-in model in."""
-        return self.s.tokenizer_id(name, _local(request)) or name
+        server keeps the tokenizer of a built-in model in. A fleet's pool (an id tag) says the name: a
+        pool's directory means nothing to its sibling pools, and pytrio compares model ids across them."""
+        return name if self.s.id_tag else self.s.tokenizer_id(name, _local(request)) or name
 
     def base_of(self, value: Any, request: Request) -> str:
         """A served model's name from its name or its `model_id`."""
