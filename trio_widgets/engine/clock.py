@@ -341,6 +341,7 @@ class LocalPool:
         self.decode_budget: Any = StepBudget(self.min_decode_steps)
         self._contended = False
         self._last_busy: dict[str, int] = {}  # client -> the last cycle it had work in (clock thread)
+        self._last_queued = -_BUSY_CYCLES - 1  # the last cycle some client had a request queued
         # a decode batch holds at most this many rows (a request's most), and a client starts at most
         # this many new rows a cycle, and max_tokens_per_pass of prompts: the forced decode steps of a
         # cycle cost a slice, not every row a participant asked for at once (issue 36 point 3)
@@ -628,11 +629,17 @@ class LocalPool:
             # samples still decoding count against the client's samples per cycle. A client counts as
             # busy for a few cycles after its last work (a pipelined trainer awaiting a result has an
             # empty queue at some boundaries)
-            for cid in {cid for cid, q in self._queues.items() if q and q[0].ready} | set(decoding):
+            queued = {cid for cid, q in self._queues.items() if q and q[0].ready}
+            for cid in queued | set(decoding):
                 self._last_busy[cid] = index
+            if queued:
+                self._last_queued = index
             for cid in [c for c, last in self._last_busy.items() if index - last > _BUSY_CYCLES]:
                 del self._last_busy[cid]
-            self._contended = len(self._last_busy) > 1 and self.min_decode_steps is not None
+            # decodes alone (nothing queued for a few cycles) share with nobody: a credit of the empty
+            # cycles' own time ran 8 tenants' sample 3x slower, the clock spinning through empty cycles
+            self._contended = len(self._last_busy) > 1 and self.min_decode_steps is not None \
+                and index - self._last_queued <= _BUSY_CYCLES
             if self._contended:
                 self.decode_budget = _Share(self, now)
             else:
