@@ -20,6 +20,7 @@ import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
 from test_gradients import _peft_model
 from test_losses import CASES, loss_magnitude, reference_loss, rl_batch
+from transports import inspect, service
 
 import trio_widgets as trio
 from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
@@ -115,9 +116,10 @@ def test_minus_100_targets_read_nothing_against_a_reference(models, loss_fn, con
         assert_fp32_close(gb, named[f"base_model.model.{name}.lora_B.default.weight"].grad, terms, f"{name}.lora_B")
 
 
-def test_minus_100_is_the_same_as_weight_zero_through_the_client(pool):
-    """Through the client: a datum with -100 targets gives the same loss, token_count and
-    gradient (the adapter's pending gradient) as the datum with real targets there and weight 0."""
+def test_minus_100_is_the_same_as_weight_zero_through_the_client(pool, transport):
+    """Through the client, by every codec: a datum with -100 targets gives the same loss,
+    token_count and gradient (the adapter's pending gradient) as the datum with real targets there
+    and weight 0."""
     rng = np.random.default_rng(3)
     tokens = rng.integers(3, VOCAB, size=24).tolist()
     targets = tokens[1:] + [5]
@@ -126,12 +128,12 @@ def test_minus_100_is_the_same_as_weight_zero_through_the_client(pool):
                         {"target_tokens": [IGNORE_TARGET if i in ignore else t for i, t in enumerate(targets)]})
     weights = [0.0 if i in ignore else 1.0 for i in range(len(targets))]
     weighted = trio.Datum(trio.ModelInput.from_ints(tokens), {"target_tokens": targets, "weights": weights})
-    service = trio.ServiceClient(pool)
     results = []
-    for datum in (masked, weighted):
-        tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
-        out = tc.forward_backward([datum]).result(timeout=60)
-        results.append((out, tc.inspect_adapter().result(timeout=60)))
+    with service(transport, pool) as svc:
+        for datum in (masked, weighted):
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+            out = tc.forward_backward([datum]).result(timeout=60)
+            results.append((out, inspect(svc, pool, tc)))
     (a, snap_a), (b, snap_b) = results
     assert a.metrics["token_count"] == b.metrics["token_count"] == len(targets) - len(ignore)
     terms = model_terms(CONFIG, len(tokens), batch_tokens=len(tokens))
@@ -140,7 +142,6 @@ def test_minus_100_is_the_same_as_weight_zero_through_the_client(pool):
     for name, grads in snap_a.grad.items():
         for got, want in zip(grads, snap_b.grad[name]):
             assert_fp32_close(got, want, terms, name)
-    service.close()
 
 
 # -- what is refused, each naming the field ------------------------------------------------------

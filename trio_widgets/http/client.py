@@ -938,10 +938,12 @@ def _tokens_read(request: ForwardRequest) -> int:
     total = 0
     for datum in request.data:
         inputs = datum.loss_fn_inputs
-        length = len(TensorData.from_any(inputs["target_tokens"]).data) if "target_tokens" in inputs else 0
+        targets = [int(t) for t in TensorData.from_any(inputs["target_tokens"]).data] \
+            if "target_tokens" in inputs else []
         weights = inputs.get("weights")
-        total += tokens_read(request.loss_fn, length,
-                             [float(w) for w in TensorData.from_any(weights).data] if weights is not None else None)
+        total += tokens_read(request.loss_fn, len(targets),
+                             [float(w) for w in TensorData.from_any(weights).data] if weights is not None else None,
+                             targets)  # a -100 target is never read, as in-process
     return total
 
 
