@@ -937,9 +937,10 @@ _PATH_SEGMENTS: dict[str, CheckpointType] = {"weights": "training", "sampler_wei
 @dataclass
 class Checkpoint:
     """A saved checkpoint. `checkpoint_id` is tinker's `"weights/<name>"` or
-    `"sampler_weights/<name>"`; `path` (pytrio) is its directory, which every loader takes,
-    and `tinker_path` the same checkpoint as `tinker://<run>/<weights|sampler_weights>/<name>`,
-    which every loader takes too. Nothing is public: `public` is always False."""
+    `"sampler_weights/<name>"`; `tinker_path` and `path` (pytrio's name for it) are both
+    `tinker://<run>/<weights|sampler_weights>/<name>`, what its save returned, which every loader
+    takes on every transport (`LocalPool.checkpoint_path` gives the directory in-process). Nothing
+    is public: `public` is always False."""
 
     checkpoint_id: str
     checkpoint_type: CheckpointType
