@@ -64,7 +64,8 @@ def watching():
 
 
 # The loop shapes of tests/served.py, one client each, written as a user would.
-def naive(tc, n=5):
+def naive(tc, n=4):
+    # (4 updates: 3 steps, each 2 round trips; the three shapes run beside `stalled`, the longest loop)
     for i in range(n):
         tc.forward_backward([datum(i)], "cross_entropy").result(timeout=120)
         tc.optim_step(ADAM).result(timeout=120)
@@ -85,16 +86,19 @@ def pipelined(tc, n=8, work_s=0.0):
         if previous is not None:
             previous[0].result(timeout=120)
             previous[1].result(timeout=120)
-            time.sleep(work_s)
+            if i < n - 1:  # (no request follows work after the last update's results: it could be late to none)
+                time.sleep(work_s)
         previous = current
     previous[0].result(timeout=120)
     previous[1].result(timeout=120)
 
 
 def stalled(tc):
-    """Pipelined as written, but 6 cycles of work after each result (longer than a round trip)
-    make every next request late: results wait for the loop."""
-    pipelined(tc, n=5, work_s=6 * serve_tests.CYCLE_S)
+    """Pipelined as written, but 5 cycles of work after each result (longer than a round trip, which
+    takes at most 2 cycles, 3 on a loaded machine) make every next request late: results wait for the
+    loop. 4 updates: the second goes out at once, the third and fourth each after the loop's work (the
+    late requests both sides' medians read, a segment of their own)."""
+    pipelined(tc, n=4, work_s=5 * serve_tests.CYCLE_S)
 
 
 # the loop, the requests in flight at most (None: as the pool saw, whatever it was)
