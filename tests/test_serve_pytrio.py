@@ -226,3 +226,16 @@ def test_hostile_pytrio_requests_never_get_a_500(run):
         check(http.get(f"/api/pytrio/{sid}/v1/events/event_nope"), "unknown event")
         check(http.post(f"/api/pytrio/{sid}/v1/sampling-runs/{sid}:sample:99/sample", json={"prompt": {}}), "sample")
         assert any(a < 300 for a in answers) and any(a >= 400 for a in answers)
+
+
+def test_sampling_runs_created_at_once_are_distinct(run):
+    """PyTRIO numbers no sampling run itself: two created at once in one session are two samplers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with httpx.Client(base_url=run["url"], headers={"Authorization": f"Bearer {PYTRIO_KEY}"}, timeout=60) as http:
+        sid = http.post("/api/openapi/v1/service-sessions", json={"sdk_version": "0.2.9"}).json()
+        path = f"/api/openapi/v1/service-sessions/{sid['service_session_cuid']}/sampling-runs"
+        with ThreadPoolExecutor(2) as threads:
+            made = list(threads.map(lambda _: http.post(path, json={"base_model": "trio/tiny-llama-byte"}), range(2)))
+    assert [m.status_code for m in made] == [200, 200], [m.text[:200] for m in made]
+    assert len({m.json()["sampling_run_cuid"] for m in made}) == 2

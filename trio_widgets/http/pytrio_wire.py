@@ -364,9 +364,12 @@ class PyTrio:
         session = self.session_of(request, owner)
         path = body.get("source_checkpoint_uri") or None
         base = self.base_of(body["base_model"], request) if body.get("base_model") else None
+        # a number no other sampler of the session has or is being given (two creates may run at once;
+        # tinker's SDK numbers its own, PyTRIO's does not)
+        n = next(self.s._ids)
         made = await self.s.create_sampling_session(owner, {"session_id": session.session_id, "model_path": path,
                                                             "base_model": None if path else base,
-                                                            "sampling_session_seq_id": len(session.sampler_ids)})
+                                                            "sampling_session_seq_id": n})
         sampler = self.s.sampler(made["sampling_session_id"], owner)
         h = sampler.handle
         return {"sampling_run_cuid": sampler.sampler_id, "service_session_cuid": session.session_id,
