@@ -28,6 +28,7 @@ from trio_widgets.http import wire
 
 KEY = "tml-trio-client-tests"
 CYCLE_S = 0.4  # see test_serve_tinker.py
+LOOPS_N = 3  # updates per loop shape in the clock-rule tests (see test_serve_tinker.py)
 ADAM = trio.AdamParams(learning_rate=1e-2, weight_decay=0.01)
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
 
@@ -87,20 +88,20 @@ def test_sync_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
         opts.append(tc.optim_step(ADAM))
         return opts[-1]
 
-    three_loops(fb, opt, lambda f: f.result(timeout=120))
-    check_three_loops(pool, server.clients()[tc.client_id], since=0)
+    three_loops(fb, opt, lambda f: f.result(timeout=120), LOOPS_N)
+    check_three_loops(pool, server.clients()[tc.client_id], since=0, n=LOOPS_N)
     # APIFuture.cycle over HTTP is the pool's cycle (X-Trio-Cycle): the same spans and periods
     pairs = [(f.cycle, o.cycle) for f, o in zip(fbs, opts)]
     assert pairs == pairs_from_telemetry(pool, server.clients()[tc.client_id])
-    assert spans_and_periods(pairs[8:]) == ({1}, {1})
+    assert spans_and_periods(pairs[2 * LOOPS_N:]) == ({1}, {1})
 
 
 def test_async_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=1)
     batch = [datum(1)]
     asyncio.run(three_loops_async(lambda: tc.forward_backward_async(batch, "cross_entropy"),
-                                  lambda: tc.optim_step_async(ADAM)))
-    check_three_loops(pool, server.clients()[tc.client_id], since=0)
+                                  lambda: tc.optim_step_async(ADAM), LOOPS_N))
+    check_three_loops(pool, server.clients()[tc.client_id], since=0, n=LOOPS_N)
 
 
 def test_save_state_resume_continues_bitwise(svc, server, fast):

@@ -36,6 +36,9 @@ KEY = "tml-serve-tests"
 # Long enough that a client's HTTP round trip (result, then its next submit) fits in one
 # cycle on a loaded 2-core machine: the clock rules are what is tested, not the speed.
 CYCLE_S = 0.4
+# Updates per loop shape in the clock-rule tests: each shape's steady period shows from its third
+# update (as tests/test_fleet.py's loops); the loops take 3*4 + 3*2 + 4 cycles of 0.4 s.
+LOOPS_N = 3
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
 
 
@@ -77,8 +80,8 @@ def test_sync_loops_have_the_clock_rules_of_local_ones(sdk, server, pool):
     tc = sdk.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=0).result()
     data = [datum(0)]
     three_loops(lambda: tc.forward_backward(data, "cross_entropy"), lambda: tc.optim_step(ADAM),
-                lambda f: f.result(timeout=120))
-    check_three_loops(pool, server.clients()[tc.model_id], since=0)
+                lambda f: f.result(timeout=120), LOOPS_N)
+    check_three_loops(pool, server.clients()[tc.model_id], since=0, n=LOOPS_N)
     # the lane is labelled by the session
     label = pool.telemetry.client_info(server.clients()[tc.model_id]).label
     assert label.startswith(tc.model_id.split(":")[0][:13]), label
@@ -95,11 +98,11 @@ def test_async_loops_have_the_clock_rules_of_local_ones(sdk, server, pool):
         async def opt():
             return tc.optim_step(ADAM)
 
-        await three_loops_async(fb, opt)
+        await three_loops_async(fb, opt, LOOPS_N)
         return tc.model_id
 
     model_id = asyncio.run(run())
-    check_three_loops(pool, server.clients()[model_id], since=0)
+    check_three_loops(pool, server.clients()[model_id], since=0, n=LOOPS_N)
 
 
 def test_save_state_resume_continues_bitwise(sdk, server, fast):
