@@ -173,7 +173,7 @@ class PyTrio:
                           "connect_mode": "direct", "tls_enabled": False},
                 "actor_jwt": {"token": api_key_of(request.headers) or "local", "expires_at": _FAR}}
 
-    def capacity(self, base: str | None = None) -> dict[str, Any]:
+    def capacity(self) -> dict[str, Any]:
         limits = self.s.pool.limits
         return {"max_batch_size": limits.max_request_data or None,
                 "max_tokens_per_request": limits.max_request_tokens or None, "max_seq_len": None}
@@ -200,8 +200,10 @@ class PyTrio:
                 "training_run_cuids": [c for c in session.clients if ":train:" in c],
                 "sampling_run_cuids": [c for c in session.clients if ":sample:" in c]}
 
-    def run_json(self, owner: str, run_id: str) -> dict[str, Any]:
-        run = self.s.of(owner).call(GetTrainingRun(run_id))
+    def run_json(self, owner: str, run: Any) -> dict[str, Any]:
+        """A run the key's backend described (read on the catalog's thread), with what the live model
+        says of it (read here, on the loop's)."""
+        run_id = run.training_run_id
         model = self.s.trained.get(run_id)
         h = model.handle if model is not None and model.session.owner == owner else None
         match = names.RUN_ID_RE.match(run_id)
@@ -324,17 +326,14 @@ class PyTrio:
                 "train_unembed": info.train_unembed is not False}
 
     async def get_run(self, owner: str, request: Request) -> dict:
-        return await self.s.off_loop(lambda: self.run_json(owner, request.path_params["run_id"]))
+        run_id = request.path_params["run_id"]
+        return self.run_json(owner, await self.s.off_loop(lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
 
     async def list_runs(self, owner: str, request: Request) -> dict:
         limit, offset = _page(request)
-
-        def work() -> dict:
-            runs = self.s.of(owner).call(ListTrainingRuns())
-            return {"training_runs": [self.run_json(owner, r.training_run_id) for r in runs[offset:offset + limit]],
-                    "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
-
-        return await self.s.off_loop(work)
+        runs = await self.s.off_loop(lambda: self.s.of(owner).call(ListTrainingRuns()))
+        return {"training_runs": [self.run_json(owner, r) for r in runs[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
 
     async def checkpoints(self, owner: str, request: Request) -> dict:
         limit, offset = _page(request)
