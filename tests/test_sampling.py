@@ -16,7 +16,7 @@ from transports import TRANSPORTS, checkpoint_dir, inspect, pool_client_id, serv
 
 import trio_widgets as trio
 from trio_widgets.engine.models import _build_builtin
-from trio_widgets.engine.sampling import _Row, _stopped
+from trio_widgets.engine.sampling import _BLOCK, _inverse_cdf, _Row, _stopped
 from trio_widgets.tokenizers import byte_tokenizer
 from trio_widgets.validation import (
     MAX_STOP_STRING_CHARS,
@@ -545,3 +545,24 @@ def test_closing_the_pool_fails_a_sample_still_decoding(tmp_path):
         future.result(timeout=30)
     with pytest.raises(ValueError, match="min_decode_steps"):
         trio.LocalPool(min_decode_steps=0)
+
+
+@pytest.mark.parametrize("vocab", [1, 259, 256, 1000, 32000])
+def test_inverse_cdf_picks_the_token_whose_interval_holds_the_draw(vocab):
+    """The two-level CDF (float32 weights, block sums cumulated in float64) against the float64
+    CDF over the whole vocabulary: the picked token's interval holds the draw, up to the float32
+    rounding of the weights (a few ulp each) and of a block's sum (at most _BLOCK - 1 additions),
+    relative to the total; and a token of zero weight is never picked."""
+    gen = torch.Generator().manual_seed(vocab)
+    z = torch.randn(64, vocab, generator=gen) * 4
+    z[:8, : vocab // 2] = -200.0  # weights that underflow to exactly 0
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 1e-12, 0.5, 1 - 1e-12], dtype=torch.float64)
+    weights = (z - z.amax(dim=-1, keepdim=True)).exp()
+    picked = _inverse_cdf(weights, u)
+    p = torch.softmax(z.double(), dim=-1)
+    hi = p.cumsum(dim=-1).gather(1, picked[:, None]).squeeze(1)
+    lo = hi - p.gather(1, picked[:, None]).squeeze(1)
+    slack = (_BLOCK + 4) * torch.finfo(torch.float32).eps
+    assert bool(((u >= lo - slack) & (u <= hi + slack)).all())
+    assert bool((weights.gather(1, picked[:, None]) > 0).all())

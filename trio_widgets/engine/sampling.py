@@ -5,7 +5,8 @@ by one batch (cut only to respect the pool's token budget): the distinct prompts
 left-padded into one [jobs, length] prefill (each prompt once, whatever its
 `num_samples`), the KV cache is then expanded to one row per sample, and a single decode
 loop advances all rows together, each row through its own tenant's LoRA delta
-(`packing.RowLoRA`: every adapter's weights stacked once, two batched matmuls per layer).
+(`_DecodeLoRA`, a `packing.RowLoRA`: every adapter's weights stacked once, batched matmuls
+per layer: one for a group's A side, one per member's B).
 Rows that stop are dropped from the batch, so finished samples cost nothing.
 
 Determinism: row j of a request with seed s draws its uniforms from its own generator
