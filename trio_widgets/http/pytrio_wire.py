@@ -1,4 +1,4 @@
-"""PyTRIO's wire protocol on a served pool, beside Tinker's (docs/pytrio.md, "Against trio serve").
+"""PyTRIO's wire protocol on a served pool, beside Tinker's (docs/pytrio.md: "PyTRIO's own SDK against a served pool").
 
 pytrio 0.2.9 talks to a control plane (`/api/openapi/v1/...`, `/api/models`, `/api/sdk/bootstrap`:
 JSON) and to the "actor" the control plane names for each run: here the served pool itself, at
