@@ -57,6 +57,7 @@ def test_memory_returns_after_clients_close_over_three_rounds(tmp_path):
                 service.close()
             time.sleep(4.0)  # released at the next boundaries; the heap given back a second later
             growth.append(_rss_mb(proc.pid) - start)
+        print(f"the server's RSS after each round, over its start: {[round(g, 1) for g in growth]} MB")
         assert max(growth) <= 80, f"the server's RSS after each round, over its start: {growth} MB"
     finally:
         proc.terminate()
