@@ -48,7 +48,7 @@ from .auth import HttpError, api_key_of, is_loopback, not_found, wire_of
 from .routes import json_body, read_body
 
 if TYPE_CHECKING:
-    from .service import Service, _Model, _Session
+    from .service import ServedModel, ServedSession, Service
 
 __all__ = ["ACTOR", "CONTROL", "pytrio_routes"]
 
@@ -167,7 +167,7 @@ class PyTrio:
     def workspace(self, owner: str) -> str:
         return f"ws-{owner[:12]}"
 
-    def actor(self, request: Request, session: _Session, owner: str) -> dict[str, Any]:
+    def actor(self, request: Request, session: ServedSession, owner: str) -> dict[str, Any]:
         base = str(request.base_url).rstrip("/")
         return {"actor": {"actor_cuid": f"pool-{self.s.pool.name}", "endpoint": f"{base}{ACTOR}/{session.session_id}",
                           "connect_mode": "direct", "tls_enabled": False},
@@ -188,12 +188,12 @@ class PyTrio:
     def base_of(self, value: Any, request: Request) -> str:
         """A served model's name from its name or its `model_id`."""
         found = [m for m in self.s.models if value == m or value == self.model_id(m, request)]
-        return self.s._base_model(found[0] if found else value)
+        return self.s.base_model(found[0] if found else value)
 
-    def session_of(self, request: Request, owner: str, live: bool = True) -> _Session:
+    def session_of(self, request: Request, owner: str, live: bool = True) -> ServedSession:
         return self.s.session(request.path_params["session_id"], owner, live=live)
 
-    def session_json(self, session: _Session) -> dict[str, Any]:
+    def session_json(self, session: ServedSession) -> dict[str, Any]:
         return {"service_session_cuid": session.session_id, "workspace_cuid": self.workspace(session.owner),
                 "status": "ACTIVE" if session.state == "live" else "ENDED", "sdk_version": None,
                 "created_at": _now(), "updated_at": _now(),
@@ -292,7 +292,7 @@ class PyTrio:
         base = self.base_of(body.get("base_model") or (self._source(owner, source).base_model if source else None),
                             request)
         # the run's number is its slot in the session; the adapter is made when its init_run event comes
-        n = self.s._check_model_slot(session, len(session.model_requests), "model_seq_id")
+        n = self.s.check_model_slot(session, len(session.model_requests), "model_seq_id")
         # a placeholder, settled at once: it counts against the key's results until init_run (or the reaper)
         session.model_requests[n] = self.s.new_entry(owner, session, "reserved")
         session.model_requests[n].settle({})
@@ -365,7 +365,7 @@ class PyTrio:
         base = self.base_of(body["base_model"], request) if body.get("base_model") else None
         # a number no other sampler of the session has or is being given (two creates may run at once;
         # tinker's SDK numbers its own, PyTRIO's does not)
-        n = next(self.s._ids)
+        n = next(self.s.numbers)
         made = await self.s.create_sampling_session(owner, {"session_id": session.session_id, "model_path": path,
                                                             "base_model": None if path else base,
                                                             "sampling_session_seq_id": n})
@@ -432,7 +432,7 @@ class PyTrio:
                 session.aliases.popitem(last=False)
         return self._event(event_id, kind, entry)
 
-    def _init_run(self, owner: str, session: _Session, run_id: str, p: dict, http: Request) -> Any:
+    def _init_run(self, owner: str, session: ServedSession, run_id: str, p: dict, http: Request) -> Any:
         match = names.RUN_ID_RE.match(run_id)
         n = int(match.group("n")) if match and match.group("session") == session.session_id else -1
         placeholder = session.model_requests.get(n)
@@ -442,7 +442,7 @@ class PyTrio:
             raise not_found(f"training run {run_id!r:.80} (create it through the control plane first)")
         self.s.forget(placeholder.request_id)
         lora = _field(p.get("lora_config"), dict, "lora_config")
-        label = self.s._model_label(session, n, p.get("user_metadata"))
+        label = self.s.model_label(session, n, p.get("user_metadata"))
         uri = p.get("checkpoint_uri")
         request: CreateModelRequest | FromStateRequest
         if uri:
@@ -458,10 +458,10 @@ class PyTrio:
                                          run_id=run_id, session_id=session.session_id)
         return self.s.open_run(owner, session, n, request, label, lambda out: {"training_run_cuid": out["model_id"]})
 
-    def _op(self, owner: str, model: _Model, seq: int, kind: str, p: dict) -> str:
+    def _op(self, owner: str, model: ServedModel, seq: int, kind: str, p: dict) -> str:
         s = self.s
         if kind in ("trainer.forward", "trainer.forward_backward"):
-            with s._consumes(model, seq):
+            with s.consumes(model, seq):
                 loss = _field(p.get("loss"), dict, "loss")
                 loss_fn, config = check_loss(loss.get("type"), loss.get("config") or None)
                 shift = bool(p.get("auto_shift"))
@@ -470,7 +470,7 @@ class PyTrio:
             request: Any = _Forward(data, loss_fn, config)
             encode: Callable[[Any], Any] = _forward_result
         elif kind == "trainer.optimize_step":
-            with s._consumes(model, seq):
+            with s.consumes(model, seq):
                 a = _field(p.get("adam_params"), dict, "adam_params")
                 params = AdamParams(learning_rate=a.get("learning_rate", 1e-4), beta1=a.get("beta1", 0.9),
                                     beta2=a.get("beta2", 0.95), eps=a.get("eps", 1e-12),
@@ -479,7 +479,7 @@ class PyTrio:
             op, request = "optim_step", OptimStepRequest(params)
             encode = lambda r: {"metrics": {k: float(v) for k, v in r.metrics.items()}}  # noqa: E731
         elif kind in ("trainer.save_state", "trainer.save_weights"):
-            with s._consumes(model, seq):
+            with s.consumes(model, seq):
                 name = names.validate_name(p.get("name"), "name")
                 overwrite = _field(p.get("overwrite"), bool, "overwrite", False)
             state = kind == "trainer.save_state"
@@ -492,7 +492,7 @@ class PyTrio:
                                                "model_id": base, "size_bytes": int(getattr(r, "size", 0) or 0)}}
         else:
             raise NotSupportedError(f"event type {kind!r:.40} is not supported by a local trio pool")
-        return s._sequenced(model, owner, seq, op, request, lambda r: (encode(r), False))["request_id"]
+        return s.sequenced(model, owner, seq, op, request, lambda r: (encode(r), False))["request_id"]
 
     def _event(self, event_id: str, kind: str, entry: Any, error: WireError | None = None) -> Response:
         out: dict[str, Any] = {"version": 1, "event_id": event_id, "type": kind}

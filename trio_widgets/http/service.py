@@ -88,7 +88,7 @@ class _Entry:
 
     request_id: str
     owner: str
-    session: _Session | None
+    session: ServedSession | None
     kind: str
     created: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -183,7 +183,7 @@ class _Ordered:
 
 
 @dataclass
-class _Session:
+class ServedSession:
     session_id: str
     owner: str
     label: str
@@ -199,18 +199,18 @@ class _Session:
 
 
 @dataclass
-class _Model:
+class ServedModel:
     model_id: str
-    session: _Session
+    session: ServedSession
     handle: ModelHandle
     label: str
     seq: _Ordered
 
 
 @dataclass
-class _Sampler:
+class ServedSampler:
     sampler_id: str
-    session: _Session
+    session: ServedSession
     handle: ModelHandle
     model_path: str | None
     # (session, seq_id) -> request and sequence ids, not results (processes sharing a sampler through
@@ -253,9 +253,9 @@ class Service:
         self.max_futures_per_key = max_futures_per_key
         self.max_clients_per_key = int(max_clients_per_key)
         self.max_state_bytes_per_key = int(max_state_bytes_per_key)
-        self.sessions: dict[str, _Session] = {}
-        self.trained: dict[str, _Model] = {}
-        self.samplers: dict[str, _Sampler] = {}
+        self.sessions: dict[str, ServedSession] = {}
+        self.trained: dict[str, ServedModel] = {}
+        self.samplers: dict[str, ServedSampler] = {}
         # public id -> the pool's client id of the last clients made, closed ones too (telemetry
         # lanes outlive their clients; ids only, bounded)
         self.lanes: OrderedDict[str, str] = OrderedDict()
@@ -273,7 +273,7 @@ class Service:
         # loop, whose heartbeats and long-polls must answer while a key lists thousands of checkpoints;
         # one thread of its own, so a flood of listings cannot hold up creating models either
         self.catalog = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"trio-serve-{pool.name}-catalog")
-        self._ids = itertools.count(1)
+        self.numbers = itertools.count(1)  # request ids, and any other number the codecs give out once
         self._tasks: set[asyncio.Task] = set()
         self._tokenizer_dirs: dict[str, str] = {}
         self._tmp: str | None = None  # tokenizers saved for the SDK's get_tokenizer (made on first use)
@@ -292,7 +292,7 @@ class Service:
         return backend
 
     # -- sessions -----------------------------------------------------------------------
-    def session(self, session_id: Any, owner: str, *, live: bool = True) -> _Session:
+    def session(self, session_id: Any, owner: str, *, live: bool = True) -> ServedSession:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None or session.owner != owner:
             raise _not_found(f"session {session_id!r:.60}")
@@ -318,13 +318,13 @@ class Service:
         name = next((n for n in named if isinstance(n, str) and n.strip()), None) or body.get("display_name") \
             or self.key_names.get(owner)
         label = str(name)[:40] if name else f"sess-{random[:8]}"
-        self.sessions[session_id] = _Session(session_id, owner, label, named=bool(name))
+        self.sessions[session_id] = ServedSession(session_id, owner, label, named=bool(name))
         # the pool's one session table lists it, with the runs and samplers it makes
         self.backend.call(OpenSession(session_id, meta if isinstance(meta, dict) else None,
                                       str(body["display_name"]) if body.get("display_name") else None))
         return {"session_id": session_id, "type": "create_session"}
 
-    def end_session(self, session: _Session, state: str, why: str) -> None:
+    def end_session(self, session: ServedSession, state: str, why: str) -> None:
         """Finish or expire a session: its queued requests are cancelled (expire) or left to run
         (finish), and its clients are retired once nothing of theirs is queued.
 
@@ -364,12 +364,12 @@ class Service:
         return found.handle.client_id if found is not None else public_id
 
     # -- futures --------------------------------------------------------------------------
-    def new_entry(self, owner: str, session: _Session | None, kind: str) -> _Entry:
+    def new_entry(self, owner: str, session: ServedSession | None, kind: str) -> _Entry:
         pending = self.unretrieved.get(owner, 0)
         if pending >= self.max_futures_per_key:
             raise _HttpError(400, f"this API key has {pending} results not yet retrieved, the server's limit "
                                   f"(max_futures_per_key): retrieve (await) some before submitting more")
-        entry = _Entry(names.request_id(next(self._ids), self.id_tag), owner, session, kind)
+        entry = _Entry(names.request_id(next(self.numbers), self.id_tag), owner, session, kind)
         self.entries[entry.request_id] = entry
         self.unretrieved[owner] = pending + 1
         return entry
@@ -481,7 +481,7 @@ class Service:
         return {"request_id": request_id, "cancelled": bool(cancelled)}
 
     # -- models ----------------------------------------------------------------------------
-    def model(self, model_id: Any, owner: str) -> _Model:
+    def model(self, model_id: Any, owner: str) -> ServedModel:
         model = self.trained.get(model_id) if isinstance(model_id, str) else None
         if model is None or model.session.owner != owner:
             self._closed(model_id, owner)
@@ -504,7 +504,7 @@ class Service:
 
     def _key_clients(self, owner: str) -> list[ModelHandle]:
         """The handles of this key's clients the pool holds now (live sessions)."""
-        found: list[_Model | _Sampler] = [*self.trained.values(), *self.samplers.values()]
+        found: list[ServedModel | ServedSampler] = [*self.trained.values(), *self.samplers.values()]
         return [c.handle for c in found if c.session.owner == owner and c.session.state == "live"]
 
     def _check_key_budget(self, owner: str, handle: ModelHandle | None = None) -> None:
@@ -522,7 +522,7 @@ class Service:
                                         f"{self.max_state_bytes_per_key / 2**20:.2f} MiB (max_state_bytes_per_key); "
                                         f"close some clients or use a smaller rank", field="rank")
 
-    def _check_model_slot(self, session: _Session, n: Any, field_name: str) -> int:
+    def check_model_slot(self, session: ServedSession, n: Any, field_name: str) -> int:
         if isinstance(n, bool) or not isinstance(n, int) or not (0 <= n < 10**9):
             raise InvalidInputError(f"must be an integer from 0, got {n!r:.40}", field=field_name)
         if len(session.clients) >= self.max_clients_per_session:
@@ -531,13 +531,13 @@ class Service:
         self._check_key_budget(session.owner)
         return n
 
-    def _base_model(self, name: Any) -> str:
+    def base_model(self, name: Any) -> str:
         if name not in self.models:
             raise InvalidInputError(f"unknown model {name!r:.80}: this server serves {', '.join(self.models)}",
                                     field="base_model")
         return name
 
-    def _admit(self, session: _Session, handle: ModelHandle, what: str) -> None:
+    def _admit(self, session: ServedSession, handle: ModelHandle, what: str) -> None:
         """A client the engine just made, kept only if its session is live and its key's budget holds
         (else released, and the request refused)."""
         if session.state != "live" or self.stopping:  # it ended while the client was being built
@@ -550,14 +550,14 @@ class Service:
             self.backend.release(handle.client_id)
             raise
 
-    def _register_model(self, session: _Session, model_id: str, handle: ModelHandle, label: str) -> dict:
+    def _register_model(self, session: ServedSession, model_id: str, handle: ModelHandle, label: str) -> dict:
         self._admit(session, handle, "model")
-        self.trained[model_id] = _Model(model_id, session, handle, label, _Ordered(self))
+        self.trained[model_id] = ServedModel(model_id, session, handle, label, _Ordered(self))
         self._lane(model_id, handle)
         session.clients.append(model_id)
         return {"model_id": model_id, "type": "create_model"}
 
-    def _model_label(self, session: _Session, n: int, meta: Any) -> str:
+    def model_label(self, session: ServedSession, n: int, meta: Any) -> str:
         """A lane's label says whose it is in the words the user gave: "ada" (a named session's
         first model), "grace" (a named model), "ada · grace" (both), "ada:train:1" (a named
         session's later models); sess-1db27469:train:0 only when nothing was named."""
@@ -569,10 +569,10 @@ class Service:
 
     def create_model(self, owner: str, body: dict) -> dict:
         session = self.session(body.get("session_id"), owner)
-        n = self._check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
+        n = self.check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
         if n in session.model_requests:  # a retry of the same create
             return {"request_id": session.model_requests[n].request_id}
-        base = self._base_model(body.get("base_model"))
+        base = self.base_model(body.get("base_model"))
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
             raise InvalidInputError("must be an object", field="lora_config")
@@ -582,7 +582,7 @@ class Service:
         # rank, seed and the train_* flags are the engine's to check (LocalBackend.create_model), as in-process
         rank, seed = lora.get("rank", 32), lora.get("seed")
         model_id = names.run_id(session.session_id, n)
-        label = self._model_label(session, n, body.get("user_metadata"))
+        label = self.model_label(session, n, body.get("user_metadata"))
         # the key's backend puts the run's checkpoints where its tinker:// paths point
         request = CreateModelRequest(base, rank, seed,
                                      train_mlp=bool(lora.get("train_mlp", True)),
@@ -593,7 +593,7 @@ class Service:
         entry = self.open_run(owner, session, n, request, label)
         return {"request_id": entry.request_id, "model_id": model_id}
 
-    def open_run(self, owner: str, session: _Session, n: int, request: CreateModelRequest | FromStateRequest,
+    def open_run(self, owner: str, session: ServedSession, n: int, request: CreateModelRequest | FromStateRequest,
                  label: str, then: Callable[[dict], dict] = lambda out: out, kind: str = "create_model") -> _Entry:
         """Run `n` of `session` (a new adapter, or one from a checkpoint) made on the worker threads;
         its entry settles with `then` of the registered model (both wire codecs)."""
@@ -613,20 +613,20 @@ class Service:
                                     field="weights_access_token")
         if "session_id" not in body:  # the legacy form: load into an existing model, in its order
             model = self.model(body.get("model_id"), owner)
-            with self._consumes(model, body.get("seq_id")):
+            with self.consumes(model, body.get("seq_id")):
                 self.of(owner).call(CheckpointDir(body.get("path")))  # refused now if it is not this key's
             op = "load_state_with_optimizer" if optimizer else "load_state"
             path = body["path"]
-            return self._sequenced(model, owner, body.get("seq_id"), op, LoadRequest(path),
+            return self.sequenced(model, owner, body.get("seq_id"), op, LoadRequest(path),
                                    lambda _r: ({"path": path, "model_id": model.model_id, "type": "load_weights"},
                                                False))
         session = self.session(body.get("session_id"), owner)
-        n = self._check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
+        n = self.check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
         if n in session.model_requests:
             return {"request_id": session.model_requests[n].request_id}
         self.of(owner).call(CheckpointDir(body.get("path")))  # refused now if it is not this key's
         model_id = names.run_id(session.session_id, n)
-        label = self._model_label(session, n, body.get("user_metadata"))
+        label = self.model_label(session, n, body.get("user_metadata"))
         base = body.get("base_model")  # compared with the checkpoint's by the engine, as in-process
         request = FromStateRequest(body["path"], optimizer, label, base_model=base if isinstance(base, str) else None,
                                    user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
@@ -701,7 +701,7 @@ class Service:
 
     # -- requests of a model, in seq_id order -------------------------------------------------
     @contextlib.contextmanager
-    def _consumes(self, model: _Model, seq: Any) -> Any:
+    def consumes(self, model: ServedModel, seq: Any) -> Any:
         """Around the checks of a model's request: a refusal still uses up its seq_id."""
         try:
             yield
@@ -709,7 +709,7 @@ class Service:
             model.seq.refuse(seq)
             raise
 
-    def _sequenced(self, model: _Model, owner: str, seq: Any, op: str, request: Any,
+    def sequenced(self, model: ServedModel, owner: str, seq: Any, op: str, request: Any,
                    encode: Callable[[Any], tuple[bytes | dict, bool]]) -> dict:
         entry = self.new_entry(owner, model.session, op)
         client_id = model.handle.client_id
@@ -725,27 +725,27 @@ class Service:
         # a trio client marks the second half of a custom loss so the dashboard names it
         op = "forward" if forward_only else ("forward_backward_custom" if config.pop("trio_op", None) ==
                                              "forward_backward_custom" else "forward_backward")
-        with self._consumes(model, seq):
+        with self.consumes(model, seq):
             if loss_fn == "custom":
                 raise InvalidInputError("server-side custom losses are not supported here: call "
                                         "forward_backward_custom (the two-step exchange), which needs nothing "
                                         "from the server", field="loss_fn")
             loss_fn, config = check_loss(loss_fn, config or None)
-        return self._sequenced(model, owner, seq or None, op, ForwardRequest(data, loss_fn, config),
+        return self.sequenced(model, owner, seq or None, op, ForwardRequest(data, loss_fn, config),
                                lambda out: (wire.encode_forward_output(out), True))
 
     def optim_step(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
-        with self._consumes(model, body.get("seq_id")):
+        with self.consumes(model, body.get("seq_id")):
             if "optimizer_params" in body:
                 raise InvalidInputError("only AdamW (adam_params) is supported here", field="optimizer_params")
             params = wire.adam_from_json(body.get("adam_params", body.get("optim_params")))
-        return self._sequenced(model, owner, body.get("seq_id"), "optim_step", OptimStepRequest(params),
+        return self.sequenced(model, owner, body.get("seq_id"), "optim_step", OptimStepRequest(params),
                                lambda r: ({"metrics": wire.tinker_metric_keys(r.metrics)}, False))
 
     def save_weights(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
-        with self._consumes(model, body.get("seq_id")):
+        with self.consumes(model, body.get("seq_id")):
             name = names.validate_name(body.get("path"), "path")
             overwrite = body.get("overwrite", False)
             if not isinstance(overwrite, bool):
@@ -758,26 +758,26 @@ class Service:
         # overwrite, TTL and metadata are the engine's to check and enforce, as in-process
         request = SaveRequest(name, overwrite=overwrite, ttl_seconds=body.get("ttl_seconds"),
                               user_metadata=body.get("user_metadata"))
-        return self._sequenced(model, owner, body.get("seq_id"), "save_state", request, encode)
+        return self.sequenced(model, owner, body.get("seq_id"), "save_state", request, encode)
 
     def save_weights_external(self, owner: str, body: dict) -> dict:
         """tinker's export: the weights as a PEFT directory under external_weights/, fetched with
         the signed URLs of get_external_weights_urls (trio_widgets/http/exports.py)."""
         model = self.model(body.get("model_id"), owner)
-        with self._consumes(model, body.get("seq_id")):
+        with self.consumes(model, body.get("seq_id")):
             name = names.validate_name(body.get("path"), "path")
             recipients = parse_age_recipients(body.get("age_encryption_recipients"))
         path = names.checkpoint_path(model.model_id, "external_weights", name)
         request = SaveRequest(name, ttl_seconds=body.get("ttl_seconds"), external=True, age_recipients=recipients)
-        return self._sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler", request,
+        return self.sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler", request,
                                lambda _r: ({"path": path, "type": "save_weights_external"}, False))
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> dict:
         model = self.model(body.get("model_id"), owner)
-        with self._consumes(model, body.get("seq_id")):
+        with self.consumes(model, body.get("seq_id")):
             return self._save_for_sampler(model, owner, body)
 
-    def _save_for_sampler(self, model: _Model, owner: str, body: dict) -> dict:
+    def _save_for_sampler(self, model: ServedModel, owner: str, body: dict) -> dict:
         if body.get("kind", "snapshot") != "snapshot":
             raise InvalidInputError(f"only 'snapshot' sampling clients are supported here (a copy of the weights "
                                     f"as of this request), got {body.get('kind')!r:.40}", field="kind")
@@ -789,7 +789,7 @@ class Service:
             names.validate_name(name, "path")
         session = model.session
         if n is not None:
-            self._check_model_slot(session, n, "sampling_session_seq_id")
+            self.check_model_slot(session, n, "sampling_session_seq_id")
             if n in session.sampler_ids:
                 raise InvalidInputError(f"sampling_session_seq_id {n} was used already in this session",
                                         field="sampling_session_seq_id")
@@ -809,7 +809,7 @@ class Service:
                 out["sampling_session_id"] = sampler_id
             return out, False
 
-        return self._sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler",
+        return self.sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler",
                                SaveRequest(name, make_sampler=n is not None, label=label,
                                            ttl_seconds=body.get("ttl_seconds"),
                                            user_metadata=body.get("user_metadata"),
@@ -818,17 +818,17 @@ class Service:
                                encode)
 
     # -- sampling ----------------------------------------------------------------------------
-    def _register_sampler(self, session: _Session, sampler_id: str, handle: ModelHandle, model_path: str | None,
+    def _register_sampler(self, session: ServedSession, sampler_id: str, handle: ModelHandle, model_path: str | None,
                           n: int) -> None:
         self._admit(session, handle, "sampler")
-        self.samplers[sampler_id] = _Sampler(sampler_id, session, handle, model_path)
+        self.samplers[sampler_id] = ServedSampler(sampler_id, session, handle, model_path)
         self._lane(sampler_id, handle)
         session.sampler_ids[n] = sampler_id
         session.clients.append(sampler_id)
 
     async def create_sampling_session(self, owner: str, body: dict) -> dict:
         session = self.session(body.get("session_id"), owner)
-        n = self._check_model_slot(session, body.get("sampling_session_seq_id"), "sampling_session_seq_id")
+        n = self.check_model_slot(session, body.get("sampling_session_seq_id"), "sampling_session_seq_id")
         if n in session.sampler_ids:
             return {"sampling_session_id": session.sampler_ids[n], "type": "create_sampling_session"}
         model_path, base = body.get("model_path"), body.get("base_model")
@@ -837,7 +837,7 @@ class Service:
         if model_path is not None:
             self.of(owner).call(CheckpointDir(model_path))  # refused now if it is not this key's
         if base is not None:
-            self._base_model(base)
+            self.base_model(base)
         sampler_id = names.sampler_id(session.session_id, n)
         request = CreateSamplerRequest(model_path, base, names.sampler_id(session.label, n),
                                        session_id=session.session_id, sampler_id=sampler_id)
@@ -849,7 +849,7 @@ class Service:
             self._register_sampler(session, sampler_id, handle, model_path, n)
         return {"sampling_session_id": session.sampler_ids[n], "type": "create_sampling_session"}
 
-    def sampler(self, sampler_id: Any, owner: str) -> _Sampler:
+    def sampler(self, sampler_id: Any, owner: str) -> ServedSampler:
         sampler = self.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
         if sampler is None or sampler.session.owner != owner:
             self._closed(sampler_id, owner)
@@ -903,7 +903,7 @@ class Service:
                 sampler.seen.popitem(last=False)
         return {"request_id": entry.request_id, "sample_sequence_ids": ids}
 
-    def sample(self, owner: str, sampler: _Sampler, request: SampleRequest,
+    def sample(self, owner: str, sampler: ServedSampler, request: SampleRequest,
                encode: Callable[[Any], tuple[bytes | dict, bool]]) -> _Entry:
         """A sample request of `sampler` into the pool (both wire codecs); a refusal raises."""
         entry = self.new_entry(owner, sampler.session, "sample")
@@ -923,7 +923,7 @@ class Service:
                 self.backend.release(found.handle.client_id)
         assert isinstance(public, str)
         # freed now (its queued requests still run and answer): the model, its seq_id table
-        if isinstance(found, _Model):
+        if isinstance(found, ServedModel):
             found.seq.fail_held(wire_of(ClientClosedError(f"client {public} was closed before this request's turn")))
             self.trained.pop(public, None)
         else:
