@@ -149,7 +149,8 @@ def shown(diagnoses: list[Diagnosis]) -> list[str]:
 def test_pure_python_in_the_loader_is_gil_10_of_10():
     diagnoses = runs(python_batches)
     assert named(diagnoses) == ["gil"] * RUNS, (named(diagnoses), shown(diagnoses))
-    assert all(d.gil_frames[0].function == "python_batches" for d in diagnoses)
+    where = [[(f.function, f.line) for f in d.gil_frames] for d in diagnoses]
+    assert all(d.gil_frames[0].function == "python_batches" for d in diagnoses), where
 
 
 def test_numpy_on_every_core_is_cpu_never_gil_10_of_10():

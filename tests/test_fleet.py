@@ -40,7 +40,7 @@ from trio_widgets.http.remote import RemotePool  # noqa: E402
 
 KEY = "tml-fleet-tests"
 OBSERVER = "tml-fleet-observer"
-CYCLE_S = 0.5  # a round trip through Serve's proxy and the ingress fits in a cycle on 2 busy cores
+CYCLE_S = 0.75  # a round trip through the front door, Serve and the ingress fits in a cycle (2 busy cores, 4 loops)
 SESSION_TIMEOUT_S = 30.0
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
 _TAG = re.compile(r"^sess-p(\d)r([0-9a-f]{6})-([0-9a-f]{16})")

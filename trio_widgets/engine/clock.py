@@ -129,32 +129,18 @@ def _slices(samples: list[Request], max_rows: int) -> list[list[Request]]:
     return groups
 
 
-_TRIM_LOCK = threading.Lock()
-_trim_pending = False
+_TRIM_DELAY_S = 1.0  # what still held a dropped client's tensors (a delivery, a future) lets go first
 
 
-def _return_memory(delay_s: float = 1.0) -> None:
+def _return_memory() -> None:
     """Give the heap that dropped clients freed back to the OS (glibc's malloc_trim: freed
     blocks stay in malloc's arenas otherwise, and a served pool's RSS stayed +108 MB after its
-    clients closed: issue 36 point 8), in a thread of its own a moment later (what still held
-    the clients' tensors lets go first), one at a time; nothing where there is no glibc."""
-    global _trim_pending
-    with _TRIM_LOCK:
-        if _trim_pending:
-            return
-        _trim_pending = True
+    clients closed: issue 36 point 8). Called on the clock's own thread, between cycles (a
+    thread of its own outlived the notebook that closed the pool); nothing where there is no glibc."""
+    with contextlib.suppress(Exception):  # (OSError, AttributeError: not glibc)
+        import ctypes
 
-    def trim() -> None:
-        global _trim_pending
-        time.sleep(delay_s)
-        with _TRIM_LOCK:
-            _trim_pending = False
-        with contextlib.suppress(Exception):  # (OSError, AttributeError: not glibc)
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-    threading.Thread(target=trim, name="trio-return-memory", daemon=True).start()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 _ATEXIT_LOCK = threading.Lock()
@@ -260,6 +246,7 @@ class _Clock:
         self.watchdog: GilWatchdog | None = None  # stopped with the clock
         # the queues changed since the last boundary took them (an idle clock then does not wait)
         self.poked = False
+        self.trim_at: float | None = None  # clients were dropped: give their heap back after this time
 
     def poke(self) -> None:
         """The queues changed: wake the clock. Call with `cond` held."""
@@ -698,7 +685,7 @@ class LocalPool:
         for cid in dropped:
             self.telemetry.retire_client(cid)
         if dropped:
-            _return_memory()
+            self._clock.trim_at = now + _TRIM_DELAY_S
         for requests in taken.values():
             for request in requests:
                 request.record.cycle = index
@@ -975,6 +962,9 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                            cpu_s=cpu, gil_wait_s=waited)
         min_cycle_s = pool.min_cycle_s
         idle = not requests and not decoding
+        if clock.trim_at is not None and time.perf_counter() >= clock.trim_at:
+            clock.trim_at = None
+            _return_memory()
         # Hold nothing that leads back to the pool while sleeping, so that a dropped pool
         # is collected (its finalizer then stops this thread).
         del pool, taken, requests, decoding

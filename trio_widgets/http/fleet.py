@@ -494,7 +494,7 @@ class FrontDoor:
                  max_connections_per_key: int = 512, max_connections: int = 4096,
                  max_new_connections_per_address_s: float = 256.0, max_inflight_bytes_per_key: int = 64 << 20,
                  max_inflight_bytes: int = 256 << 20):
-        from .server import _identifier, check_bind
+        from .server import check_bind, owner_identifier
 
         keys = [*(api_keys or ()), *(observer_keys or ())]
         check_bind(host, keys)
@@ -523,7 +523,7 @@ class FrontDoor:
                                        max_per_address=int(max_connections_per_address),
                                        max_per_key=int(max_connections_per_key), max_total=int(max_connections),
                                        new_per_address_s=float(max_new_connections_per_address_s),
-                                       identify=_identifier(keys), keyed=bool(keys))
+                                       identify=owner_identifier(keys), keyed=bool(keys))
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None

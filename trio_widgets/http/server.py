@@ -75,7 +75,7 @@ def _run_event_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
         asyncio.run(main())
 
 
-def _identifier(keys: list[str]) -> Callable[[str | None], str | None]:
+def owner_identifier(keys: list[str]) -> Callable[[str | None], str | None]:
     """The owner a presented key stands for when it is a configured one (else None: the connection
     stays its address's; without configured keys, every connection does)."""
     owners = {owner_of(k) for k in keys}
@@ -157,7 +157,7 @@ class Server:
                                         max_per_address=int(max_connections_per_address),
                                         max_per_key=int(max_connections_per_key), max_total=int(max_connections),
                                         new_per_address_s=float(max_new_connections_per_address_s),
-                                        identify=_identifier([*(api_keys or ()), *(observer_keys or ())]),
+                                        identify=owner_identifier([*(api_keys or ()), *(observer_keys or ())]),
                                         keyed=bool([*(api_keys or ()), *(observer_keys or ())]))
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
