@@ -422,3 +422,32 @@ def test_a_view_without_a_lane_for_a_client_does_not_diagnose_it():
         lanes = {cid: info for cid, info in everyone.items() if cid == kept.client_id}
         assert set(diagnose(records, 0.01, lanes)) == {kept.client_id}
         assert set(diagnose(records, 0.01)) == {gone.client_id, kept.client_id}  # no view: every client
+
+
+def test_a_served_pools_own_python_is_no_participants_gil():
+    """A room on a served pool (issue 34): the server's own request handling held its interpreter and
+    stretched every cycle. The participants' loops run in other processes: a pipelined one is pipelined,
+    the evidence saying what held the interpreter. User code in the server's process (a notebook that
+    serves its pool and trains beside it) is still `gil`, as it is on a pool that is not served."""
+    from trio_widgets.telemetry import CycleRecord, GilStall, UserFrame
+
+    cycle_s = 0.1
+    records, cycles = [], {}
+    for k in range(12):  # pipelined: queued before the previous update's results came back
+        records += _update(1 + 2 * k, k, (k - 1) * cycle_s + 0.002 if k else 0.0, cycle_s)
+        cycles[k] = CycleRecord(k, k * cycle_s, (k + 1) * cycle_s, 0.09, 2, 24, cpu_s=0.04, gil_wait_s=0.05)
+    server = UserFrame("/venv/lib/python3.11/site-packages/uvicorn/protocols/http/h11_impl.py", "data_received",
+                       300, user=False)
+    loader = UserFrame("/home/me/loop.py", "heavy_batches", 7)
+
+    def stalls(frame: UserFrame) -> list[GilStall]:
+        return [GilStall(k * cycle_s, k * cycle_s + 0.05, 0.05, 10, "MainThread", (frame,)) for k in range(12)]
+
+    for served in (False, True):
+        d = diagnose_client(records, cycle_s, cycles=cycles, stalls=stalls(loader), served=served)
+        assert d.cause == "gil" and d.gil_frames[0].function == "heavy_batches", d
+    assert diagnose_client(records, cycle_s, cycles=cycles, stalls=stalls(server)).cause == "gil"  # in-process
+    d = diagnose_client(records, cycle_s, cycles=cycles, stalls=stalls(server), served=True)
+    assert d.cause == "pipelined" and not d.wasted and not d.gil_frames, d
+    assert "the server's own Python held the interpreter 50% of the time (in `data_received`, h11_impl.py " \
+           "line 300): its cycles waited 125% of their CPU time, every client's alike" in d.evidence, d.evidence

@@ -16,7 +16,11 @@ Nothing here instruments the user's loop: everything is read from the pool's
 * gil: in the cycles that ran this client's updates the clock waited for the interpreter at
   least half as long as it worked, while another thread's Python held it (the watchdog
   names the function and line). The pool shares the process, so that Python stretches
-  every cycle; sleeping or waiting on I/O holds no GIL and is never this;
+  every cycle; sleeping or waiting on I/O holds no GIL and is never this. On a served pool
+  (`served`: its clients' loops run in other processes) only user code in the server's process
+  is a client's `gil`; the server's own Python (its request handling, a library's thread)
+  stretches every client's cycles alike and is no client's doing: each client gets the
+  diagnosis its loop earns without it, the evidence saying what held the interpreter;
 * cpu: the loop is slow (more than ~1 cycle per update, or the clock waited in the OS run queue at
   least half as long as it worked: its cycles stretch) while this process's threads wanted about
   every CPU core (BLAS or OpenMP workers on every core: the GIL watchdog's CoreSamples, from
@@ -40,7 +44,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cycles
@@ -285,12 +289,13 @@ def _undetermined(share: float, what: str) -> str:
 def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, client_id: str = "",
                     label: str = "", window: int = PERIOD_WINDOW, cycles: Mapping[int, CycleRecord] | None = None,
                     stalls: Sequence[GilStall] = (), pool_work: Sequence[RequestRecord] = (),
-                    cores: Sequence[CoreSample] = ()) -> Diagnosis:
+                    cores: Sequence[CoreSample] = (), served: bool = False) -> Diagnosis:
     """The diagnosis of one client from its own records (any order; all of one client).
 
     `cycles` (by index) and `stalls` let it tell GIL starvation, `cores` (the watchdog's CoreSamples)
     a busy CPU; `pool_work` are sampling requests (of any client) whose time in the pool is not the
-    loop's stall.
+    loop's stall. `served`: the pool is served, its clients' loops run elsewhere (a GIL held by no
+    user code there is the server's own, not this client's `gil`).
     """
     records = sorted(records, key=lambda r: r.request_id)
     client_id = client_id or (records[0].client_id if records else "")
@@ -345,6 +350,15 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
     gil = _gil(window_updates, cycles, stalls) if cycles else None
     shape = (f"{n} updates, {period_text} per update; steps naive/together/pipelined: "
              + "/".join(str(kinds.count(k)) for k in STRUCTURE_PERIOD))
+    if gil is not None and served and not (gil[5].frames and gil[5].frames[0].user):
+        # the served pool's own Python held it (request handling, a library's thread): every client's
+        # cycles stretched alike, no client's loop did it; the diagnosis its loop earns without it
+        share, coverage, _, _, _, culprit = gil
+        own = diagnose_client(records, cycle_s, client_id=client_id, label=label, window=window, cycles=cycles,
+                              pool_work=pool_work, cores=cores)
+        return replace(own, evidence=f"{own.evidence}; the server's own Python held the interpreter {coverage:.0%} "
+                                     f"of the time ({gil_where(culprit)}): its cycles waited {share:.0%} of their "
+                                     f"CPU time, every client's alike, not this loop's doing")
     if gil is not None:
         share, coverage, wait, compute, cycle, culprit = gil
         evidence = (f"clock's wait for the interpreter: {share:.0%} of its CPU time (gil from {GIL_SHARE:.0%}); "
@@ -418,11 +432,12 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
 def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
              clients: dict[str, ClientInfo] | None = None, *, window: int = PERIOD_WINDOW,
              cycles: Iterable[CycleRecord] = (), stalls: Sequence[GilStall] = (),
-             cores: Sequence[CoreSample] = ()) -> dict[str, Diagnosis]:
+             cores: Sequence[CoreSample] = (), served: bool = False) -> dict[str, Diagnosis]:
     """One diagnosis per client that sent forward_backward requests (label from `clients`; when
     `clients` is given, only those it names: a client a view has no lane for is not diagnosed,
     e.g. one that left a served pool before a remote view connected); `cycles` and `stalls` (the
-    pool's) let it tell GIL starvation, `cores` (the watchdog's CoreSamples) a busy CPU."""
+    pool's) let it tell GIL starvation, `cores` (the watchdog's CoreSamples) a busy CPU; `served`:
+    a served pool's, whose own Python is no client's `gil` (diagnose_client)."""
     by_client: dict[str, list[RequestRecord]] = {}
     pool_work = []
     for record in records:
@@ -436,7 +451,8 @@ def diagnose(records: Iterable[RequestRecord], cycle_s: float | None,
             continue
         info = (clients or {}).get(cid)
         out[cid] = diagnose_client(mine, cycle_s, client_id=cid, label=info.label if info else cid, window=window,
-                                   cycles=by_index, stalls=stalls, pool_work=pool_work, cores=cores)
+                                   cycles=by_index, stalls=stalls, pool_work=pool_work, cores=cores,
+                                   served=served)
     return out
 
 
@@ -458,16 +474,18 @@ RECENT_CYCLES = 1024
 RECENT_STALLS = 512
 
 
-def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *, window: int = PERIOD_WINDOW
-                       ) -> dict[str, Diagnosis]:
+def diagnose_telemetry(telemetry: Telemetry, min_cycle_s: float | None = None, *, window: int = PERIOD_WINDOW,
+                       served: bool = False) -> dict[str, Diagnosis]:
     """`diagnose` over a pool's telemetry: recent records, measured cycle duration, the clock's
-    waits for the interpreter and the GIL watchdog's stalls."""
+    waits for the interpreter and the GIL watchdog's stalls (`served`: a served pool's telemetry,
+    seen through its stream; see diagnose_client)."""
     cycles = list(telemetry.cycles)[-RECENT_CYCLES:]
     cycle_s = cycle_seconds(cycles, default=min_cycle_s)
     if min_cycle_s:
         cycle_s = max(cycle_s or 0.0, min_cycle_s)
     return diagnose(recent_records(telemetry, per_client=6 * (window + 2)), cycle_s, telemetry.all_clients(),
-                    window=window, cycles=cycles, stalls=recent_stalls(telemetry), cores=list(telemetry.cores))
+                    window=window, cycles=cycles, stalls=recent_stalls(telemetry), cores=list(telemetry.cores),
+                    served=served)
 
 
 def recent_stalls(telemetry: Telemetry) -> list[GilStall]:

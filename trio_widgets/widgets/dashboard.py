@@ -905,7 +905,8 @@ class Dashboard(W.VBox):
         if self._watcher is not None:
             self._diagnoses = dict(self._watcher.diagnose())
         else:
-            self._diagnoses = dict(diagnose_telemetry(self.pool.telemetry, self.pool.min_cycle_s or None))
+            self._diagnoses = dict(diagnose_telemetry(self.pool.telemetry, self.pool.min_cycle_s or None,
+                                                      served=self._remote is not None))
         rows = []
         order = {cid: i for i, cid in enumerate(self._figs.clients)}  # as the lanes and the status list them
         for cid, d in sorted(self._diagnoses.items(), key=lambda item: order.get(item[0], len(order))):
