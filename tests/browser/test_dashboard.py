@@ -111,9 +111,15 @@ def test_dashboard_start_pause_resume_stop(lab: LabServer, browser: Any, subshel
         button("Start").click()
         text = _wait_status(page, "t => +(t.match(/updates (\\d+)/) || [0, 0])[1] >= 30", 90)
         assert "running" in text.lower(), text
+        # a disabled button says why on the page (its tooltip, issue 34 point 6)
+        assert button("Start").is_disabled(), "Start while its runs run"
+        assert button("Start").get_attribute("title") == \
+            "disabled: the runs of the last Start are running: Stop them first", button("Start").get_attribute("title")
 
         button("Pause").click()
         text = _wait_status(page, "t => /paused/i.test(t)", 30)
+        assert button("Pause").is_disabled() and button("Pause").get_attribute("title") == \
+            "disabled: no Start run is running", button("Pause").get_attribute("title")
         paused_updates = _number(text, "updates")
         # no update is made; once the last ones and the first idle second are drawn (and the
         # tokens/s has come down), the page is sent nothing: the status and timeline stand still
