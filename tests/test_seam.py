@@ -167,8 +167,8 @@ def test_each_backend_is_the_seam_and_answers_every_call(cls):
     impl = getattr(importlib.import_module(module), name)
     for member in SEAM - {"name", "session_id", "pool"}:
         assert callable(getattr(impl, member)), member
-    # what only the engine answers: the directory on the pool's machine, and its session table
-    engine_only = {backend.CheckpointDir, backend.OpenSession}
+    # what only the engine answers: the directory on the pool's machine, its session table, a server's state
+    engine_only = {backend.CheckpointDir, backend.OpenSession, backend.ServedTables}
     for call in CALLS:
         method = getattr(impl, f"_on_{call.verb}", None)
         if name == "HttpBackend" and call in engine_only:

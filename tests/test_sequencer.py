@@ -1,12 +1,12 @@
 """The served pool's ordering of a model's requests, as a pure function of what arrived
-(trio_widgets/http/sequencer.py): no server, no clock."""
+(trio_widgets/engine/sequencer.py): no server, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
 import trio_widgets as trio
-from trio_widgets.http.sequencer import Sequencer
+from trio_widgets.engine.sequencer import Sequencer
 
 
 def ran(seq: Sequencer[str], arrivals: list[tuple[int | None, str]]) -> list[str]:

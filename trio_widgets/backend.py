@@ -37,7 +37,8 @@ __all__ = [
     "FromStateRequest", "GetExportUrls", "GetSampler", "GetSession", "GetTokenizer", "GetTrainingRun",
     "InspectRequest", "IsBaseModel", "IsCheckpoint", "ListCheckpoints", "ListSessions", "ListTrainingRuns",
     "LoadRequest", "ModelHandle", "Open", "OpenSession", "OptimStepRequest", "Request", "Reservation",
-    "SampleRequest", "SamplerCreated", "SamplerHandle", "SaveRequest", "SetCheckpointTtl", "SupportedModels",
+    "SampleRequest", "SamplerCreated", "SamplerHandle", "SaveRequest", "ServedTables", "SetCheckpointTtl",
+    "SupportedModels",
     "WeightsInfo", "answer", "opened",
 ]
 
@@ -330,6 +331,26 @@ class OpenSession(Call[None]):
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
     verb: ClassVar[str] = "open_session"
+
+
+@dataclass(frozen=True)
+class ServedTables(Call[Any]):
+    """A server's served state, which every wire codec asks and none copies: its sessions (heartbeats,
+    TTL), the futures its clients long-poll (retries deduplicated), each model's requests in seq_id
+    order, per-key budgets, run and sampler slots (trio_widgets/engine/served.py). Only the engine
+    answers it; a server asks once, when it starts. The fields are the server's limits."""
+
+    models: tuple[str, ...]
+    key_names: dict[str, str]
+    session_timeout_s: float
+    reorder_wait_s: float
+    max_sessions_per_key: int
+    max_clients_per_session: int
+    max_futures_per_key: int
+    max_clients_per_key: int
+    max_state_bytes_per_key: int
+    id_tag: str = ""
+    verb: ClassVar[str] = "served_tables"
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from . import checkpoints as ckpt
 from .handlers import handle_of
 from .lora import LoRAAdapter
 from .models import context_length_of, is_base_model_name
+from .served import ServedState
 from .tenants import PoolLike, Tenant
 
 __all__ = ["LocalBackend"]
@@ -175,6 +176,17 @@ class LocalBackend:
             self._ledger.sessions.setdefault(session_id, _Session(user_metadata, display_name))
             while len(self._ledger.sessions) > _MAX_SESSIONS:  # bounded: the oldest go first
                 del self._ledger.sessions[next(iter(self._ledger.sessions))]
+
+    def _on_served_tables(self, models: tuple[str, ...], key_names: dict[str, str], session_timeout_s: float,
+                          reorder_wait_s: float, max_sessions_per_key: int, max_clients_per_session: int,
+                          max_futures_per_key: int, max_clients_per_key: int, max_state_bytes_per_key: int,
+                          id_tag: str = "") -> ServedState:
+        """A server's served state over this backend (trio_widgets/engine/served.py)."""
+        return ServedState(self, models=list(models), key_names=dict(key_names), session_timeout_s=session_timeout_s,
+                           reorder_wait_s=reorder_wait_s, max_sessions_per_key=max_sessions_per_key,
+                           max_clients_per_session=max_clients_per_session, max_futures_per_key=max_futures_per_key,
+                           max_clients_per_key=max_clients_per_key, max_state_bytes_per_key=max_state_bytes_per_key,
+                           id_tag=id_tag)
 
     def __repr__(self) -> str:
         return f"<LocalBackend {self.pool!r} {self.session_id}>"

@@ -15,33 +15,18 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ..protocol import WireError, wire_error
+from ..protocol import Refusal, WireError, not_found, wire_error
 
 __all__ = ["HttpError", "Signer", "api_key_of", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of",
            "wire_of"]
 
 
-class HttpError(Exception):
-    """An answer other than 200 that no exception of the pool stands for (auth, limits, the
-    body): status, message, the field at fault and, where the client should raise one of the
-    protocol's classes, its code (trio_widgets.protocol.errors)."""
-
-    def __init__(self, status: int, message: str, *, field: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.field = field
-        self.code = code
-
-    def wire(self) -> WireError:
-        return WireError(self.status, self.code or "refused", "user", str(self), self.field)
-
-
-def not_found(what: str) -> HttpError:
-    return HttpError(404, f"{what} was not found for this API key", code="not_found")
+#: An answer other than 200 that no exception of the pool stands for (trio_widgets.protocol.errors).
+HttpError = Refusal
 
 
 def wire_of(exc: BaseException, code: str | None = None) -> WireError:
-    return exc.wire() if isinstance(exc, HttpError) else wire_error(exc, code=code)
+    return wire_error(exc, code=code)
 
 
 def api_key_of(headers: Any) -> str | None:

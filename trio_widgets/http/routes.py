@@ -248,10 +248,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
     def unsupported(what: str) -> Handler:
         async def handler(s: Service, owner: str, request: Request) -> Any:
             body = json_body(await read_body(request, s, owner))
-            model_id = body.get("model_id")
-            model = s.trained.get(model_id) if isinstance(model_id, str) else None
-            if model is not None and model.session.owner == owner:
-                model.seq.refuse(body.get("seq_id"))  # the SDK used a seq_id for it: don't wait for it
+            s.refuse_seq(owner, body.get("model_id"), body.get("seq_id"))  # the SDK used a seq_id for it
             raise NotSupportedError(f"{what} is not supported by a local trio pool")
 
         return handler

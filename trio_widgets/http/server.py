@@ -46,6 +46,7 @@ from typing import Any
 
 from ..engine import checkpoints as ckpt
 from ..engine.clock import LocalPool
+from ..engine.served import RETRIEVED_KEPT_S
 from ..errors import (
     PoolClosedError,
 )
@@ -56,7 +57,7 @@ from .auth import check_bind, owner_of
 from .guard import Connections, Policy, guarded_protocol, policy_app
 from .pytrio_wire import pytrio_routes
 from .routes import build_app
-from .service import RETRIEVED_KEPT_S, Service
+from .service import Service
 
 __all__ = ["RETRIEVED_KEPT_S", "Server", "check_bind", "serve"]
 

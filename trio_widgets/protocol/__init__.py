@@ -7,7 +7,7 @@ import it; it imports nothing of ours but `trio_widgets.errors`.
 
 from __future__ import annotations
 
-from .errors import ERRORS, ErrorRow, WireError, error_from_wire, row_of, wire_error
+from .errors import ERRORS, ErrorRow, Refusal, WireError, error_from_wire, not_found, row_of, wire_error
 from .paths import SEGMENTS, TINKER_SCHEME, TinkerPath, parse_tinker_path
 
 #: The built-in tiny model every pool serves (trained from scratch here; no download).
@@ -18,6 +18,6 @@ Example: `trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODE
 """
 
 __all__ = [
-    "DEFAULT_MODEL", "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "TinkerPath", "WireError", "error_from_wire",
-    "parse_tinker_path", "row_of", "wire_error",
+    "DEFAULT_MODEL", "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "Refusal", "TinkerPath", "WireError",
+    "error_from_wire", "not_found", "parse_tinker_path", "row_of", "wire_error",
 ]

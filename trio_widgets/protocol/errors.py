@@ -28,7 +28,7 @@ from ..errors import (
     ResourceNotFoundError,
 )
 
-__all__ = ["ERRORS", "ErrorRow", "WireError", "error_from_wire", "row_of", "wire_error"]
+__all__ = ["ERRORS", "ErrorRow", "Refusal", "WireError", "error_from_wire", "not_found", "row_of", "wire_error"]
 
 Category = Literal["user", "server"]
 
@@ -101,8 +101,30 @@ class WireError:
         return body
 
 
+class Refusal(Exception):
+    """An answer other than 200 that no exception of the pool stands for (auth, limits, the
+    body, a session that ended): status, message, the field at fault and, where the client should
+    raise one of the protocol's classes, its code. The served engine raises them too (its limits
+    and sessions are what a client observes), so they live here, below both."""
+
+    def __init__(self, status: int, message: str, *, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.field = field
+        self.code = code
+
+    def wire(self) -> WireError:
+        return WireError(self.status, self.code or "refused", "user", str(self), self.field)
+
+
+def not_found(what: str) -> Refusal:
+    return Refusal(404, f"{what} was not found for this API key", code="not_found")
+
+
 def wire_error(exc: BaseException, *, code: str | None = None) -> WireError:
     """How `exc` travels. `code` may name a reason that maps to the same class (an alias)."""
+    if isinstance(exc, Refusal):
+        return exc.wire()
     row = row_of(exc)
     if code is not None:
         assert _BY_CODE[_ALIASES.get(code, code)] is row, (code, row)

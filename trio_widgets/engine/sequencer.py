@@ -4,7 +4,7 @@ seq_id is the first request's; a seq_id that never comes is skipped after a whil
 Pure: no clock, no I/O, no event loop. `arrive` says what to do with a request and which held
 requests may run now; the caller launches them, and starts (or stops) the one timer after
 which `skip_gap` gives up on a missing predecessor (`waiting` says whether one is needed).
-The server keeps one per model, on its event loop's thread (tests/test_sequencer.py).
+A server keeps one per model (engine/served.py), on its event loop's thread (tests/test_sequencer.py).
 """
 
 from __future__ import annotations
