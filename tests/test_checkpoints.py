@@ -345,6 +345,7 @@ def test_overwrite_swaps_the_directories_in_one_step_on_linux(tmp_path):
     assert os.listdir(a) == ["y"] and os.listdir(b) == ["x"]
 
 
+@pytest.mark.no_numerics
 @pytest.mark.parametrize("state", ["between the two renames", "after the exchange", "mid-write", "mid-delete",
                                    "mid-expiry", "a live writer", "our pid, before we started"])
 def test_a_pool_start_finishes_what_a_killed_writer_left(svc, pool, tmp_path, state):
@@ -405,6 +406,7 @@ def test_a_pool_start_finishes_what_a_killed_writer_left(svc, pool, tmp_path, st
     assert _same(_weights(resumed), expected)
 
 
+@pytest.mark.no_numerics
 def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(svc, pool, tmp_path):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
     _step(tc, 0)
@@ -464,6 +466,7 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+@pytest.mark.no_numerics
 def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path):
     """The writer saves rank-128 state (~17 MB) under one name; it is SIGKILLed as soon as the
     second save touches any file, wherever the implementation writes. The next pool's start

@@ -72,6 +72,7 @@ def test_packed_logits_equal_plain_model_with_gqa(tmp_path):
                               "packed logprobs vs the plain model's")
 
 
+@pytest.mark.no_numerics
 def test_model_from_the_local_hf_cache(tmp_path):
     """An id already in the local Hugging Face cache loads offline (a real cache layout)."""
     cache = tmp_path / "hub"

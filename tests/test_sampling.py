@@ -475,6 +475,7 @@ def test_rl_example_mean_reward_rises():
     assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.3
 
 
+@pytest.mark.no_numerics
 def test_threads_loading_the_tokenizer_together_all_get_it():
     """The first load in a fresh process, from 8 threads at once (a sampler's threads sampling with
     stop strings): transformers' lazy import raised ImportError in some of them before the lock."""
@@ -514,6 +515,7 @@ def test_a_long_sample_goes_on_over_cycles_and_gives_the_same_samples(tmp_path):
     assert [s.logprobs for s in split.sequences] == [s.logprobs for s in whole.sequences]
 
 
+@pytest.mark.no_numerics
 def test_a_long_sample_does_not_hold_a_neighbours_cycles(tmp_path):
     with trio.LocalPool(min_cycle_s=0.0, min_decode_steps=2, checkpoint_dir=str(tmp_path), name="neighbours") as pool:
         service = trio.ServiceClient(pool)
