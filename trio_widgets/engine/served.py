@@ -28,6 +28,7 @@ from typing import Any
 
 from ..backend import (
     Backend,
+    CheckpointDir,
     CreateModelRequest,
     CreateSamplerRequest,
     FromStateRequest,
@@ -312,6 +313,13 @@ class ServedState:
         session.state = state
         log.info("session %s %s: %s", session.session_id, state, why)
 
+    def finish(self, session_id: Any, owner: str, why: str) -> ServedSession:
+        """A client finished its session (again: nothing more)."""
+        session = self.session(session_id, owner, live=False)
+        if session.state == "live":
+            self.end_session(session, "finished", why)
+        return session
+
     def _client_id(self, public_id: str) -> str:
         found = self.trained.get(public_id) or self.samplers.get(public_id)
         return found.handle.client_id if found is not None else public_id
@@ -525,6 +533,12 @@ class ServedState:
             return f"{session.label} · {name}" if session.named and name != session.label else name
         return session.label if session.named and n == 0 else names.run_id(session.label, n)
 
+    def run_slot(self, session: ServedSession, n: Any, meta: Any) -> tuple[int, str, str, Entry | None]:
+        """Run `n` of `session` (a model_seq_id; the session's and its key's budgets checked): its
+        public id, its lane's label, and the entry of its first request if this is a retry."""
+        n = self.check_model_slot(session, n, "model_seq_id")
+        return n, names.run_id(session.session_id, n), self.model_label(session, n, meta), session.model_requests.get(n)
+
     def open_run(self, owner: str, session: ServedSession, n: int, request: CreateModelRequest | FromStateRequest,
                  label: str, then: Callable[[dict], dict] = lambda out: out, kind: str = "create_model") -> Entry:
         """Run `n` of `session` (a new adapter, or one from a checkpoint) made on the worker threads;
@@ -536,6 +550,14 @@ class ServedState:
                            lambda handle: then(self._register_model(session, model_id, handle, label)))
         return entry
 
+    def sampler_slot(self, session: ServedSession, n: Any) -> int:
+        """A new sampler's sampling_session_seq_id `n` in `session` (its budgets checked; unused)."""
+        self.check_model_slot(session, n, "sampling_session_seq_id")
+        if n in session.sampler_ids:
+            raise InvalidInputError(f"sampling_session_seq_id {n} was used already in this session",
+                                    field="sampling_session_seq_id")
+        return n
+
     def register_sampler(self, session: ServedSession, sampler_id: str, handle: ModelHandle, model_path: str | None,
                          n: int) -> None:
         self._admit(session, handle, "sampler")
@@ -544,16 +566,26 @@ class ServedState:
         session.sampler_ids[n] = sampler_id
         session.clients.append(sampler_id)
 
-    async def open_sampler(self, owner: str, session: ServedSession, n: int, request: CreateSamplerRequest) -> str:
-        """Sampler `n` of `session`, made once (a retry, or a concurrent one, gets the first)."""
-        assert request.sampler_id is not None
+    async def open_sampler(self, owner: str, session: ServedSession, n: Any, model_path: Any, base: Any) -> str:
+        """Sampler `n` of `session` over saved weights (`model_path`, this key's) or a base model, made
+        once: a retry, or a concurrent one, gets the first."""
+        n = self.check_model_slot(session, n, "sampling_session_seq_id")
         if n not in session.sampler_ids:
+            if model_path is None and base is None:
+                raise InvalidInputError("give model_path (a tinker:// path) or base_model", field="model_path")
+            if model_path is not None:
+                self.of(owner).call(CheckpointDir(model_path))  # refused now if it is not this key's
+            if base is not None:
+                self.base_model(base)
+            sampler_id = names.sampler_id(session.session_id, n)
+            request = CreateSamplerRequest(model_path, base, names.sampler_id(session.label, n),
+                                           session_id=session.session_id, sampler_id=sampler_id)
             # a refusal propagates as its own class (the protocol's table maps it)
             handle = await self.loop.run_in_executor(self.executor, lambda: self.of(owner).open(request))
             if n in session.sampler_ids:  # a concurrent retry won: keep one
                 self.backend.release(handle.client_id)
             else:
-                self.register_sampler(session, request.sampler_id, handle, request.model_path, n)
+                self.register_sampler(session, sampler_id, handle, model_path, n)
         return session.sampler_ids[n]
 
     def sample(self, owner: str, sampler: ServedSampler, request: Any, encode: Encode) -> Entry:
@@ -563,10 +595,12 @@ class ServedState:
                     raise_invalid=True)
         return entry
 
-    def sample_once(self, owner: str, sampler: ServedSampler, caller: str | None, seq: int | None,
+    def sample_once(self, owner: str, sampler: ServedSampler, caller: str | None, seq: Any,
                     decode: Callable[[], SampleRequest], encode: Encode) -> tuple[str, list[str]]:
         """A sample request deduplicated by (caller, seq_id): a retry gets the first one's request
         and sequence ids, and runs (and decodes) nothing."""
+        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**31):
+            raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
         if seq is not None and (caller, seq) in sampler.seen:
             return sampler.seen[(caller, seq)]
         request = decode()

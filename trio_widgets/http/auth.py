@@ -1,7 +1,7 @@
 """Who is asking, and the answers other than 200 that no exception of the pool stands for:
 API keys (compared in constant time), owners as key digests, the loopback-only default,
-signed download URLs (`Signer`), and `HttpError` / `wire_of` (an exception as the protocol's
-WireError)."""
+signed download URLs (`Signer`), `HttpError` / `wire_of` (an exception as the protocol's
+WireError), and `answering`: a route's endpoint, authenticated, its refusals answered in JSON."""
 
 from __future__ import annotations
 
@@ -9,16 +9,22 @@ import functools
 import hashlib
 import hmac
 import ipaddress
+import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from ..errors import ClientClosedError, InvalidInputError, NotSupportedError, PoolClosedError
 from ..protocol import Refusal, WireError, not_found, wire_error
 
-__all__ = ["HttpError", "Signer", "api_key_of", "authenticate", "check_bind", "is_loopback", "not_found", "owner_of",
-           "wire_of"]
+__all__ = ["HttpError", "Signer", "answering", "api_key_of", "authenticate", "check_bind", "is_local", "is_loopback",
+           "not_found", "owner_of", "wire_of"]
+
+log = logging.getLogger("trio_widgets.http.server")
 
 
 #: An answer other than 200 that no exception of the pool stands for (trio_widgets.protocol.errors).
@@ -27,6 +33,11 @@ HttpError = Refusal
 
 def wire_of(exc: BaseException, code: str | None = None) -> WireError:
     return wire_error(exc, code=code)
+
+
+def is_local(request: Request) -> bool:
+    """Whether the client is on this machine (a directory path the server names means something there)."""
+    return request.client is not None and is_loopback(request.client.host)
 
 
 def api_key_of(headers: Any) -> str | None:
@@ -131,3 +142,39 @@ def error_response(error: WireError, *, close: bool = False) -> JSONResponse:
         body["datum_index"] = error.datum_index
     # a client without a valid key, or whose body was not read, keeps no connection
     return JSONResponse(body, status_code=error.status, headers={"Connection": "close"} if close else None)
+
+
+_CLOSE = (401, 403, 408, 413, 415)  # refusals after which the connection is closed
+
+
+def _log_refusal(request: Request, owner: str, error: WireError) -> None:
+    """One line per refused request, for the server's log: never the key (its owner digest, the
+    client's session or model id where the body named one)."""
+    who = getattr(request.state, "client", None) or "-"
+    log.info("refused %s %s: %d %s (owner %s, client %s): %s", request.method, request.url.path, error.status,
+             error.code, owner[:12], str(who)[:80], error.message[:300])
+
+
+def answering(service: Any, handler: Callable[[Any, str, Request], Awaitable[Any]], *, observer: bool = False,
+              open_: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    """A route's endpoint: `handler(service, owner, request)` for the owner `service.authenticate`
+    finds (anonymous if `open_`), and every refusal as a JSON 4xx from the protocol's one table
+    (never a bare 400: the SDK retries those), logged a line each."""
+    async def endpoint(request: Request) -> Response:
+        owner = "-"
+        try:
+            owner = "anonymous" if open_ else service.authenticate(request, observer)
+            result = await handler(service, owner, request)
+        except (Refusal, InvalidInputError, NotSupportedError, PoolClosedError, ClientClosedError) as exc:
+            # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
+            error = wire_of(exc)
+            _log_refusal(request, owner, error)
+            return error_response(error, close=isinstance(exc, Refusal) and exc.status in _CLOSE)
+        except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
+            log.exception("%s %s failed", request.method, request.url.path)
+            return error_response(wire_error(exc))
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(result)
+
+    return endpoint

@@ -40,12 +40,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..protocol import WireError
 from .auth import HttpError, api_key_of, error_response
 
-__all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app"]
+__all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app", "read_body"]
 
 log = logging.getLogger("trio_widgets.http.server")
 
@@ -433,3 +434,38 @@ class Budget:
             self.held[owner] -= mine
             if self.held[owner] <= 0:
                 del self.held[owner]
+
+
+async def read_body(request: Request, service: Any, owner: str) -> bytes:
+    """The body, bounded in size (max_body_bytes), in bytes held while it arrives (per key and in
+    all: a stalled body holds its bytes: `service.budget`, a `Budget`) and in time: a body that
+    stalls for body_timeout_s is a 408. (`service`: the server's Service, which routes to here.)"""
+    limit = service.max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise HttpError(400, "Content-Length is not a number")
+        if int(length) > limit:
+            raise HttpError(413, f"the body has {int(length)} bytes, more than this server's limit of {limit} "
+                                  f"(max_body_bytes); send smaller batches")
+    encoding = request.headers.get("content-encoding", "identity").lower()
+    if encoding not in ("", "identity"):
+        raise HttpError(415, f"Content-Encoding {encoding!r} is not supported: this server does not advertise "
+                              f"compressed request bodies")
+    chunks, size = [], 0
+    stream = request.stream()
+    with service.budget.reading(owner) as take:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), service.body_timeout_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise HttpError(408, f"the body stalled: nothing arrived for {service.body_timeout_s:g} s "
+                                     f"(body_timeout_s)", code="timeout") from None
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
+            take(len(chunk))
+            chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,26 +1,35 @@
-"""The HTTP layer of a served pool: Tinker's routes, each decoded, authenticated and bounded
-here, then handed to the service (trio_widgets/http/server.py); every refusal is a JSON 4xx from
-the protocol's one error table (never a bare 400: the SDK retries those)."""
+"""The HTTP layer of a served pool: Tinker's routes, each decoded here (bodies bounded by the guard,
+keys checked by auth) and handed to the service (trio_widgets/http/service.py); every refusal is a
+JSON 4xx from the protocol's one error table (never a bare 400: the SDK retries those)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from ..backend import Capabilities
-from ..errors import ClientClosedError, InvalidInputError, NotSupportedError, PoolClosedError
-from ..protocol import WireError, wire_error
+from ..backend import (
+    Capabilities,
+    DeleteCheckpoint,
+    GetTrainingRun,
+    ListCheckpoints,
+    ListTrainingRuns,
+    SetCheckpointTtl,
+    WeightsInfo,
+)
+from ..errors import InvalidInputError, NotSupportedError
+from ..protocol import WireError
 from . import wire
-from .auth import HttpError, error_response, is_loopback, wire_of
+from .auth import HttpError, answering, error_response, is_local
+from .guard import read_body
+from .stream import info as info_of
 from .stream import telemetry_stream
 
 if TYPE_CHECKING:
@@ -28,57 +37,24 @@ if TYPE_CHECKING:
 
 __all__ = ["API", "build_app", "error_response", "json_body", "read_body"]
 
-log = logging.getLogger("trio_widgets.http.server")
 
 API = "/api/v1"
-_CLOSE = (401, 403, 408, 413, 415)  # refusals after which the connection is closed
 
 
-async def read_body(request: Request, service: Service, owner: str) -> bytes:
-    """The body, bounded in size (max_body_bytes), in bytes held while it arrives (per key and in
-    all: a stalled body holds its bytes) and in time: a body that stalls for body_timeout_s is a 408."""
-    limit = service.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None:
-        if not length.isdigit():
-            raise HttpError(400, "Content-Length is not a number")
-        if int(length) > limit:
-            raise HttpError(413, f"the body has {int(length)} bytes, more than this server's limit of {limit} "
-                                  f"(max_body_bytes); send smaller batches")
-    encoding = request.headers.get("content-encoding", "identity").lower()
-    if encoding not in ("", "identity"):
-        raise HttpError(415, f"Content-Encoding {encoding!r} is not supported: this server does not advertise "
-                              f"compressed request bodies")
-    chunks, size = [], 0
-    stream = request.stream()
-    with service.budget.reading(owner) as take:
-        while True:
-            try:
-                chunk = await asyncio.wait_for(anext(stream), service.body_timeout_s)
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise HttpError(408, f"the body stalled: nothing arrived for {service.body_timeout_s:g} s "
-                                     f"(body_timeout_s)", code="timeout") from None
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, f"the body is more than this server's limit of {limit} bytes (max_body_bytes)")
-            take(len(chunk))
-            chunks.append(chunk)
-    return b"".join(chunks)
+def _plain(value: Any) -> Any:
+    """A catalog's dataclass as JSON, datetimes as ISO 8601 (what the SDK's models parse), at any depth."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.isoformat() if hasattr(value, "isoformat") else value
 
 
-def _local(request: Request) -> bool:
-    """Whether the client is on this machine (a directory path the server names means something there)."""
-    return request.client is not None and is_loopback(request.client.host)
-
-
-def _log_refusal(request: Request, owner: str, error: WireError) -> None:
-    """One line per refused request, for the server's log: never the key (its owner digest, the
-    client's session or model id where the body named one)."""
-    who = getattr(request.state, "client", None) or "-"
-    log.info("refused %s %s: %d %s (owner %s, client %s): %s", request.method, request.url.path, error.status,
-             error.code, owner[:12], str(who)[:80], error.message[:300])
+def _paged(key: str, items: list, limit: int, offset: int) -> dict:
+    return {key: [_plain(i) for i in items[offset:offset + limit]],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(items)}}
 
 
 def json_body(body: bytes) -> dict:
@@ -94,29 +70,6 @@ def json_body(body: bytes) -> dict:
 
 
 Handler = Callable[["Service", str, Request], Awaitable[Any]]
-
-
-def _endpoint(service: Service, handler: Handler, *, observer: bool = False, open_: bool = False
-              ) -> Callable[[Request], Awaitable[Response]]:
-    """Auth, bounded body, and every refusal as a JSON 4xx (never a bare 400: the SDK retries those)."""
-    async def endpoint(request: Request) -> Response:
-        owner = "-"
-        try:
-            owner = "anonymous" if open_ else service.authenticate(request, observer)
-            result = await handler(service, owner, request)
-        except (HttpError, InvalidInputError, NotSupportedError, PoolClosedError, ClientClosedError) as exc:
-            # one table (trio_widgets.protocol.errors): trio's client raises the in-process class
-            error = wire_of(exc)
-            _log_refusal(request, owner, error)
-            return error_response(error, close=isinstance(exc, HttpError) and exc.status in _CLOSE)
-        except Exception as exc:  # a bug: said in JSON (the SDK shows the body), logged here
-            log.exception("%s %s failed", request.method, request.url.path)
-            return error_response(wire_error(exc))
-        if isinstance(result, Response):
-            return result
-        return JSONResponse(result)
-
-    return endpoint
 
 
 def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
@@ -152,9 +105,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
 
     async def finish(s: Service, owner: str, request: Request) -> dict:
         await read_body(request, s, owner)
-        session = s.session(request.path_params["session_id"], owner, live=False)
-        if session.state == "live":
-            s.end_session(session, "finished", "the client finished its session")
+        s.finish(request.path_params["session_id"], owner, "the client finished its session")
         return {}
 
     async def telemetry_sink(s: Service, owner: str, request: Request) -> dict:
@@ -180,21 +131,24 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         return {"status": "ok"}
 
     async def get_sampler(s: Service, owner: str, request: Request) -> dict:
-        return s.get_sampler(owner, request.path_params["sampler_id"], local=_local(request))
+        return s.get_sampler(owner, request.path_params["sampler_id"], local=is_local(request))
 
     async def get_info(s: Service, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, s, owner))
         request.state.client = body.get("model_id")
-        return s.get_info(owner, body, local=_local(request))
+        return s.get_info(owner, body, local=is_local(request))
 
-    # the catalog's handlers read and write checkpoints on disk: off the event loop (Service.off_loop)
+    # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop (Service.off_loop)
     async def tokenizer(s: Service, owner: str, request: Request) -> dict:
         model = request.query_params.get("base_model")
         return await s.off_loop(lambda: s.tokenizer_files(owner, model))
 
+    async def catalog(s: Service, owner: str, call: Any, encode: Callable[[Any], dict] = lambda _r: {}) -> dict:
+        return await s.off_loop(lambda: encode(s.of(owner).call(call)))
+
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
-        model_id = request.path_params["model_id"]
-        return await s.off_loop(lambda: s.list_checkpoints(owner, model_id))
+        return await catalog(s, owner, ListCheckpoints(request.path_params["model_id"]),
+                             lambda found: {"checkpoints": [_plain(c) for c in found[:1000]]})  # bounded
 
     def page(request: Request) -> tuple[int, int]:
         values = []
@@ -207,24 +161,28 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
 
     async def training_runs(s: Service, owner: str, request: Request) -> dict:
         limit, offset = page(request)
-        return await s.off_loop(lambda: s.training_runs(owner, limit, offset))
+        return await catalog(s, owner, ListTrainingRuns(), lambda runs: _paged("training_runs", runs, limit, offset))
 
     async def training_run(s: Service, owner: str, request: Request) -> dict:
-        model_id = request.path_params["model_id"]
-        return await s.off_loop(lambda: s.training_run(owner, model_id))
+        return await catalog(s, owner, GetTrainingRun(request.path_params["model_id"]), _plain)
 
     async def user_checkpoints(s: Service, owner: str, request: Request) -> dict:
-        limit, offset = page(request)
-        return await s.off_loop(lambda: s.user_checkpoints(owner, limit, offset))
+        limit, offset = page(request)  # newest first, as in-process
+        return await catalog(s, owner, ListCheckpoints(None), lambda found: _paged("checkpoints", found[::-1], limit,
+                                                                                  offset))
 
     async def delete_checkpoint(s: Service, owner: str, request: Request) -> dict:
         p = request.path_params
-        return await s.off_loop(lambda: s.delete_checkpoint(owner, p["model_id"], p["checkpoint_id"]))
+        return await catalog(s, owner, DeleteCheckpoint(p["model_id"], p["checkpoint_id"]))
 
     async def set_ttl(s: Service, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, s, owner))
         p = request.path_params
-        return await s.off_loop(lambda: s.set_checkpoint_ttl(owner, p["model_id"], p["checkpoint_id"], body))
+        return await catalog(s, owner, SetCheckpointTtl(p["model_id"], p["checkpoint_id"], body.get("ttl_seconds")))
+
+    async def weights_info(s: Service, owner: str, request: Request) -> dict:
+        body = json_body(await read_body(request, s, owner))
+        return await catalog(s, owner, WeightsInfo(body.get("tinker_path")), _plain)
 
     async def export_urls(s: Service, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, s, owner))
@@ -240,7 +198,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         return await s.exports.download(request)  # no key: the URL's signature is the credential
 
     async def info(s: Service, owner: str, request: Request) -> dict:
-        return {**s.info(), **s.totals()}
+        return info_of(s)
 
     async def telemetry(s: Service, owner: str, request: Request) -> Response:
         return await telemetry_stream(s, request, owner)
@@ -258,13 +216,13 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
                                          f"no such endpoint: {request.method} {request.url.path}"))
 
     def post(path: str, handler: Handler, **kw: Any) -> Route:
-        return Route(API + path, _endpoint(service, handler, **kw), methods=["POST"])
+        return Route(API + path, answering(service, handler, **kw), methods=["POST"])
 
     def get(path: str, handler: Handler, **kw: Any) -> Route:
-        return Route(API + path, _endpoint(service, handler, **kw), methods=["GET"])
+        return Route(API + path, answering(service, handler, **kw), methods=["GET"])
 
     def route(method: str, path: str, handler: Handler) -> Route:
-        return Route(API + path, _endpoint(service, handler), methods=[method])
+        return Route(API + path, answering(service, handler), methods=[method])
 
     routes = [
         post("/client/config", config), post("/client/dynamic_config", dynamic_config),
@@ -288,7 +246,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         get("/training_runs/{model_id}/checkpoints", checkpoints),
         get("/training_runs", training_runs), get("/training_runs/{model_id}", training_run),
         get("/checkpoints", user_checkpoints),
-        post("/weights_info", _json_handler(lambda s, o, b: s.off_loop(lambda: s.weights_info(o, b)))),
+        post("/weights_info", weights_info),
         route("DELETE", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", delete_checkpoint),
         route("PUT", "/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl", set_ttl),
         post("/save_weights_external", _json_handler(lambda s, o, b: s.save_weights_external(o, b))),

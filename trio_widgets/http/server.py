@@ -198,7 +198,7 @@ class Server:
         service = self._service
 
         async def run() -> None:
-            service.loop = asyncio.get_running_loop()
+            service.state.loop = asyncio.get_running_loop()  # the served state's futures settle on it
             reaper = asyncio.create_task(service.reap())
             started.set()
             try:

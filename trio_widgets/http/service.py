@@ -9,8 +9,6 @@ runs it. What the protocol is: server.py's docstring and docs/serving.md.
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -21,21 +19,14 @@ from ..backend import (
     Backend,
     CheckpointDir,
     CreateModelRequest,
-    CreateSamplerRequest,
-    DeleteCheckpoint,
     ForwardRequest,
     FromStateRequest,
-    GetTrainingRun,
-    ListCheckpoints,
-    ListTrainingRuns,
     LoadRequest,
     OptimStepRequest,
     SamplerCreated,
     SampleRequest,
     SaveRequest,
     ServedTables,
-    SetCheckpointTtl,
-    WeightsInfo,
 )
 from ..errors import InvalidInputError
 from ..export import DEFAULT_MAX_EXPORT_BYTES
@@ -52,7 +43,6 @@ __all__ = ["Service"]
 # the engine's served tables' rows (trio_widgets/engine/served.py), which the codecs read through the seam
 ServedSession = Any
 ServedModel = Any
-ServedSampler = Any
 
 
 class Service:
@@ -63,13 +53,13 @@ class Service:
     close(), tokenizer_id() ...), so both codecs call one table."""
 
     def __init__(self, pool: Any, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
-                 models: Iterable[str] | None, session_timeout_s: float, long_poll_s: float,
-                 reorder_wait_s: float, max_body_bytes: int, fwdbwd_max_chunk_len: int | None,
-                 max_sessions_per_key: int, max_clients_per_session: int, max_futures_per_key: int,
-                 body_timeout_s: float = 30.0, max_inflight_bytes_per_key: int = 64 << 20,
-                 max_inflight_bytes: int = 256 << 20, max_clients_per_key: int = 128,
-                 max_state_bytes_per_key: int = 2 << 30, max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
-                 export_url_ttl_s: float = 3600.0, export_timeout_s: float = 3600.0, id_tag: str = ""):
+                 models: Iterable[str] | None, long_poll_s: float, max_body_bytes: int,
+                 fwdbwd_max_chunk_len: int | None, body_timeout_s: float = 30.0,
+                 max_inflight_bytes_per_key: int = 64 << 20, max_inflight_bytes: int = 256 << 20,
+                 max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES, export_url_ttl_s: float = 3600.0,
+                 export_timeout_s: float = 3600.0, id_tag: str = "", **served: Any):
+        """`served`: the served state's limits (ServedTables' fields: session_timeout_s, reorder_wait_s,
+        max_sessions_per_key, ...)."""
         self.pool = pool  # a LocalPool (trio_widgets.connect.Pool): read for its name, clock and telemetry
         self.id_tag = id_tag
         self.backend: Backend = pool.connect(session=False)  # ops and releases (client ids are the pool's)
@@ -88,9 +78,7 @@ class Service:
         self.fwdbwd_max_chunk_len = int(fwdbwd_max_chunk_len or pool.limits.max_request_data)
         self.streams = 0
         self.streams_of: dict[str, int] = {}  # open telemetry streams per key (or address, without keys)
-        self.state: Any = self.backend.call(ServedTables(
-            tuple(self.models), self.key_names, session_timeout_s, reorder_wait_s, max_sessions_per_key,
-            max_clients_per_session, max_futures_per_key, max_clients_per_key, max_state_bytes_per_key, id_tag))
+        self.state: Any = self.backend.call(ServedTables(tuple(self.models), self.key_names, id_tag=id_tag, **served))
         self.exports = Exports(lambda owner, path: self.of(owner).call(CheckpointDir(path)),
                                max_bytes=max_export_bytes, url_ttl_s=export_url_ttl_s, timeout_s=export_timeout_s)
 
@@ -98,14 +86,6 @@ class Service:
         if name == "state":  # (not made yet)
             raise AttributeError(name)
         return getattr(self.state, name)
-
-    @property
-    def loop(self) -> Any:
-        return self.state.loop
-
-    @loop.setter
-    def loop(self, loop: Any) -> None:
-        self.state.loop = loop  # the server's event loop, once it starts
 
     def authenticate(self, request: Request, observer: bool = False) -> str:
         return authenticate(api_key_of(request.headers), self.api_keys, self.observer_keys, observer)
@@ -121,9 +101,9 @@ class Service:
 
     def create_model(self, owner: str, body: dict) -> dict:
         session = self.state.session(body.get("session_id"), owner)
-        n = self.state.check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
-        if n in session.model_requests:  # a retry of the same create
-            return {"request_id": session.model_requests[n].request_id}
+        n, model_id, label, first = self.state.run_slot(session, body.get("model_seq_id"), body.get("user_metadata"))
+        if first is not None:  # a retry of the same create
+            return {"request_id": first.request_id}
         base = self.state.base_model(body.get("base_model"))
         lora = body.get("lora_config") or {}
         if not isinstance(lora, dict):
@@ -133,8 +113,6 @@ class Service:
             raise InvalidInputError(f"only AdamW is supported here, got {optimizer!r:.80}", field="optimizer_config")
         # rank, seed and the train_* flags are the engine's to check (LocalBackend.create_model), as in-process
         rank, seed = lora.get("rank", 32), lora.get("seed")
-        model_id = names.run_id(session.session_id, n)
-        label = self.state.model_label(session, n, body.get("user_metadata"))
         # the key's backend puts the run's checkpoints where its tinker:// paths point
         request = CreateModelRequest(base, rank, seed,
                                      train_mlp=bool(lora.get("train_mlp", True)),
@@ -162,12 +140,10 @@ class Service:
                                    lambda _r: ({"path": path, "model_id": model.model_id, "type": "load_weights"},
                                                False))
         session = self.state.session(body.get("session_id"), owner)
-        n = self.state.check_model_slot(session, body.get("model_seq_id"), "model_seq_id")
-        if n in session.model_requests:
-            return {"request_id": session.model_requests[n].request_id}
+        n, model_id, label, first = self.state.run_slot(session, body.get("model_seq_id"), body.get("user_metadata"))
+        if first is not None:
+            return {"request_id": first.request_id}
         self.of(owner).call(CheckpointDir(body.get("path")))  # refused now if it is not this key's
-        model_id = names.run_id(session.session_id, n)
-        label = self.state.model_label(session, n, body.get("user_metadata"))
         base = body.get("base_model")  # compared with the checkpoint's by the engine, as in-process
         request = FromStateRequest(body["path"], optimizer, label, base_model=base if isinstance(base, str) else None,
                                    user_metadata=_metadata(body.get("user_metadata")), run_id=model_id,
@@ -244,27 +220,7 @@ class Service:
 
     def save_weights_for_sampler(self, owner: str, body: dict) -> dict:
         model = self.state.model(body.get("model_id"), owner)
-        with self.state.consumes(model, body.get("seq_id")):
-            return self._save_for_sampler(model, owner, body)
-
-    def _save_for_sampler(self, model: ServedModel, owner: str, body: dict) -> dict:
-        if body.get("kind", "snapshot") != "snapshot":
-            raise InvalidInputError(f"only 'snapshot' sampling clients are supported here (a copy of the weights "
-                                    f"as of this request), got {body.get('kind')!r:.40}", field="kind")
-        name = body.get("path")
-        n = body.get("sampling_session_seq_id")
-        if name is None and n is None:
-            raise InvalidInputError("give a name (path) or sampling_session_seq_id", field="path")
-        if name is not None:
-            names.validate_name(name, "path")
-        session = model.session
-        if n is not None:
-            self.state.check_model_slot(session, n, "sampling_session_seq_id")
-            if n in session.sampler_ids:
-                raise InvalidInputError(f"sampling_session_seq_id {n} was used already in this session",
-                                        field="sampling_session_seq_id")
-        path = names.checkpoint_path(model.model_id, "sampler_weights", name) if name is not None else None
-        label = names.sampler_id(session.label, n) if n is not None else None
+        name, n, session = body.get("path"), body.get("sampling_session_seq_id"), model.session
 
         def encode(result: Any) -> tuple[dict, bool]:
             out: dict[str, Any] = {"type": "save_weights_for_sampler"}
@@ -273,36 +229,34 @@ class Service:
             if isinstance(result, SaveWeightsForSamplerResponse):
                 out.update(model=result.model, size=result.size)
             if isinstance(result, SamplerCreated):
-                assert n is not None  # only a request with sampling_session_seq_id makes a sampler
-                sampler_id = names.sampler_id(session.session_id, n)
+                assert n is not None and sampler_id is not None  # only a request with sampling_session_seq_id
                 self.state.register_sampler(session, sampler_id, result.sampler, path, n)
                 out["sampling_session_id"] = sampler_id
             return out, False
 
-        return self.state.sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler",
-                               SaveRequest(name, make_sampler=n is not None, label=label,
-                                           ttl_seconds=body.get("ttl_seconds"),
-                                           user_metadata=body.get("user_metadata"),
-                                           sampler_id=names.sampler_id(session.session_id, n) if n is not None
-                                           else None),
-                               encode)
+        with self.state.consumes(model, body.get("seq_id")):  # (a refusal, even the engine's, uses up its seq_id)
+            if body.get("kind", "snapshot") != "snapshot":
+                raise InvalidInputError(f"only 'snapshot' sampling clients are supported here (a copy of the "
+                                        f"weights as of this request), got {body.get('kind')!r:.40}", field="kind")
+            if name is None and n is None:
+                raise InvalidInputError("give a name (path) or sampling_session_seq_id", field="path")
+            if name is not None:
+                names.validate_name(name, "path")
+            if n is not None:
+                self.state.sampler_slot(session, n)
+            path = names.checkpoint_path(model.model_id, "sampler_weights", name) if name is not None else None
+            sampler_id = names.sampler_id(session.session_id, n) if n is not None else None
+            request = SaveRequest(name, make_sampler=n is not None, label=names.sampler_id(session.label, n)
+                                  if n is not None else None, ttl_seconds=body.get("ttl_seconds"),
+                                  user_metadata=body.get("user_metadata"), sampler_id=sampler_id)
+            return self.state.sequenced(model, owner, body.get("seq_id"), "save_weights_for_sampler", request, encode)
 
     # -- sampling ----------------------------------------------------------------------------
     async def create_sampling_session(self, owner: str, body: dict) -> dict:
         session = self.state.session(body.get("session_id"), owner)
-        n = self.state.check_model_slot(session, body.get("sampling_session_seq_id"), "sampling_session_seq_id")
-        if n not in session.sampler_ids:  # (else a retry: the first one's)
-            model_path, base = body.get("model_path"), body.get("base_model")
-            if model_path is None and base is None:
-                raise InvalidInputError("give model_path (a tinker:// path) or base_model", field="model_path")
-            if model_path is not None:
-                self.of(owner).call(CheckpointDir(model_path))  # refused now if it is not this key's
-            if base is not None:
-                self.state.base_model(base)
-            await self.state.open_sampler(owner, session, n, CreateSamplerRequest(
-                model_path, base, names.sampler_id(session.label, n), session_id=session.session_id,
-                sampler_id=names.sampler_id(session.session_id, n)))
-        return {"sampling_session_id": session.sampler_ids[n], "type": "create_sampling_session"}
+        sampler_id = await self.state.open_sampler(owner, session, body.get("sampling_session_seq_id"),
+                                                   body.get("model_path"), body.get("base_model"))
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
     def get_sampler(self, owner: str, sampler_id: str, local: bool = True) -> dict:
         sampler = self.state.sampler(sampler_id, owner)
@@ -323,9 +277,6 @@ class Service:
         if body.get("record_stability_info") not in (False, None):
             raise InvalidInputError("is not supported by the local pool; leave it at False",
                                     field="record_stability_info")
-        seq = body.get("seq_id")
-        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**31):
-            raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
         caller = body.get("session_id") if isinstance(body.get("session_id"), str) else None
 
         def request() -> SampleRequest:  # decoded unless a retry (the engine deduplicates by caller and seq_id)
@@ -341,7 +292,7 @@ class Service:
                                  wire.tensor_from_json(target, "target_prompt_logprobs", 1 << 22, pad=-1),
                                  prompt_alt_tokens_k=body.get("prompt_alt_tokens_k") or 0)
 
-        request_id, ids = self.state.sample_once(owner, sampler, caller, seq, request,
+        request_id, ids = self.state.sample_once(owner, sampler, caller, body.get("seq_id"), request,
                                                  lambda r: (wire.encode_sample_response(r), True))
         return {"request_id": request_id, "sample_sequence_ids": ids}
 
@@ -368,57 +319,8 @@ class Service:
         request_id = body.get("request_id")
         return {"request_id": request_id, "cancelled": self.state.cancel(request_id, owner)}
 
-    # -- the REST catalog: this key's runs and checkpoints, as the key's backend lists them ------------
-    def list_checkpoints(self, owner: str, model_id: str) -> dict:
-        found = self.of(owner).call(ListCheckpoints(model_id))[:1000]  # a listing, bounded
-        return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found]}
-
-    def training_run(self, owner: str, model_id: str) -> dict:
-        return _json_safe(dataclasses.asdict(self.of(owner).call(GetTrainingRun(model_id))))
-
-    def training_runs(self, owner: str, limit: int, offset: int) -> dict:
-        runs = self.of(owner).call(ListTrainingRuns())
-        return {"training_runs": [_json_safe(dataclasses.asdict(r)) for r in runs[offset:offset + limit]],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
-
-    def user_checkpoints(self, owner: str, limit: int, offset: int) -> dict:
-        found = self.of(owner).call(ListCheckpoints(None))[::-1]  # newest first, as in-process
-        return {"checkpoints": [_json_safe(dataclasses.asdict(c)) for c in found[offset:offset + limit]],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
-
-    def delete_checkpoint(self, owner: str, model_id: str, checkpoint_id: str) -> dict:
-        self.of(owner).call(DeleteCheckpoint(model_id, checkpoint_id))
-        return {}
-
-    def set_checkpoint_ttl(self, owner: str, model_id: str, checkpoint_id: str, body: dict) -> dict:
-        self.of(owner).call(SetCheckpointTtl(model_id, checkpoint_id, body.get("ttl_seconds")))
-        return {}
-
     def export_urls(self, owner: str, tinker_path: Any, base_url: str) -> dict:
         return self.exports.urls(owner, tinker_path, base_url)
-
-    def weights_info(self, owner: str, body: dict) -> dict:
-        return _json_safe(dataclasses.asdict(self.of(owner).call(WeightsInfo(body.get("tinker_path")))))
-
-    # -- telemetry (observers) -------------------------------------------------------------------
-    def info(self) -> dict:
-        pool = self.pool
-        return {"name": pool.name, "min_cycle_s": pool.min_cycle_s, "device": pool.device_type,
-                "cycle_index": pool.cycle_index, "models": self.models, "now": time.perf_counter(),
-                "stats": dict(self.state.stats)}
-
-    def totals(self) -> dict:
-        t = self.pool.telemetry
-        return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
-
-
-def _json_safe(value: Any) -> Any:
-    """Datetimes as ISO 8601 (what the SDK's models parse), at any depth."""
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value.isoformat() if hasattr(value, "isoformat") else value
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

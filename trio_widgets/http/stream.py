@@ -19,7 +19,8 @@ from .auth import HttpError
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["MAX_STREAMS", "MAX_STREAMS_PER_KEY", "STREAM_HZ", "TELEMETRY_KINDS", "sse", "telemetry_stream"]
+__all__ = ["MAX_STREAMS", "MAX_STREAMS_PER_KEY", "STREAM_HZ", "TELEMETRY_KINDS", "info", "sse", "telemetry_stream",
+           "totals"]
 
 TELEMETRY_KINDS = ("client", "retired", "boundary", "cycle", "delivered", "gil")
 STREAM_HZ = 10.0  # telemetry batches per second at most (the dashboard's own refresh)
@@ -39,6 +40,19 @@ def _newest(records: list[Any], budget: int) -> list[dict]:
         out.append(raw)
     out.reverse()
     return out
+
+
+def info(service: Service) -> dict:
+    """What a served pool is (`GET /api/v1/trio/info`, and a stream's first event)."""
+    pool = service.pool
+    return {"name": pool.name, "min_cycle_s": pool.min_cycle_s, "device": pool.device_type,
+            "cycle_index": pool.cycle_index, "models": service.models, "now": time.perf_counter(),
+            "stats": dict(service.state.stats), **totals(service)}
+
+
+def totals(service: Service) -> dict:
+    t = service.pool.telemetry
+    return {"total_cycles": t.total_cycles, "total_updates": t.total_updates, "total_tokens": t.total_tokens}
 
 
 def sse(payload: dict) -> str:
@@ -81,7 +95,7 @@ async def telemetry_stream(service: Service, request: Request, owner: str) -> St
 
     async def batches() -> Any:
         try:
-            yield sse({**service.info(), **service.totals(), "backfill": backfill})
+            yield sse({**info(service), "backfill": backfill})
             quiet_since = time.monotonic()
             while not service.stopping and not service.pool.closed:
                 await asyncio.sleep(1.0 / STREAM_HZ)
@@ -92,7 +106,7 @@ async def telemetry_stream(service: Service, request: Request, owner: str) -> St
                 if out or time.monotonic() - quiet_since > 1.0:  # at least one a second: a heartbeat
                     quiet_since = time.monotonic()
                     yield sse({"now": time.perf_counter(), "cycle_index": service.pool.cycle_index,
-                                **service.totals(), "events": out})
+                                **totals(service), "events": out})
             yield sse({"now": time.perf_counter(), "closed": True, "events": []})
         finally:
             unsubscribe()
