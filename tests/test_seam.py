@@ -214,3 +214,24 @@ def test_a_codec_reaches_the_engine_only_through_the_seam(path):
                 (isinstance(target, ast.Call) and isinstance(target.func, ast.Attribute) and target.func.attr == "of")
             if is_backend:
                 assert node.func.attr in SEAM, f"{path}:{node.lineno} calls backend.{node.func.attr}"
+
+
+def test_the_tinker_binding_is_a_codec_over_the_engines_served_state():
+    """Issue 31: the Tinker server binding (routes plus codec; the guard, auth and the event stream
+    apart) is at most 600 lines, and keeps no table of sessions, runs, samplers or futures: those
+    are the engine's served state (engine/served.py), which it asks through the seam (ServedTables)."""
+    import ast
+    from pathlib import Path
+
+    http = Path(__file__).parent.parent / "trio_widgets" / "http"
+    lines = {name: len((http / name).read_text().splitlines()) for name in ("service.py", "routes.py")}
+    assert sum(lines.values()) <= 600, lines
+    tables = {"sessions", "trained", "samplers", "entries", "unretrieved", "lanes", "aliases", "seen"}
+    for name in _CODECS:
+        tree = ast.parse((http.parent.parent / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                            and target.value.id == "self":
+                        assert target.attr not in tables, f"{name}:{node.lineno} keeps a table: self.{target.attr}"
