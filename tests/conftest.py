@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from served import SharedFleet
 from transports import TRANSPORTS
 
 import trio_widgets as trio
@@ -98,6 +99,35 @@ def transport(request) -> str:
     more entry there). `transports.service(transport, pool)` is a ServiceClient through it.
     Module-scoped, so a module's shared clients can be built once per codec."""
     return request.param
+
+
+_FLEET = SharedFleet()
+
+
+@pytest.fixture
+def fleet(tmp_path_factory):
+    """A fleet of two pools on a local Ray instance (`serve --ray` in its own process), shared by
+    every test that asks for it (tests/served.py's SharedFleet, with its keys)."""
+    return _FLEET.get(tmp_path_factory)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that uses `fleet` (its own fixtures torn down): the fleet stops, cleanly."""
+    result = yield
+    if "fleet" in getattr(item, "fixturenames", ()):
+        later = item.session.items[item.session.items.index(item) + 1:] if nextitem is not None else []
+        if not any("fleet" in getattr(other, "fixturenames", ()) for other in later):
+            _FLEET.stop()
+    return result
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run stopped before the last test that uses `fleet` (-x, Ctrl-C): the fleet stops with it."""
+    try:
+        _FLEET.stop()
+    except AssertionError as exc:  # (its clean stop is checked after the last test that uses it)
+        print(f"\n{exc}")
 
 
 @pytest.fixture

@@ -129,13 +129,16 @@ def fleet_process(where: Path, *, keys: str, observer: str, min_cycle_s: float, 
                   pools: int = 2) -> Iterator[Any]:
     """A real `python -m trio_widgets serve --ray` (its own local Ray instance, pools of one CPU and
     one torch thread, checkpoints in `where`/ckpt): Ray runs in that process, never in the test's
-    (a Ray driver leaves threads and heap behind it). Yields (url, checkpoint_dir); SIGINT after."""
+    (a Ray driver leaves threads and heap behind it). Yields (url, checkpoint_dir, port, proc, log:
+    its stdout and stderr); SIGINT after, unless a test stopped it already."""
     import signal
     from types import SimpleNamespace
 
     port, log = free_port(), where / "fleet.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRIO_", "TINKER_", "RAY_"))}
-    env.update(TRIO_API_KEYS=keys, TRIO_OBSERVER_KEYS=observer, TRIO_TORCH_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    # (Ray's raylet gives its agents 30 s to start, then aborts the node: a busy 2-core machine takes longer)
+    env.update(TRIO_API_KEYS=keys, TRIO_OBSERVER_KEYS=observer, TRIO_TORCH_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
+               RAY_agent_register_timeout_ms="180000")
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--pools", str(pools),
                                  "--port", str(port), "--checkpoint-dir",
@@ -146,14 +149,64 @@ def fleet_process(where: Path, *, keys: str, observer: str, min_cycle_s: float, 
         wait_for(lambda: "serving a fleet" in log.read_text() or proc.poll() is not None, "the fleet to start", 300)
         if proc.poll() is not None:
             raise RuntimeError(f"the fleet did not start:\n{log.read_text()[-3000:]}")
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", checkpoint_dir=str(where / "ckpt"))
+        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", checkpoint_dir=str(where / "ckpt"), port=port,
+                              proc=proc, log=log)
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(30)
+
+
+#: The fleet tests/test_fleet.py, tests/test_fleet_dashboard.py and tests/test_fleet_pytrio.py share
+#: (conftest.py's `fleet`): their key, observer key, and the keys of two users who see only their own runs.
+FLEET_KEY, FLEET_OBSERVER = "tml-fleet-tests", "tml-fleet-observer"
+FLEET_USER_KEYS = ("pt-fleet-ada-0001", "pt-fleet-bob-0002")
+# (a round trip through the front door, Serve and the ingress fits in a cycle: 2 busy cores, 4 loops)
+FLEET_CYCLE_S = 0.75
+FLEET_SESSION_TIMEOUT_S = 30.0
+
+
+class SharedFleet:
+    """One fleet_process (two pools of FLEET_CYCLE_S, the keys above) for the tests
+    that use conftest.py's `fleet` fixture: a local Ray instance's start costs ~40 s of a 2-core
+    machine, so the modules share one. The first of them starts it; after the last it is stopped
+    with SIGINT (conftest.py's pytest_runtest_teardown), and must stop as the CLI says it does:
+    exit status 0, its last line "trio: stopped". A start that failed fails each later test at once."""
+
+    def __init__(self) -> None:
+        self.fleet: Any = None
+        self._stack: contextlib.ExitStack | None = None
+        self._failed: BaseException | None = None
+
+    def get(self, tmp_path_factory: pytest.TempPathFactory) -> Any:
+        if self._failed is not None:
+            raise RuntimeError("the shared fleet did not start (see the first test that used it)") from self._failed
+        if self.fleet is None:
+            stack = contextlib.ExitStack()
+            try:
+                self.fleet = stack.enter_context(fleet_process(
+                    tmp_path_factory.mktemp("fleet"), keys=",".join((FLEET_KEY, *FLEET_USER_KEYS)),
+                    observer=FLEET_OBSERVER, min_cycle_s=FLEET_CYCLE_S, session_timeout_s=FLEET_SESSION_TIMEOUT_S))
+            except BaseException as exc:
+                self._failed = exc
+                raise
+            self._stack = stack
+        return self.fleet
+
+    def stop(self) -> None:
+        fleet, stack = self.fleet, self._stack
+        if fleet is None or stack is None:
+            return
+        self.fleet = self._stack = None
+        stack.close()
+        printed = [line for line in fleet.log.read_text().splitlines() if line.startswith("trio: ")]
+        assert fleet.proc.returncode == 0 and printed and printed[-1] == "trio: stopped", (
+            f"the fleet did not stop cleanly on SIGINT (exit {fleet.proc.returncode}):\n"
+            f"{fleet.log.read_text()[-3000:]}")
 
 
 def three_loops(forward_backward: Callable[[], Any], optim_step: Callable[[], Any],

@@ -16,10 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 from served import (
+    FLEET_KEY,
+    FLEET_OBSERVER,
+    FLEET_SESSION_TIMEOUT_S,
     assert_no_secret_in_arguments,
     check_three_loops,
-    fleet_process,
-    free_port,
     in_threads,
     same_tensors,
     three_loops,
@@ -38,10 +39,10 @@ from tinker import types as tt  # noqa: E402
 from trio_widgets.errors import PoolClosedError  # noqa: E402
 from trio_widgets.http.remote import RemotePool  # noqa: E402
 
-KEY = "tml-fleet-tests"
-OBSERVER = "tml-fleet-observer"
-CYCLE_S = 0.75  # a round trip through the front door, Serve and the ingress fits in a cycle (2 busy cores, 4 loops)
-SESSION_TIMEOUT_S = 30.0
+# The fleet: conftest.py's `fleet`, shared with tests/test_fleet_dashboard.py (tests/served.py's
+# SharedFleet: two pools of FLEET_CYCLE_S, a round trip through the front door, Serve and the ingress
+# in a cycle), stopped with SIGINT after the last test that uses it.
+KEY, OBSERVER, SESSION_TIMEOUT_S = FLEET_KEY, FLEET_OBSERVER, FLEET_SESSION_TIMEOUT_S
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
 _TAG = re.compile(r"^sess-p(\d)r([0-9a-f]{6})-([0-9a-f]{16})")
 
@@ -69,13 +70,6 @@ def trio_datum(i: int) -> trio.Datum:
     return trio.Datum(trio.ModelInput.from_ints(chunk[:-1]), {"target_tokens": chunk[1:]})
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    where = tmp_path_factory.mktemp("fleet-ckpt")
-    with fleet_process(where, keys=KEY, observer=OBSERVER, min_cycle_s=CYCLE_S) as fleet:
-        yield fleet
-
-
 def fleet_info(fleet) -> dict:
     answer = httpx.get(f"{fleet.url}/api/v1/trio/fleet", headers={"X-API-Key": OBSERVER}, timeout=60)
     assert answer.status_code == 200, answer.text
@@ -90,46 +84,25 @@ def client_of(view, label: str) -> str | None:
     return next((cid for cid, info in view.telemetry.clients.items() if info.label == label), None)
 
 
-def test_the_cli_serves_a_fleet_until_interrupted():
-    """`python -m trio_widgets serve --ray`: one URL, sessions tagged by their pool, SIGINT stops it.
-    (First in this module: its own local Ray instance, before the module's fleet starts one.)"""
+def test_the_cli_refuses_a_fleet_open_to_all_without_keys():
     refused = subprocess.run([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--host", "0.0.0.0"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "refusing to serve on '0.0.0.0' without API keys" in refused.stderr
-    port = free_port()
-    env = {**os.environ, "TRIO_TORCH_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TRIO_API_KEYS": KEY}
-    process = subprocess.Popen([sys.executable, "-m", "trio_widgets", "serve", "--ray", "--pools", "1", "--port",
-                                str(port), "--min-cycle-s", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env=env)
-    try:
-        assert process.stdout is not None
-        line = process.stdout.readline()  # the line it prints once the fleet answers
-        assert line.startswith(f"trio: serving a fleet of 1 pool on http://127.0.0.1:{port} (Ray Serve)"), line
-        sc = trio.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
-        tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=0)
-        assert pool_of(tc.model_id) == 0
-        assert tc.forward_backward([trio_datum(0)], "cross_entropy").result(timeout=120).metrics["loss:sum"] > 0
-        sc.close()
-        process.send_signal(signal.SIGINT)
-        out, _ = process.communicate(timeout=120)
-        assert process.returncode == 0 and out.strip().endswith("trio: stopped"), out
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_sessions_are_spread_and_each_runs_on_its_pool_as_on_one(fleet, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert fleet_info(fleet)["totals"]["alive"] == 2
+    info = fleet_info(fleet)
+    assert info["totals"]["alive"] == 2 and info["totals"]["sessions"] == 0, info
+    placed = info["placements"]  # (0, 0 when this test is the fleet's first)
     sdk = [tinker.ServiceClient(base_url=fleet.url, api_key=KEY) for _ in range(2)]
     ours = [trio.ServiceClient(base_url=fleet.url, api_key=KEY) for _ in range(2)]
     sdk_tcs = [sc.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=8, seed=i).result()
                for i, sc in enumerate(sdk)]
     our_tcs = [sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=2 + i) for i, sc in enumerate(ours)]
     ids = [tc.model_id for tc in [*sdk_tcs, *our_tcs]]
-    assert sorted(pool_of(m) for m in ids) == [0, 0, 1, 1], ids  # 2/2, by headroom at creation
+    assert sorted(pool_of(m) for m in ids) == [0, 0, 1, 1], ids  # 2/2, by headroom at creation (none live before)
     adam_sdk, adam = tt.AdamParams(learning_rate=1e-2), trio.AdamParams(learning_rate=1e-2)
     n = 3
     loops = {}
@@ -155,7 +128,8 @@ def test_sessions_are_spread_and_each_runs_on_its_pool_as_on_one(fleet, monkeypa
         for view in views:
             view.close()
     info = fleet_info(fleet)
-    assert info["placements"] == [2, 2] and [p["alive"] for p in info["pools"]] == [True, True], info
+    assert [n - before for n, before in zip(info["placements"], placed)] == [2, 2], info
+    assert [p["alive"] for p in info["pools"]] == [True, True], info
     for sc in sdk:
         sc.close("success").result(timeout=60)
     for sc in ours:
@@ -244,7 +218,7 @@ def test_samplers_listings_and_unknown_pools_across_the_fleet(fleet):
 
 
 def test_a_killed_pool_fails_its_sessions_futures_naming_it_and_the_other_loses_nothing(fleet):
-    """Last in this module: it kills pool 0's replica (Ray starts a new one)."""
+    """It kills pool 0's replica (Ray starts a new one, which the tests after it use)."""
     sc_a, a, spare_a = _on_pool(fleet, 0)
     sc_b, b, spare_b = _on_pool(fleet, 1)
     adam = trio.AdamParams(learning_rate=1e-2)
@@ -281,3 +255,15 @@ def test_a_killed_pool_fails_its_sessions_futures_naming_it_and_the_other_loses_
     finally:
         for sc in [sc_a, sc_b, *spare_a, *spare_b]:
             sc.close()
+
+
+def test_the_cli_serves_a_fleet_until_interrupted(fleet):
+    """`python -m trio_widgets serve --ray`: the fleet of these tests is one (tests/served.py's
+    fleet_process, its keys in $TRIO_API_KEYS): one URL, sessions tagged by their pool (the tests
+    above), and the line it printed once the fleet answered. SIGINT stops it, with exit status 0 and
+    "trio: stopped" last: checked when the fleet is stopped, after the last test that uses it
+    (SharedFleet.stop; a fleet of this test's own would cost another local Ray instance's start)."""
+    printed = [line for line in fleet.log.read_text().splitlines() if line.startswith("trio: ")]
+    assert printed and printed[0].startswith(
+        f"trio: serving a fleet of 2 pools on http://127.0.0.1:{fleet.port} (Ray Serve)"), printed
+    assert fleet.proc.poll() is None

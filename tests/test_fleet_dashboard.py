@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from served import fleet_process, served, wait_for
+from served import FLEET_KEY, FLEET_OBSERVER, served, wait_for
 
 import trio_widgets as trio
 
@@ -21,9 +21,8 @@ from trio_widgets.http.remote import RemotePool  # noqa: E402
 from trio_widgets.widgets.dashboard import Dashboard  # noqa: E402
 from trio_widgets.widgets.fleet import FleetDashboard, pool_label  # noqa: E402
 
-KEY = "tml-fleet-dash-tests"
-OBSERVER = "tml-fleet-dash-observer"
-CYCLE_S = 0.25
+# The fleet: conftest.py's `fleet`, shared with tests/test_fleet.py (tests/served.py's SharedFleet).
+KEY, OBSERVER = FLEET_KEY, FLEET_OBSERVER
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
 _TAG = re.compile(r"^sess-p(\d)r([0-9a-f]{6})-([0-9a-f]{16})")
 UPDATES = 3
@@ -45,13 +44,6 @@ def lane_label(model_id: str) -> str:
 def datum(i: int) -> trio.Datum:
     chunk = TEXT[(5 * i) % 40:(5 * i) % 40 + 17]
     return trio.Datum(trio.ModelInput.from_ints(chunk[:-1]), {"target_tokens": chunk[1:]})
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    where = tmp_path_factory.mktemp("fleet-dash-ckpt")
-    with fleet_process(where, keys=KEY, observer=OBSERVER, min_cycle_s=CYCLE_S) as fleet:
-        yield fleet
 
 
 def fleet_info(fleet) -> dict:
@@ -187,7 +179,7 @@ def test_the_fleet_view_shows_each_pool_and_the_fleets_totals(fleet, tmp_path):
 
 
 def test_a_dead_pool_is_marked_and_its_restarted_process_is_shown_again(fleet):
-    """Last in this module: it kills pool 1's replica (Ray starts a new one)."""
+    """It kills pool 1's replica (Ray starts a new one)."""
     import signal
 
     before = set(threading.enumerate())
