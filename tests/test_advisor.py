@@ -428,7 +428,8 @@ def test_a_served_pools_own_python_is_no_participants_gil():
     """A room on a served pool (issue 34): the server's own request handling held its interpreter and
     stretched every cycle. The participants' loops run in other processes: a pipelined one is pipelined,
     the evidence saying what held the interpreter. User code in the server's process (a notebook that
-    serves its pool and trains beside it) is still `gil`, as it is on a pool that is not served."""
+    serves its pool and trains beside it) is still `gil`, as it is on a pool that is not served. The
+    server's cores wanted by its own threads are no participant's `cpu` either."""
     from trio_widgets.telemetry import CycleRecord, GilStall, UserFrame
 
     cycle_s = 0.1
@@ -451,3 +452,19 @@ def test_a_served_pools_own_python_is_no_participants_gil():
     assert d.cause == "pipelined" and not d.wasted and not d.gil_frames, d
     assert "the server's own Python held the interpreter 50% of the time (in `data_received`, h11_impl.py " \
            "line 300): its cycles waited 125% of their CPU time, every client's alike" in d.evidence, d.evidence
+    # the server's cores busy (its threads wanted both, its clock waited for one): no participant's cpu either
+    from trio_widgets.telemetry import CoreSample
+
+    queued = {k: CycleRecord(k, c.started_at, c.ended_at, 0.09, 2, 24, cpu_s=0.04) for k, c in cycles.items()}
+    cores = [CoreSample(at=0.1 * i, window_s=0.1, cpus=2, demand_s=0.2, runqueue_s=0.05) for i in range(1, 15)]
+    assert diagnose_client(records, cycle_s, cycles=queued, cores=cores).cause == "cpu"  # in-process
+    d = diagnose_client(records, cycle_s, cycles=queued, cores=cores, served=True)
+    assert d.cause == "pipelined" and "the server's threads wanted 2.0 of its 2 cores, its clock waited for one " \
+        "125% of its CPU time" in d.evidence, d
+    # both: the server's own Python and its busy cores, each said
+    both = {k: CycleRecord(k, c.started_at, c.ended_at, 0.15, 2, 24, cpu_s=0.04, gil_wait_s=0.05)
+            for k, c in cycles.items()}
+    assert diagnose_client(records, cycle_s, cycles=both, stalls=stalls(server), cores=cores).cause == "gil"
+    d = diagnose_client(records, cycle_s, cycles=both, stalls=stalls(server), cores=cores, served=True)
+    assert d.cause == "pipelined" and "the server's own Python held" in d.evidence, d
+    assert "the server's threads wanted 2.0 of its 2 cores" in d.evidence, d

@@ -25,9 +25,12 @@ Nothing here instruments the user's loop: everything is read from the pool's
   least half as long as it worked: its cycles stretch) while this process's threads wanted about
   every CPU core (BLAS or OpenMP workers on every core: the GIL watchdog's CoreSamples, from
   /proc/self/task/*/schedstat): the waits are for a core, not for the GIL, and moving work to a
-  process would not help; fewer math-library threads, fewer processes or more cores would;
+  process would not help; fewer math-library threads, fewer processes or more cores would. On a
+  served pool the cores are the server's, wanted by its threads: no client's `cpu` (as for `gil`,
+  each client gets what its loop earns, the evidence saying how busy the server's cores were);
 * gil-or-cpu: the clock waited as for `gil`, on a platform without per-thread run-queue times:
-  a held GIL and a busy CPU look the same there, and the advisor says so rather than guess;
+  a held GIL and a busy CPU look the same there, and the advisor says so rather than guess
+  (not on a served pool: either way the server's, no client's);
 * client-side stall: results were delivered, but the client's next request came more than
   one cycle later (CPU-heavy Python on the event loop, a slow data loader, sleeping, ...);
   reported when the loop is otherwise pipelined and takes more than ~1 cycle per update (a
@@ -355,7 +358,7 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
         # cycles stretched alike, no client's loop did it; the diagnosis its loop earns without it
         share, coverage, _, _, _, culprit = gil
         own = diagnose_client(records, cycle_s, client_id=client_id, label=label, window=window, cycles=cycles,
-                              pool_work=pool_work, cores=cores)
+                              pool_work=pool_work, cores=cores, served=True)
         return replace(own, evidence=f"{own.evidence}; the server's own Python held the interpreter {coverage:.0%} "
                                      f"of the time ({gil_where(culprit)}): its cycles waited {share:.0%} of their "
                                      f"CPU time, every client's alike, not this loop's doing")
@@ -370,7 +373,7 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
         if cycles else []
     demand = core_demand(cores, min(c.started_at for c in ran), max(c.ended_at for c in ran)) if ran else None
     undetermined = None
-    if demand is not None and demand[0] is None and len(ran) >= MIN_UPDATES:
+    if demand is not None and demand[0] is None and len(ran) >= MIN_UPDATES and not served:
         share = statistics.median(c.gil_wait_s / max(c.cpu_s, 1e-3) for c in ran)
         if share >= GIL_SHARE:  # the clock's wait counts its run-queue wait here: GIL or CPU, who knows
             undetermined = Diagnosis(client_id, label, "gil-or-cpu", _undetermined(share, "the pool's clock"), p,
@@ -382,6 +385,12 @@ def diagnose_client(records: Sequence[RequestRecord], cycle_s: float | None, *, 
         if ran else 0.0
     if demand is not None and demand[0] is not None and demand[0] >= CPU_CORES * demand[1] and (
             p > 1.25 or queued >= GIL_SHARE):  # the loop misses cycles, or its cycles stretch waiting for a core
+        if served:  # the server's threads wanted its cores: every client's cycles alike, no client's loop
+            own = diagnose_client(records, cycle_s, client_id=client_id, label=label, window=window, cycles=cycles,
+                                  pool_work=pool_work)
+            return replace(own, evidence=f"{own.evidence}; the server's threads wanted {demand[0]:.1f} of its "
+                                         f"{demand[1]} cores, its clock waited for one {queued:.0%} of its CPU time: "
+                                         f"every client's alike, not this loop's doing")
         return Diagnosis(client_id, label, "cpu", cpu_message(demand[0], demand[1], f"the loop ({period_text} per "
                          f"update) and the pool's clock"), p, stall_cycles, n, sampling_cycles=sampling_cycles,
                          evidence=f"this process's threads wanted {demand[0]:.1f} of {demand[1]} cores (cpu from "
