@@ -21,7 +21,7 @@ the kernel's comm messages the page received per second (counted on the kernel w
 participants training on it from another process (tests/browser/room.py), its room table
 filled, in the window tests/browser/test_room_page.py shows it (1480x1040, JupyterLab's left area
 closed); the floor (the notebook before the dashboard), then the room `--rounds` times
-(target <= 0.15 s/s busy; the test asserts the median of 3 windows of 5 s).
+(target <= 0.15 s/s busy; the test asserts the median of 5 windows of 4 s).
 
 Each figure is tests/browser/cost.py's `measure`, the one the browser tests assert on.
 

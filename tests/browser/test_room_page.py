@@ -8,14 +8,16 @@ the pool's: what holds the server's interpreter is the server's own); every name
 a screenshot (drawn inside the window at a legible size, not clipped, dark on light); the table
 sorts by loss from its selector; picking a participant shows their lane on the timeline. The
 page's main-thread cost with this room, the room table filled and the room training, is at most
-0.15 s/s (issue 34's bound): the median of 3 windows of 5 s, measured as
+0.15 s/s (issue 34's bound): the median of 5 windows of 4 s, measured as
 `benchmarks/browser_cost.py --room 40` does (cost.py's `measure`: Chromium's TaskDuration per
 second; a task's wall time, so a loaded machine can only raise it).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import statistics
 from typing import Any
 
 import pytest
@@ -67,9 +69,10 @@ def test_a_room_of_40_by_name(lab: LabServer, browser: Any) -> None:
             # what the page costs with the room training (before anything else is done to it)
             page.wait_for_timeout(3000)
             before = {r["cells"][0]: int(r["cells"][5]) for r in page.evaluate(ROWS_JS)}
-            costs = [measure(f"room of {N} ({i + 1})", cdp, nb, 5.0) for i in range(3)]
-            busy = sorted(c["busy_s_per_s"] for c in costs)[1]
-            assert busy <= ROOM_BUSY_S_PER_S, costs
+            costs = [measure(f"room of {N} ({i + 1})", cdp, nb, 4.0) for i in range(5)]
+            busy = statistics.median(c["busy_s_per_s"] for c in costs)
+            # (a task's wall time: on a loaded machine its waits for a core too; the load is said)
+            assert busy <= ROOM_BUSY_S_PER_S, (busy, costs, f"load average {os.getloadavg()}")
             after = {r["cells"][0]: int(r["cells"][5]) for r in page.evaluate(ROWS_JS)}
             moved = [name for name, n in after.items() if n > before[name]]
             assert len(moved) == N, (before, after)  # measured while every participant trained and was shown
@@ -104,3 +107,40 @@ def test_a_room_of_40_by_name(lab: LabServer, browser: Any) -> None:
             bad = nb.find_messages(*BOKEH_ERRORS)
             assert not bad, "\n".join(bad)
             assert not nb.page_errors, nb.page_errors
+
+
+def test_a_rooms_timeline_holds_each_shown_lanes_whole_window() -> None:
+    """Without a browser: 40 clients, 10 lanes shown, two ops a cycle each for far more cycles than
+    the window. The page holds the shown lanes' bars only, each lane's back to the window's start (the
+    other 30 lanes' bars filled the rollover: a room's lanes were empty over most of the window), and a
+    scroll to lanes 30-39 sends theirs, whole."""
+    from trio_widgets.telemetry import ClientInfo, CycleRecord, RequestRecord
+    from trio_widgets.widgets.figures import DashboardFigures
+
+    figs = DashboardFigures(0.0, window=24, lanes_visible=10)
+    for k in range(N):
+        figs.add_client(ClientInfo(f"c{k}", "training", "m", f"participant {k:02d}"))
+    rid = 0
+    for i in range(60):
+        t, done = 0.1 * i, []
+        for k in range(N):
+            for op, (a, b) in (("forward_backward", (0.0, 0.06)), ("optim_step", (0.06, 0.08))):
+                rid += 1
+                done.append(RequestRecord(rid, f"c{k}", op, queued_at=t, cycle=i, started_at=t + a,
+                                          finished_at=t + b, status="ok"))
+        figs.update([CycleRecord(i, t, t + 0.1, 0.08, 2 * N, 10)], [], done)
+
+    def held() -> dict[str, list[float]]:
+        lefts: dict[str, list[float]] = {}
+        for client, left in zip(figs.bars.data["client"], figs.bars.data["left"]):
+            lefts.setdefault(client, []).append(left)
+        return lefts
+
+    for first in (0, 30):
+        if first:
+            figs.scroll_lanes(first)
+        lefts = held()
+        assert sorted(lefts) == [f"participant {k:02d}" for k in range(first, first + 10)], sorted(lefts)
+        start = figs.x_range.start
+        for client, xs in lefts.items():  # every cycle the window shows, in every shown lane
+            assert min(xs) <= start + 0.1 and len([x for x in xs if x >= start]) >= 2 * 23, (client, min(xs), start)

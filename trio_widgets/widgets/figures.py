@@ -13,7 +13,9 @@ all, whenever the column's first values change, i.e. on every tick of a rolling 
 Lanes: one per live client on the timeline; a sampler made from a training client
 (``save_weights_and_get_sampling_client``) shares its parent's lane; a retired client gives
 its lane back. Lanes beyond ``lanes_visible`` are reached by scrolling (:meth:`scroll_lanes`);
-none is dropped.
+none is dropped. The page holds the bars of the lanes it shows, for the whole window (a room of
+40 held a quarter of it for each: the other lanes' bars filled the rollover); each client's recent
+bars are kept here and sent when its lane is scrolled to.
 
 Every bokeh model (renderers, legend items, tickers) is made here, up front: a model added
 to a live document makes bokeh walk the whole document (a quarter of a second with these
@@ -166,6 +168,8 @@ class DashboardFigures:
         self._boundary_i: deque[int] = deque(maxlen=4096)
         self._depth_max: deque[int] = deque(maxlen=self.window)
         self._bar_lefts: deque[float] = deque(maxlen=4096)  # each bar's left, as streamed (newest last)
+        # each client's recent bars (rows in the bars' column order), shown or not: what a scroll sends
+        self._bar_rows: dict[str, deque[tuple]] = {}
         # trio.watch: no cycles, so the time axis follows the bars and in-flight marks (client_side)
         self._client_side = False
 
@@ -339,6 +343,7 @@ class DashboardFigures:
         if view is None or view.retired:
             return
         view.retired = True
+        self._bar_rows.pop(client_id, None)
         lane = view.lane
         if view.owner == client_id and lane is not None and self.lanes.get(lane) == client_id:
             members = [v for v in self.clients.values() if not v.retired and v.owner == client_id]
@@ -374,7 +379,10 @@ class DashboardFigures:
 
     def _relabel_lanes(self) -> None:
         n = self.lane_count
-        self.first_lane = max(0, min(self.first_lane, n - self.lanes_visible))
+        first = max(0, min(self.first_lane, n - self.lanes_visible))
+        if first != self.first_lane:  # fewer lanes: the view moved up
+            self.first_lane = first
+            self._resend_bars()
         shown = max(1, min(n, self.lanes_visible))
         start = self.first_lane
         self._lanes_range.update(start=-(start + shown - 1) - 0.6, end=-start + 0.95)
@@ -403,12 +411,13 @@ class DashboardFigures:
 
     def scroll_lanes(self, first: int) -> None:
         """Show lanes `first` ... `first + lanes_visible - 1` (the queue view starts afresh)."""
-        first = max(0, int(first))
+        first = max(0, min(int(first), self.lane_count - self.lanes_visible))
         if first == self.first_lane:
             return
         self.first_lane = first
         self.queue.data = {k: [] for k in self.queue.data}
         self._relabel_lanes()
+        self._resend_bars()
 
     def _assign_curve(self, view: ClientView) -> bool:
         """A slot for a training client's loss curve: a free one, else the oldest retired one's;
@@ -504,6 +513,7 @@ class DashboardFigures:
         self._gil_item.visible = False
         self._band_starts.clear()
         self._bar_lefts.clear()
+        self._bar_rows.clear()
         self._band_rows.clear()
         self._last_end = None
         self._boundary_t.clear()
@@ -612,9 +622,12 @@ class DashboardFigures:
             item.visible = True
 
     def _stream_bars(self, delivered: list[RequestRecord]) -> bool:
-        """A bar per request that ran, in its client's lane, coloured by op (red: failed)."""
+        """A bar per request that ran, in its client's lane, coloured by op (red: failed); sent
+        if its lane is shown, kept for when it is (scroll_lanes) either way."""
         min_w = max(0.0015, 0.05 * self.cycle_estimate())
-        bars: dict[str, list] = {k: [] for k in self.bars.data}
+        columns = list(self.bars.data)
+        bars: dict[str, list] = {k: [] for k in columns}
+        first, last = self.first_lane, self.first_lane + self.lanes_visible
         for r in delivered:
             if r.started_at is None or r.finished_at is None:
                 continue  # cancelled, or failed before it ran
@@ -624,31 +637,44 @@ class DashboardFigures:
             self._show_op(r.op if r.status == "ok" else _FAILED)
             left = self._rel(r.started_at)
             y = -view.lane
-            bars["left"].append(left)
-            bars["right"].append(round(max(self._rel(r.finished_at), left + min_w), 6))
             if self._client_side:  # forward ops above, the rest (optim_step, sample...) below
                 upper = r.op in UPDATE_OPS
-                bars["bottom"].append(y if upper else y - 0.32)
-                bars["top"].append(y + 0.32 if upper else y)
+                bottom, top = (y, y + 0.32) if upper else (y - 0.32, y)
             else:
-                bars["bottom"].append(y - 0.3)
-                bars["top"].append(y + 0.3)
-            bars["color"].append(op_color(r.op) if r.status == "ok" else "#991b1b")
-            bars["op"].append(r.op)
-            bars["rid"].append(r.request_id)
-            bars["client"].append(view.label)
-            bars["cycle"].append(r.cycle if r.cycle is not None else -1)
-            bars["wait_ms"].append(round((r.started_at - r.queued_at) * 1e3, 2))
+                bottom, top = y - 0.3, y + 0.3
             waited = self._waited_cycles(r)
-            bars["waited"].append(waited if waited is not None else -1)
-            bars["run_ms"].append(round((r.finished_at - r.started_at) * 1e3, 3))
-            bars["status"].append(r.status)
+            row = {"left": left, "right": round(max(self._rel(r.finished_at), left + min_w), 6),
+                   "bottom": bottom, "top": top,
+                   "color": op_color(r.op) if r.status == "ok" else "#991b1b", "op": r.op, "rid": r.request_id,
+                   "client": view.label, "cycle": r.cycle if r.cycle is not None else -1,
+                   "wait_ms": round((r.started_at - r.queued_at) * 1e3, 2),
+                   "waited": waited if waited is not None else -1,
+                   "run_ms": round((r.finished_at - r.started_at) * 1e3, 3), "status": r.status}
+            kept = self._bar_rows.get(r.client_id)
+            if kept is None:
+                kept = self._bar_rows[r.client_id] = deque(maxlen=3 * self.window)
+            kept.append(tuple(row[k] for k in columns))
+            if first <= view.lane < last:
+                for k in columns:
+                    bars[k].append(row[k])
         if not bars["left"]:
             return False
         self._bar_lefts.extend(bars["left"])
         keep = self._bars_to_keep()
         self._stream(self.bars, {k: v[-keep:] for k, v in bars.items()}, keep)
         return True
+
+    def _resend_bars(self) -> None:
+        """The shown lanes' recent bars, whole (the lanes shown changed)."""
+        columns = list(self.bars.data)
+        at = columns.index("left")
+        first, last = self.first_lane, self.first_lane + self.lanes_visible
+        rows = sorted((row for cid, view in self.clients.items()
+                       if view.lane is not None and first <= view.lane < last for row in self._bar_rows.get(cid, ())),
+                      key=lambda row: row[at])[-self.bar_rollover:]
+        self._bar_lefts.clear()
+        self._bar_lefts.extend(row[at] for row in rows)
+        self.bars.data = {k: [row[i] for row in rows] for i, k in enumerate(columns)}
 
     def _bars_to_keep(self) -> int:
         """The bars of the cycles the window shows, and a few more (the page holds no bars left of
@@ -659,7 +685,7 @@ class DashboardFigures:
             return most
         start = self._band_starts[0]
         shown = sum(1 for left in itertools.islice(reversed(self._bar_lefts), most) if left >= start)
-        return max(1, min(most, shown + 2 * max(1, self.lane_count)))
+        return max(1, min(most, shown + 2 * max(1, min(self.lanes_visible, self.lane_count))))
 
     @property
     def bar_rollover(self) -> int:
