@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -94,6 +94,40 @@ def _field(value: Any, kind: type | tuple[type, ...], name: str, default: Any = 
     return value
 
 
+def _text(value: Any, name: str, default: Any = ...) -> Any:
+    """A string field that an answer may carry back: text UTF-8 can encode (JSON's `\\ud800` escape
+    decodes to a lone surrogate, which no answer can be written with)."""
+    value = _field(value, str, name, default)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeError:
+            raise InvalidInputError(f"must be text UTF-8 can encode, got {value!r:.60}", field=name) from None
+    return value
+
+
+def _metadata(value: Any, name: str) -> dict[str, str] | None:
+    """user_metadata: None, or a map whose keys and values are taken as text (what a label, a listing
+    and the dashboard show), text that UTF-8 can encode."""
+    if value is None:
+        return None
+    found = _field(value, dict, name)
+    return {_text(str(k), f"{name} key"): _text(str(v), f"{name}.{k}") for k, v in found.items()}
+
+
+@contextlib.contextmanager
+def _decoding(name: str) -> Iterator[None]:
+    """Around building a plain request from what the client sent: what the types refuse (a token that
+    is text, a float where an integer goes, ragged nesting, an integer past int64) is the client's
+    error, naming the field, never the server's."""
+    try:
+        yield
+    except (ValueError, TypeError, OverflowError) as exc:
+        if isinstance(exc, InvalidInputError):
+            raise
+        raise InvalidInputError(f"{exc}"[:300], field=name) from None
+
+
 # -- decoding: PyTRIO's shapes into the plain requests ------------------------------------------
 
 def _model_input(value: Any, name: str) -> ModelInput:
@@ -105,17 +139,20 @@ def _model_input(value: Any, name: str) -> ModelInput:
             raise NotSupportedError(f"{name}.chunks[{i}]: {chunk.get('type')!r:.20} chunks are not supported by a "
                                     f"local trio pool (its models read tokens)")
         tokens.extend(_field(chunk.get("tokens"), list, f"{name}.chunks[{i}].tokens"))
-    return ModelInput.from_ints(tokens)
+    with _decoding(f"{name}.chunks"):
+        return ModelInput.from_ints(tokens)
 
 
 def _datum(value: Any, i: int, auto_shift: bool) -> Datum:
     d = _field(value, dict, f"data[{i}]")
     tokens = _model_input(d.get("model_input"), f"data[{i}].model_input").to_ints()
-    inputs: dict[str, Any] = {"target_tokens": TensorData(_field(d.get("target_ids"), list, f"data[{i}].target_ids"),
-                                                          "int64")}
+    with _decoding(f"data[{i}].target_ids"):
+        inputs: dict[str, Any] = {"target_tokens": TensorData(_field(d.get("target_ids"), list,
+                                                                     f"data[{i}].target_ids"), "int64")}
     for key in ("weights", "logprobs", "advantages"):
         if d.get(key) is not None:
-            inputs[key] = TensorData(_field(d[key], list, f"data[{i}].{key}"), "float32")
+            with _decoding(f"data[{i}].{key}"):
+                inputs[key] = TensorData(_field(d[key], list, f"data[{i}].{key}"), "float32")
     if auto_shift:  # every input aligned with the tokens: position j is predicted from those before it
         if len(tokens) < 2:
             raise InvalidInputError("auto_shift needs at least 2 tokens", field=f"data[{i}].model_input")
@@ -151,8 +188,9 @@ def _sampling_params(value: Any) -> SamplingParams:
     stop = p.pop("stop", None) or p.pop("stop_token_ids", None)
     known = {k: p.pop(k) for k in ("max_tokens", "seed", "temperature", "top_k", "top_p") if p.get(k) is not None}
     if p:
-        raise NotSupportedError(f"sampling_params {sorted(p)} are not supported by a local trio pool")
-    return SamplingParams(stop=stop, **known)
+        raise NotSupportedError(f"sampling_params {sorted(map(str, p))} are not supported by a local trio pool")
+    with _decoding("sampling_params"):
+        return SamplingParams(stop=stop, **known)
 
 
 # -- the codec ----------------------------------------------------------------------------------
@@ -258,7 +296,7 @@ class PyTrio:
 
     async def create_session(self, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, self.s, owner))
-        made = self.s.create_session(owner, {"user_metadata": body.get("user_metadata")})
+        made = self.s.create_session(owner, {"user_metadata": _metadata(body.get("user_metadata"), "user_metadata")})
         return self.session_json(self.s.session(made["session_id"], owner))
 
     async def get_session(self, owner: str, request: Request) -> dict:
@@ -440,13 +478,14 @@ class PyTrio:
             if placeholder is not None:  # made already (a retry with a new event id)
                 return placeholder
             raise not_found(f"training run {run_id!r:.80} (create it through the control plane first)")
-        self.s.forget(placeholder.request_id)
         lora = _field(p.get("lora_config"), dict, "lora_config")
-        label = self.s.model_label(session, n, p.get("user_metadata"))
-        uri = p.get("checkpoint_uri")
+        metadata = _metadata(p.get("user_metadata"), "user_metadata")
+        uri = _text(p.get("checkpoint_uri") or None, "checkpoint_uri", None)
+        self.s.forget(placeholder.request_id)
+        label = self.s.model_label(session, n, metadata)
         request: CreateModelRequest | FromStateRequest
         if uri:
-            request = FromStateRequest(_field(uri, str, "checkpoint_uri"), bool(p.get("load_optimizer")), label,
+            request = FromStateRequest(uri, bool(p.get("load_optimizer")), label,
                                        base_model=self.base_of(p.get("base_model"), http), run_id=run_id,
                                        session_id=session.session_id)
         else:
@@ -470,7 +509,7 @@ class PyTrio:
             request: Any = _Forward(data, loss_fn, config)
             encode: Callable[[Any], Any] = _forward_result
         elif kind == "trainer.optimize_step":
-            with s.consumes(model, seq):
+            with s.consumes(model, seq), _decoding("adam_params"):
                 a = _field(p.get("adam_params"), dict, "adam_params")
                 params = AdamParams(learning_rate=a.get("learning_rate", 1e-4), beta1=a.get("beta1", 0.9),
                                     beta2=a.get("beta2", 0.95), eps=a.get("eps", 1e-12),
@@ -532,6 +571,7 @@ class PyTrio:
         if sampler.session is not session:
             raise not_found(f"sampling run {sampler.sampler_id!r:.80} in this session")
         prompt = _model_input(body.get("prompt"), "prompt")
+        request_id = _text(body.get("request_id"), "request_id", "")  # said back in the answer
         topk = _field(body.get("topk_prompt_logprobs"), int, "topk_prompt_logprobs", 0)
         asked = SampleRequest(prompt, _field(body.get("num_samples"), int, "num_samples", 1),
                               _sampling_params(body.get("sampling_params")),
@@ -546,7 +586,7 @@ class PyTrio:
                           "stop_reason": str(q.stop_reason)} for q in r.sequences]
             topk_out = [None if row is None else [list(map(float, t)) for t in row]
                         for row in r.topk_prompt_logprobs] if r.topk_prompt_logprobs else None
-            return {"request_id": body.get("request_id", ""), "sampling_run": sampler.sampler_id,
+            return {"request_id": request_id, "sampling_run": sampler.sampler_id,
                     "sequences": sequences, "prompt_logprobs": r.prompt_logprobs, "topk_prompt_logprobs": topk_out,
                     "usage": {"input_tokens": len(prompt.to_ints()),
                               "output_tokens": sum(len(q.tokens) for q in r.sequences)}}, False
