@@ -9,7 +9,10 @@ or a callable.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, Union
 
 from .errors import NotSupportedError
 from .futures import APIFuture
+from .protocol import WireError
 from .types import (
     AdamParams,
     Checkpoint,
@@ -37,8 +41,8 @@ __all__ = [
     "FromStateRequest", "GetExportUrls", "GetSampler", "GetSession", "GetTokenizer", "GetTrainingRun",
     "InspectRequest", "IsBaseModel", "IsCheckpoint", "ListCheckpoints", "ListSessions", "ListTrainingRuns",
     "LoadRequest", "ModelHandle", "Open", "OpenSession", "OptimStepRequest", "Request", "Reservation",
-    "SampleRequest", "SamplerCreated", "SamplerHandle", "SaveRequest", "ServedTables", "SetCheckpointTtl",
-    "SupportedModels",
+    "SampleRequest", "SamplerCreated", "SamplerHandle", "SaveRequest", "ServedEntry", "ServedModelView",
+    "ServedSamplerView", "ServedSessionView", "ServedStateView", "ServedTables", "SetCheckpointTtl", "SupportedModels",
     "WeightsInfo", "answer", "opened",
 ]
 
@@ -333,8 +337,135 @@ class OpenSession(Call[None]):
     verb: ClassVar[str] = "open_session"
 
 
+# -- the served state, as a wire codec sees it (the engine's: trio_widgets/engine/served.py) ----------
+
+#: A codec's encoder of an op's result: (the body, whether it is protobuf bytes).
+Encode = Callable[[Any], tuple[bytes | dict, bool]]
+
+
+class ServedEntry(Protocol):
+    """A request a client long-polls (the engine's `Entry`): settled once, by the engine."""
+
+    request_id: str
+    kind: str  # the pool's op, or what made it (create_model, load_weights, sample)
+    done: asyncio.Event
+    body: bytes | dict | None
+    protobuf: bool
+    error: WireError | None
+    cycle: int | None
+
+
+class ServedSessionView(Protocol):
+    """A served session (a remote ServiceClient's): what codecs read of it, and `aliases`, the ids a
+    client chose for its requests (-> request ids), which a codec keeps in it (bounded)."""
+
+    session_id: str
+    owner: str
+    label: str
+    state: str  # live, finished, expired
+    last_seen: float
+    clients: list[str]
+    aliases: OrderedDict[str, str]
+
+    @property
+    def model_requests(self) -> Mapping[int, ServedEntry]:
+        """model_seq_id -> the entry of its create / load."""
+        ...
+
+
+class ServedModelView(Protocol):
+    """A served training client (its public id, `model_id`; the pool's handle)."""
+
+    model_id: str
+    handle: ModelHandle
+    label: str
+
+    @property
+    def session(self) -> ServedSessionView: ...
+
+
+class ServedSamplerView(Protocol):
+    """A served sampler (its public id; the pool's handle; the weights it was made of)."""
+
+    sampler_id: str
+    handle: ModelHandle
+    model_path: str | None
+
+    @property
+    def session(self) -> ServedSessionView: ...
+
+
+class ServedStateView(Protocol):
+    """What `call(ServedTables(...))` answers: a server's served state, every behaviour a remote
+    client observes but the wire, which each codec asks and none copies. A row a codec got here
+    (a session, model, sampler or entry) goes back only to this same state. On the server's event loop."""
+
+    loop: asyncio.AbstractEventLoop  # set by the server when it starts: futures settle on it
+    stopping: bool
+    session_timeout_s: float
+    lanes: OrderedDict[str, str]  # public id -> the pool's client id (telemetry lanes)
+
+    @property
+    def stats(self) -> Mapping[str, int]: ...
+    @property
+    def sessions(self) -> Mapping[str, ServedSessionView]: ...
+    @property
+    def trained(self) -> Mapping[str, ServedModelView]: ...
+    @property
+    def entries(self) -> Mapping[str, ServedEntry]: ...
+    @property
+    def numbers(self) -> Iterator[int]:
+        """Numbers given out once (request ids, PyTRIO's sampler numbers)."""
+        ...
+
+    def of(self, owner: str) -> Backend: ...
+    # sessions
+    def session(self, session_id: Any, owner: str, *, live: bool = True) -> ServedSessionView: ...
+    def create_session(self, owner: str, user_metadata: Any = None, display_name: Any = None) -> str: ...
+    def end_session(self, session: ServedSessionView, state: str, why: str) -> None: ...
+    def finish(self, session_id: Any, owner: str, why: str) -> ServedSessionView: ...
+    # futures
+    def new_entry(self, owner: str, session: ServedSessionView | None, kind: str) -> ServedEntry: ...
+    def entry(self, request_id: Any, owner: str) -> ServedEntry: ...
+    def forget(self, request_id: str) -> None: ...
+    def mark_retrieved(self, entry: ServedEntry) -> None: ...
+    async def wait(self, entry: ServedEntry, timeout_s: float) -> bool: ...
+    def cancel(self, request_id: Any, owner: str) -> bool: ...
+    async def off_loop(self, work: Callable[[], T]) -> T: ...
+    # models and samplers
+    def model(self, model_id: Any, owner: str) -> ServedModelView: ...
+    def sampler(self, sampler_id: Any, owner: str) -> ServedSamplerView: ...
+    def base_model(self, name: Any) -> str: ...
+    def check_model_slot(self, session: ServedSessionView, n: Any, field_name: str) -> int: ...
+    def model_label(self, session: ServedSessionView, n: int, meta: Any) -> str: ...
+    def run_slot(self, session: ServedSessionView, n: Any, meta: Any) -> tuple[int, str, str, ServedEntry | None]: ...
+    def open_run(self, owner: str, session: ServedSessionView, n: int, request: CreateModelRequest | FromStateRequest,
+                 label: str, then: Callable[[dict], dict] = ..., kind: str = ...) -> ServedEntry: ...
+    def sampler_slot(self, session: ServedSessionView, n: Any) -> int: ...
+    def register_sampler(self, session: ServedSessionView, sampler_id: str, handle: ModelHandle,
+                         model_path: str | None, n: int) -> None: ...
+    async def open_sampler(self, owner: str, session: ServedSessionView, n: Any, model_path: Any,
+                           base: Any) -> str: ...
+    def sample(self, owner: str, sampler: ServedSamplerView, request: SampleRequest, encode: Encode) -> ServedEntry: ...
+    def sample_once(self, owner: str, sampler: ServedSamplerView, caller: str | None, seq: Any,
+                    decode: Callable[[], SampleRequest], encode: Encode) -> tuple[str, list[str]]: ...
+    def release(self, owner: str, public: Any) -> None: ...
+    # a model's requests, in seq_id order
+    def consumes(self, model: ServedModelView, seq: Any) -> AbstractContextManager[None]: ...
+    def sequenced(self, model: ServedModelView, owner: str, seq: Any, op: str, request: Request,
+                  encode: Encode) -> dict: ...
+    def refuse_seq(self, owner: str, model_id: Any, seq: Any) -> None: ...
+    # tokenizers
+    def tokenizer_id(self, name: str, local: bool) -> str | None: ...
+    def tokenizer_files(self, owner: str, name: Any) -> dict: ...
+    # upkeep (the server's)
+    async def reap(self) -> None: ...
+    def shut_down(self) -> None: ...
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
-class ServedTables(Call[Any]):
+class ServedTables(Call[ServedStateView]):
     """A server's served state, which every wire codec asks and none copies: its sessions (heartbeats,
     TTL), the futures its clients long-poll (retries deduplicated), each model's requests in seq_id
     order, per-key budgets, run and sampler slots (trio_widgets/engine/served.py). Only the engine

@@ -33,6 +33,7 @@ from ..backend import (
     ModelHandle,
     Open,
     SaveRequest,
+    ServedStateView,
     T,
     answer,
     opened,
@@ -180,7 +181,7 @@ class LocalBackend:
     def _on_served_tables(self, models: tuple[str, ...], key_names: dict[str, str], session_timeout_s: float,
                           reorder_wait_s: float, max_sessions_per_key: int, max_clients_per_session: int,
                           max_futures_per_key: int, max_clients_per_key: int, max_state_bytes_per_key: int,
-                          id_tag: str = "") -> ServedState:
+                          id_tag: str = "") -> ServedStateView:
         """A server's served state over this backend (trio_widgets/engine/served.py)."""
         return ServedState(self, models=list(models), key_names=dict(key_names), session_timeout_s=session_timeout_s,
                            reorder_wait_s=reorder_wait_s, max_sessions_per_key=max_sessions_per_key,

@@ -21,10 +21,10 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..backend import (
     Backend,
@@ -35,6 +35,10 @@ from ..backend import (
     ModelHandle,
     OpenSession,
     SampleRequest,
+    ServedEntry,
+    ServedModelView,
+    ServedSamplerView,
+    ServedSessionView,
 )
 from ..errors import ClientClosedError, InvalidInputError, PoolClosedError
 from ..futures import APIFuture
@@ -54,6 +58,10 @@ _MAX_TOKENIZER_BYTES = 64 << 20
 RETRIEVED_KEPT_S = 120.0
 _REFUSED = (InvalidInputError, PoolClosedError, ClientClosedError, Refusal)
 Encode = Callable[[Any], tuple[bytes | dict, bool]]
+T = TypeVar("T")
+# The codecs see this state through the seam's protocol (trio_widgets.backend.ServedStateView): a row
+# they hand back (typed there as a view) is one of this state's own, which a method that reads more of
+# it than the view names asserts.
 
 
 # -- the tables ---------------------------------------------------------------------------------
@@ -278,7 +286,7 @@ class ServedState:
         self.backend.call(OpenSession(session_id, meta, str(display_name) if display_name else None))
         return session_id
 
-    def end_session(self, session: ServedSession, state: str, why: str) -> None:
+    def end_session(self, session: ServedSessionView, state: str, why: str) -> None:
         """Finish or expire a session: its queued requests are cancelled (expire) or left to run
         (finish), and its clients are retired once nothing of theirs is queued.
 
@@ -325,7 +333,8 @@ class ServedState:
         return found.handle.client_id if found is not None else public_id
 
     # -- futures --------------------------------------------------------------------------
-    def new_entry(self, owner: str, session: ServedSession | None, kind: str) -> Entry:
+    def new_entry(self, owner: str, session: ServedSessionView | None, kind: str) -> Entry:
+        assert session is None or isinstance(session, ServedSession)
         pending = self.unretrieved.get(owner, 0)
         if pending >= self.max_futures_per_key:
             raise Refusal(400, f"this API key has {pending} results not yet retrieved, the server's limit "
@@ -347,13 +356,15 @@ class ServedState:
         if entry is not None and entry.retrieved is None:
             self.unretrieved[entry.owner] -= 1
 
-    def mark_retrieved(self, entry: Entry) -> None:
+    def mark_retrieved(self, entry: ServedEntry) -> None:
+        assert isinstance(entry, Entry)
         if entry.retrieved is None:
             entry.retrieved = time.monotonic()
             self.unretrieved[entry.owner] -= 1
 
-    async def wait(self, entry: Entry, timeout_s: float) -> bool:
+    async def wait(self, entry: ServedEntry, timeout_s: float) -> bool:
         """Long-poll `entry` for up to `timeout_s`; True (and retrieved) once it is settled."""
+        assert isinstance(entry, Entry)
         if entry.session is not None:
             # a request arriving is a sign of life; one held open is not (a killed client's polls
             # stay open until they time out)
@@ -434,7 +445,7 @@ class ServedState:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def off_loop(self, work: Callable[[], Any]) -> Any:
+    async def off_loop(self, work: Callable[[], T]) -> T:
         """`work()` on the catalog's thread (disk reads and writes of checkpoints), awaited."""
         return await self.loop.run_in_executor(self.catalog, work)
 
@@ -488,7 +499,7 @@ class ServedState:
                                         f"{self.max_state_bytes_per_key / 2**20:.2f} MiB (max_state_bytes_per_key); "
                                         f"close some clients or use a smaller rank", field="rank")
 
-    def check_model_slot(self, session: ServedSession, n: Any, field_name: str) -> int:
+    def check_model_slot(self, session: ServedSessionView, n: Any, field_name: str) -> int:
         if isinstance(n, bool) or not isinstance(n, int) or not (0 <= n < 10**9):
             raise InvalidInputError(f"must be an integer from 0, got {n!r:.40}", field=field_name)
         if len(session.clients) >= self.max_clients_per_session:
@@ -523,26 +534,29 @@ class ServedState:
         session.clients.append(model_id)
         return {"model_id": model_id, "type": "create_model"}
 
-    def model_label(self, session: ServedSession, n: int, meta: Any) -> str:
+    def model_label(self, session: ServedSessionView, n: int, meta: Any) -> str:
         """A lane's label says whose it is in the words the user gave: "ada" (a named session's
         first model), "grace" (a named model), "ada · grace" (both), "ada:train:1" (a named
         session's later models); sess-1db27469:train:0 only when nothing was named."""
+        assert isinstance(session, ServedSession)
         name = meta.get("name") if isinstance(meta, dict) else None
         name = str(name).strip()[:40] if isinstance(name, str | int) and str(name).strip() else None
         if name:
             return f"{session.label} · {name}" if session.named and name != session.label else name
         return session.label if session.named and n == 0 else names.run_id(session.label, n)
 
-    def run_slot(self, session: ServedSession, n: Any, meta: Any) -> tuple[int, str, str, Entry | None]:
+    def run_slot(self, session: ServedSessionView, n: Any, meta: Any) -> tuple[int, str, str, Entry | None]:
         """Run `n` of `session` (a model_seq_id; the session's and its key's budgets checked): its
         public id, its lane's label, and the entry of its first request if this is a retry."""
+        assert isinstance(session, ServedSession)
         n = self.check_model_slot(session, n, "model_seq_id")
         return n, names.run_id(session.session_id, n), self.model_label(session, n, meta), session.model_requests.get(n)
 
-    def open_run(self, owner: str, session: ServedSession, n: int, request: CreateModelRequest | FromStateRequest,
+    def open_run(self, owner: str, session: ServedSessionView, n: int, request: CreateModelRequest | FromStateRequest,
                  label: str, then: Callable[[dict], dict] = lambda out: out, kind: str = "create_model") -> Entry:
         """Run `n` of `session` (a new adapter, or one from a checkpoint) made on the worker threads;
         its entry settles with `then` of the registered model (both wire codecs)."""
+        assert isinstance(session, ServedSession)
         model_id = names.run_id(session.session_id, n)
         entry = self.new_entry(owner, session, kind)
         session.model_requests[n] = entry
@@ -550,25 +564,28 @@ class ServedState:
                            lambda handle: then(self._register_model(session, model_id, handle, label)))
         return entry
 
-    def sampler_slot(self, session: ServedSession, n: Any) -> int:
+    def sampler_slot(self, session: ServedSessionView, n: Any) -> int:
         """A new sampler's sampling_session_seq_id `n` in `session` (its budgets checked; unused)."""
+        assert isinstance(session, ServedSession)
         self.check_model_slot(session, n, "sampling_session_seq_id")
         if n in session.sampler_ids:
             raise InvalidInputError(f"sampling_session_seq_id {n} was used already in this session",
                                     field="sampling_session_seq_id")
         return n
 
-    def register_sampler(self, session: ServedSession, sampler_id: str, handle: ModelHandle, model_path: str | None,
-                         n: int) -> None:
+    def register_sampler(self, session: ServedSessionView, sampler_id: str, handle: ModelHandle,
+                         model_path: str | None, n: int) -> None:
+        assert isinstance(session, ServedSession)
         self._admit(session, handle, "sampler")
         self.samplers[sampler_id] = ServedSampler(sampler_id, session, handle, model_path)
         self._lane(sampler_id, handle)
         session.sampler_ids[n] = sampler_id
         session.clients.append(sampler_id)
 
-    async def open_sampler(self, owner: str, session: ServedSession, n: Any, model_path: Any, base: Any) -> str:
+    async def open_sampler(self, owner: str, session: ServedSessionView, n: Any, model_path: Any, base: Any) -> str:
         """Sampler `n` of `session` over saved weights (`model_path`, this key's) or a base model, made
         once: a retry, or a concurrent one, gets the first."""
+        assert isinstance(session, ServedSession)
         n = self.check_model_slot(session, n, "sampling_session_seq_id")
         if n not in session.sampler_ids:
             if model_path is None and base is None:
@@ -588,17 +605,18 @@ class ServedState:
                 self.register_sampler(session, sampler_id, handle, model_path, n)
         return session.sampler_ids[n]
 
-    def sample(self, owner: str, sampler: ServedSampler, request: Any, encode: Encode) -> Entry:
+    def sample(self, owner: str, sampler: ServedSamplerView, request: Any, encode: Encode) -> Entry:
         """A sample request of `sampler` into the pool (both wire codecs); a refusal raises."""
         entry = self.new_entry(owner, sampler.session, "sample")
         self.launch(entry, lambda: self.backend.submit(sampler.handle.client_id, "sample", request), encode,
                     raise_invalid=True)
         return entry
 
-    def sample_once(self, owner: str, sampler: ServedSampler, caller: str | None, seq: Any,
+    def sample_once(self, owner: str, sampler: ServedSamplerView, caller: str | None, seq: Any,
                     decode: Callable[[], SampleRequest], encode: Encode) -> tuple[str, list[str]]:
         """A sample request deduplicated by (caller, seq_id): a retry gets the first one's request
         and sequence ids, and runs (and decodes) nothing."""
+        assert isinstance(sampler, ServedSampler)
         if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**31):
             raise InvalidInputError(f"must be an integer from 0 to 2^31-1, got {seq!r:.40}", field="seq_id")
         if seq is not None and (caller, seq) in sampler.seen:
@@ -632,15 +650,17 @@ class ServedState:
 
     # -- requests of a model, in seq_id order -------------------------------------------------
     @contextlib.contextmanager
-    def consumes(self, model: ServedModel, seq: Any) -> Any:
+    def consumes(self, model: ServedModelView, seq: Any) -> Iterator[None]:
         """Around the checks of a model's request: a refusal still uses up its seq_id."""
+        assert isinstance(model, ServedModel)
         try:
             yield
         except (InvalidInputError, Refusal):
             model.seq.refuse(seq)
             raise
 
-    def sequenced(self, model: ServedModel, owner: str, seq: Any, op: str, request: Any, encode: Encode) -> dict:
+    def sequenced(self, model: ServedModelView, owner: str, seq: Any, op: str, request: Any, encode: Encode) -> dict:
+        assert isinstance(model, ServedModel)
         entry = self.new_entry(owner, model.session, op)
         client_id = model.handle.client_id
         found = model.seq.arrive(seq, entry, lambda: self.of(owner).submit(client_id, op, request), encode)

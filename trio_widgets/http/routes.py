@@ -100,12 +100,12 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
 
     async def heartbeat(s: Service, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, s, owner))
-        s.session(body.get("session_id"), owner)  # 410 once expired: the SDK stops heartbeating then
+        s.state.session(body.get("session_id"), owner)  # 410 once expired: the SDK stops heartbeating then
         return {"type": "session_heartbeat"}
 
     async def finish(s: Service, owner: str, request: Request) -> dict:
         await read_body(request, s, owner)
-        s.finish(request.path_params["session_id"], owner, "the client finished its session")
+        s.state.finish(request.path_params["session_id"], owner, "the client finished its session")
         return {}
 
     async def telemetry_sink(s: Service, owner: str, request: Request) -> dict:
@@ -138,13 +138,13 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         request.state.client = body.get("model_id")
         return s.get_info(owner, body, local=is_local(request))
 
-    # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop (Service.off_loop)
+    # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop (the state's off_loop)
     async def tokenizer(s: Service, owner: str, request: Request) -> dict:
         model = request.query_params.get("base_model")
-        return await s.off_loop(lambda: s.tokenizer_files(owner, model))
+        return await s.state.off_loop(lambda: s.state.tokenizer_files(owner, model))
 
     async def catalog(s: Service, owner: str, call: Any, encode: Callable[[Any], dict] = lambda _r: {}) -> dict:
-        return await s.off_loop(lambda: encode(s.of(owner).call(call)))
+        return await s.state.off_loop(lambda: encode(s.of(owner).call(call)))
 
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
         return await catalog(s, owner, ListCheckpoints(request.path_params["model_id"]),
@@ -206,7 +206,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
     def unsupported(what: str) -> Handler:
         async def handler(s: Service, owner: str, request: Request) -> Any:
             body = json_body(await read_body(request, s, owner))
-            s.refuse_seq(owner, body.get("model_id"), body.get("seq_id"))  # the SDK used a seq_id for it
+            s.state.refuse_seq(owner, body.get("model_id"), body.get("seq_id"))  # the SDK used a seq_id for it
             raise NotSupportedError(f"{what} is not supported by a local trio pool")
 
         return handler

@@ -199,7 +199,7 @@ class Server:
 
         async def run() -> None:
             service.state.loop = asyncio.get_running_loop()  # the served state's futures settle on it
-            reaper = asyncio.create_task(service.reap())
+            reaper = asyncio.create_task(service.state.reap())
             started.set()
             try:
                 await self._uvicorn.serve(sockets=[sock])
@@ -228,15 +228,15 @@ class Server:
             return
         self._stopped = True
         thread, service = self._thread, self._service
-        if thread is not None and thread.is_alive() and service.loop is not None:
+        if thread is not None and thread.is_alive() and service.state.loop is not None:
             done = threading.Event()
 
             def begin() -> None:
-                service.shut_down()
+                service.state.shut_down()
                 done.set()
 
             with contextlib.suppress(RuntimeError):
-                service.loop.call_soon_threadsafe(begin)
+                service.state.loop.call_soon_threadsafe(begin)
                 done.wait(timeout)
             time.sleep(0.2)  # long-polls answer the error just set before the sockets close
             self._uvicorn.should_exit = True
@@ -244,7 +244,7 @@ class Server:
                 thread.join(timeout)
         if self._socket is not None:
             self._socket.close()
-        service.close()
+        service.state.close()
         if self.owns_pool:
             self.pool.close()
 
@@ -271,14 +271,14 @@ class Server:
     def clients(self) -> dict[str, str]:
         """Public model and sampler ids -> the pool's client ids (telemetry lanes), of the last
         4,096 clients made, closed ones too."""
-        return dict(self._service.lanes.copy())
+        return dict(self._service.state.lanes.copy())
 
     def sessions(self) -> list[dict[str, Any]]:
         """The sessions it knows: id, label, state, seconds since last heard of, client ids."""
         now = time.monotonic()
         return [{"session_id": s.session_id, "label": s.label, "state": s.state,
                  "idle_s": round(now - s.last_seen, 1), "clients": list(s.clients)}
-                for s in list(self._service.sessions.values())]
+                for s in list(self._service.state.sessions.values())]
 
     def stats(self) -> dict[str, int]:
         """Counts since start: submitted (to the pool), duplicates (repeated seq_ids answered with
@@ -286,7 +286,7 @@ class Server:
         connections refused (per address, or the server full), refused_per_key (a key over
         max_connections_per_key), evicted (the oldest waiting, for a new one), timed_out (no request
         head in header_timeout_s)."""
-        return {**self._service.stats, **self._connections.stats}
+        return {**self._service.state.stats, **self._connections.stats}
 
     def checkpoint_path(self, tinker_path: str, api_key: str | None) -> Path:
         """The directory on this machine a tinker:// path of `api_key` names (for tests, tools)."""

@@ -26,6 +26,7 @@ from ..backend import (
     SamplerCreated,
     SampleRequest,
     SaveRequest,
+    ServedStateView,
     ServedTables,
 )
 from ..errors import InvalidInputError
@@ -40,17 +41,14 @@ from .guard import Budget
 
 __all__ = ["Service"]
 
-# the engine's served tables' rows (trio_widgets/engine/served.py), which the codecs read through the seam
+# pytrio_wire.py's names for the served rows, until it names the seam's (backend.ServedSessionView, ...)
 ServedSession = Any
 ServedModel = Any
 
 
 class Service:
-    """The Tinker codec. What it does not decode or encode it forwards to the engine's served state
-    (`self.state`: sessions, entries, trained, samplers, lanes, stats; session(), model(), sampler(),
-    check_model_slot(), base_model(), model_label(), consumes(), sequenced(), open_run(), sample(),
-    new_entry(), forget(), mark_retrieved(), end_session(), of(), off_loop(), reap(), shut_down(),
-    close(), tokenizer_id() ...), so both codecs call one table."""
+    """The Tinker codec. What it does not decode or encode it asks the engine's served state
+    (`self.state`, a `ServedStateView` of the seam's), so both codecs call one table."""
 
     def __init__(self, pool: Any, *, api_keys: Iterable[str] | None, observer_keys: Iterable[str] | None,
                  models: Iterable[str] | None, long_poll_s: float, max_body_bytes: int,
@@ -78,11 +76,12 @@ class Service:
         self.fwdbwd_max_chunk_len = int(fwdbwd_max_chunk_len or pool.limits.max_request_data)
         self.streams = 0
         self.streams_of: dict[str, int] = {}  # open telemetry streams per key (or address, without keys)
-        self.state: Any = self.backend.call(ServedTables(tuple(self.models), self.key_names, id_tag=id_tag, **served))
+        tables = ServedTables(tuple(self.models), self.key_names, id_tag=id_tag, **served)
+        self.state: ServedStateView = self.backend.call(tables)
         self.exports = Exports(lambda owner, path: self.of(owner).call(CheckpointDir(path)),
                                max_bytes=max_export_bytes, url_ttl_s=export_url_ttl_s, timeout_s=export_timeout_s)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # pytrio_wire.py's `s.<state's name>`, until it asks s.state
         if name == "state":  # (not made yet)
             raise AttributeError(name)
         return getattr(self.state, name)

@@ -97,7 +97,7 @@ async def telemetry_stream(service: Service, request: Request, owner: str) -> St
         try:
             yield sse({**info(service), "backfill": backfill})
             quiet_since = time.monotonic()
-            while not service.stopping and not service.pool.closed:
+            while not service.state.stopping and not service.pool.closed:
                 await asyncio.sleep(1.0 / STREAM_HZ)
                 out = []
                 for _ in range(len(events)):
