@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from served import served
-from transports import TRANSPORTS
+from served import last_request_id, served
+from transports import IN_PROCESS, TRANSPORTS
 
 import trio_widgets as trio
 
@@ -51,24 +51,28 @@ def test_every_script_is_checked_and_imports_no_sdk():
 
 
 @pytest.fixture(scope="module")
-def served_url(tmp_path_factory):
-    """A pool served on 127.0.0.1 for the scripts' `ServiceClient()` ($TRIO_BASE_URL)."""
+def served_pool(tmp_path_factory):
+    """A pool served on 127.0.0.1 for the scripts' `ServiceClient()` ($TRIO_BASE_URL): (pool, its URL)."""
     with trio.LocalPool(min_cycle_s=0.0, name="styles", checkpoint_dir=str(tmp_path_factory.mktemp("ckpt"))) as pool, \
             served(pool) as server:
-        yield server.url
+        yield pool, server.url
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
-def test_sdk_style_script_runs_with_only_the_import_changed(script, transport, tmp_path, served_url):
+def test_sdk_style_script_runs_with_only_the_import_changed(script, transport, tmp_path, served_pool):
+    pool, served_url = served_pool
     env = dict(os.environ, BASE_MODEL="trio/tiny-llama-byte", XDG_CACHE_HOME=str(tmp_path / "cache"),
                HOME=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRIO_BASE_URL", None)
-    if transport == "http":  # the same script, its ServiceClient() on a served pool
+    if transport != IN_PROCESS:  # the same script, its ServiceClient() on a served pool
         env.update(TRIO_BASE_URL=served_url, TRIO_API_KEY=f"tml-{script.stem}")
+    before = last_request_id(pool)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env,
                          cwd=tmp_path)
     assert out.returncode == 0, f"{script.name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    # over HTTP the served pool ran its requests; in-process the script's own pool did
+    assert (last_request_id(pool) > before) == (transport != IN_PROCESS), (transport, before, last_request_id(pool))
     for pattern in EXPECTED[script.name]:  # the same ids and tinker:// paths on both transports
         assert re.search(pattern, out.stdout), f"{script.name}: no {pattern!r} in its output:\n{out.stdout}"
     # no deprecation or other warning from trio_widgets itself: the SDKs' styles are not deprecated here
