@@ -23,9 +23,11 @@ Attacks, each held while the neighbour makes `--updates` updates:
                 point 3: 6.65x)
   big-stop-sample  the same with the most stop strings (64 of 64 characters)
   listing       another key, with 2,000 checkpoints saved, lists them (runs, checkpoints, its
-                user checkpoints) in a loop from 4 threads; besides the ratio, the neighbour's
-                heartbeat latency while it goes on (target: max <= 100 ms: listings run off the
-                server's event loop)
+                user checkpoints) in a loop from 4 threads; besides the ratio, the round trips of
+                the neighbour's session heartbeats (p50, p99, max; every 50 ms for at least 12 s,
+                from a process of their own) while it goes on (issue 36: max <= 100 ms; listings
+                run off the server's event loop, and `trio serve` freezes its startup heap out of
+                the collector's full passes)
 
 Prints, per attack: the neighbour's median seconds per update quiet (measured just before) and
 under attack, their ratio (target <= 2), and what the attacker was answered; then the server's
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import socket
 import statistics
@@ -112,6 +115,7 @@ class Attack:
         self.cleanup: list[Callable[[], None]] = []
         self.threads: list[threading.Thread] = []
         self.latencies: list[float] = []  # the neighbour's heartbeat round trips, where a row times them
+        self.hold_s = 0.0  # the least time the attack is held (a row that times heartbeats)
 
     def background(self, work: Callable[[], None], n: int = 1) -> None:
         for _ in range(n):
@@ -154,41 +158,96 @@ def stop_strings(url: str, max_tokens: int, label: str, n_stops: int = 64, num_s
     return start
 
 
+_HEARTBEATS = r"""
+import json, select, sys, time
+import httpx
+url, key, out = sys.argv[1], sys.argv[2], []
+with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": key}, timeout=30) as http:
+    session = http.post("/create_session", json={"type": "create_session", "tags": [], "user_metadata": {},
+                                                 "sdk_version": "bench"}).json()["session_id"]
+    print("ready", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:  # until stdin closes
+        start = time.perf_counter()
+        http.post("/session_heartbeat", json={"session_id": session, "type": "session_heartbeat"})
+        out.append(time.perf_counter() - start)
+        time.sleep(0.05)
+print(json.dumps(out), flush=True)
+"""
+
+
+_LISTINGS = r"""
+import collections, json, select, sys, threading
+import trio_widgets as trio
+url, key, run_id = sys.argv[1:4]
+answers, stop = collections.Counter(), threading.Event()
+service = trio.ServiceClient(base_url=url, api_key=key)
+rest = service.create_rest_client()
+
+def run():
+    while not stop.is_set():
+        try:
+            found = rest.list_user_checkpoints(limit=1000).result(timeout=300).cursor.total_count
+            rest.list_checkpoints(run_id).result(timeout=300)
+            rest.list_training_runs().result(timeout=300)
+            answers[f"listings of {found}"] += 1
+        except Exception as exc:
+            answers[type(exc).__name__] += 1
+
+threads = [threading.Thread(target=run) for _ in range(4)]
+for t in threads:
+    t.start()
+print("ready", flush=True)
+select.select([sys.stdin], [], [])  # until stdin closes
+stop.set()
+for t in threads:
+    t.join(300)
+print(json.dumps(answers), flush=True)
+service.close()
+"""
+
+
 def listing(url: str, n_checkpoints: int = 2000) -> Callable[[Attack], None]:
     """Another key lists 2,000 checkpoints in a loop; the neighbour's heartbeats are timed meanwhile."""
     service = trio.ServiceClient(base_url=url, api_key=MALLORY)
     tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=1, seed=0)
-    saves = [tc.save_weights_for_sampler(f"c{i:04d}") for i in range(n_checkpoints)]  # made before the row
-    for f in saves:
-        f.result(timeout=600)
+    for first in range(0, n_checkpoints, 50):  # made before the row, 50 in flight (2,000 long-polls at once crawl)
+        saves = [tc.save_weights_for_sampler(f"c{i:04d}") for i in range(first, min(first + 50, n_checkpoints))]
+        for f in saves:
+            f.result(timeout=600)
 
     def start(a: Attack) -> None:
         a.cleanup.append(service.close)
-        rest = service.create_rest_client()
+        # the attacker in a process of its own, as the heartbeats: decoding listings in this one would
+        # hold the GIL that the neighbour's client needs (a client's Python, not the server)
+        lister = subprocess.Popen([sys.executable, "-c", _LISTINGS, url, MALLORY, tc.model_id], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert lister.stdout is not None
+        if lister.stdout.readline().strip() != "ready":
+            raise RuntimeError("the listing process did not start")
 
-        def run() -> None:
-            while not a.stop.is_set():
-                try:
-                    found = rest.list_user_checkpoints(limit=1000).result(timeout=300).cursor.total_count
-                    rest.list_checkpoints(tc.model_id).result(timeout=300)
-                    rest.list_training_runs().result(timeout=300)
-                    a.answers[f"listings of {found}"] += 1
-                except Exception as exc:
-                    a.answers[type(exc).__name__] += 1
+        def listed() -> None:
+            assert lister.stdin is not None and lister.stdout is not None
+            lister.stdin.close()
+            a.answers.update(json.loads(lister.stdout.readline()))
+            lister.wait(300)
 
-        def heartbeats() -> None:  # the neighbour's session staying alive: what a blocked loop delays
-            with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": ALICE}, timeout=30) as http:
-                session = http.post("/create_session", json={"type": "create_session", "tags": [],
-                                                             "user_metadata": {}, "sdk_version": "bench"}).json()
-                while not a.stop.is_set():
-                    start = time.perf_counter()
-                    http.post("/session_heartbeat", json={"session_id": session["session_id"],
-                                                          "type": "session_heartbeat"})
-                    a.latencies.append(time.perf_counter() - start)
-                    time.sleep(0.05)
+        a.cleanup.append(listed)
+        # the neighbour's heartbeats, timed in a process of their own: in this one they would wait for
+        # the GIL of the 4 threads decoding listings (a client's Python, not the server's loop)
+        beats = subprocess.Popen([sys.executable, "-c", _HEARTBEATS, url, ALICE], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        assert beats.stdin is not None and beats.stdout is not None
+        if beats.stdout.readline().strip() != "ready":
+            raise RuntimeError("the heartbeat process did not start")
 
-        a.background(run, 4)
-        a.background(heartbeats)
+        def timed() -> None:
+            assert beats.stdin is not None and beats.stdout is not None
+            beats.stdin.close()  # its signal to stop and say what it measured
+            a.latencies.extend(json.loads(beats.stdout.readline()))
+            beats.wait(60)
+
+        a.cleanup.append(timed)
+        a.hold_s = 12.0  # heartbeats every 50 ms: ~200 of them
     return start
 
 
@@ -382,8 +441,10 @@ def main() -> None:
         for attack in attacks:
             quiet = seconds_per_update(tc, args.updates)
             with attack:
+                begun = time.monotonic()
                 time.sleep(1.0)
                 attacked = seconds_per_update(tc, args.updates)
+                time.sleep(max(0.0, begun + attack.hold_s - time.monotonic()))
                 healthy = httpx.get(f"{url}/api/v1/healthz", timeout=30).status_code
             ratio = attacked / quiet
             verdict = "ok" if ratio <= 2 else "OVER"
@@ -391,10 +452,11 @@ def main() -> None:
             print(f"{attack.name:<14} {quiet:>15.3f} {attacked:>10.3f} {ratio:>7.2f}  {verdict:<12} {answers}; "
                   f"healthz {healthy}", flush=True)
             if attack.latencies:
-                worst = max(attack.latencies) * 1000
-                print(f"{'':<14} heartbeat latency meanwhile: median {statistics.median(attack.latencies) * 1000:.1f} "
-                      f"ms, max {worst:.1f} ms over {len(attack.latencies)} (target max <= 100 ms) "
-                      f"{'ok' if worst <= 100 else 'OVER'}", flush=True)
+                ms = sorted(x * 1000 for x in attack.latencies)
+                p99 = ms[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+                print(f"{'':<14} heartbeat round trips meanwhile: p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} "
+                      f"ms, max {ms[-1]:.1f} ms over {len(ms)} (target max <= 100 ms) "
+                      f"{'ok' if ms[-1] <= 100 else 'OVER'}", flush=True)
         neighbour.close()
         if not only or "memory" in only:
             for _ in range(3):  # 3 rounds: what a round leaves must not add up
