@@ -1049,11 +1049,14 @@ def _stamp(directory: str) -> tuple | None:
     return st.st_ino, st.st_mtime_ns, manifest
 
 
-def _listed(directory: Path, pool: Any) -> tuple[dict, int]:
-    """A listed checkpoint's checked manifest and size (CheckpointError / OSError as read_manifest)."""
+def _listed(directory: Path, pool: Any, stamp: tuple | None = None, limits: tuple | None = None
+            ) -> tuple[dict, int]:
+    """A listed checkpoint's checked manifest and size (CheckpointError / OSError as read_manifest);
+    `stamp` and `limits` where the caller has them already (_entries_of_run: one lstat of each, not
+    two; the pool's limits once a listing)."""
     path = os.fspath(directory)
-    key = (path, _pool_max_rank(pool), tuple(sorted(file_limits(pool).items())))
-    stamp = _stamp(path)
+    key = (path, *(limits or _limits_key(pool)))
+    stamp = stamp or _stamp(path)
     with _LISTED_LOCK:
         hit = _LISTED.get(key)
         if hit is not None and stamp is not None and hit[0] == stamp:
@@ -1069,24 +1072,36 @@ def _listed(directory: Path, pool: Any) -> tuple[dict, int]:
     return meta, size
 
 
+def _limits_key(pool: Any) -> tuple:
+    return _pool_max_rank(pool), tuple(sorted(file_limits(pool).items()))
+
+
 def _entries_of_run(root: Path, run_id: str, pool: Any, now: float, run_dir: str | None = None
                     ) -> list[CheckpointEntry]:
     entries = []
+    limits = _limits_key(pool)
     for segment in SEGMENTS:
         folder = root / (run_dir or names.run_dirname(run_id)) / segment
+        where = os.fspath(folder)
         try:
-            found = sorted(os.listdir(folder))
+            found = sorted(os.listdir(where))
         except OSError:
             continue
         for name in found:
+            if name.startswith("."):
+                continue  # temporary and set-aside copies of an atomic write
+            # is_checkpoint_dir, from the stamp the listing cache reads anyway (string paths: a
+            # listing of thousands runs on the catalog's thread, holding the GIL while it runs)
+            path = os.path.join(where, name)
+            stamp = _stamp(path)
+            if stamp is None or stamp[2] is None and not os.path.lexists(os.path.join(path, ADAPTER_CONFIG)):
+                continue  # stray files, symlinks, directories that are no checkpoint
             directory = folder / name
-            if name.startswith(".") or not is_checkpoint_dir(directory):
-                continue  # temporary and set-aside copies of an atomic write, stray files
             try:
-                meta, size = _listed(directory, pool)
+                meta, size = _listed(directory, pool, stamp, limits)
             except (CheckpointError, OSError):
                 continue  # a broken checkpoint is not listed (loading it names the problem)
-            if meta and expired(meta, str(directory), now):
+            if meta and expired(meta, path, now):
                 _remove_expired(directory)
                 continue
             entries.append(CheckpointEntry(run_id, segment, name, directory, meta, size))
