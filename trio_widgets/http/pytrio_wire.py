@@ -373,14 +373,14 @@ class PyTrio:
         return {"training_runs": [self.run_json(owner, r) for r in runs[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
 
-    async def checkpoints(self, owner: str, request: Request) -> dict:
+    async def checkpoints(self, owner: str, request: Request) -> Response:
         limit, offset = _page(request)
         run_id = request.path_params.get("run_id")
 
-        def work() -> dict:
+        def work() -> JSONResponse:  # listed, paged and encoded (up to 10,000 entries) off the event loop
             found = self.s.of(owner).call(ListCheckpoints(run_id))[::-1]  # newest first
-            return {"checkpoints": [self.checkpoint_json(owner, c) for c in found[offset:offset + limit]],
-                    "cursor": {"offset": offset, "limit": limit, "total": len(found)}}
+            return JSONResponse({"checkpoints": [self.checkpoint_json(owner, c) for c in found[offset:offset + limit]],
+                                 "cursor": {"offset": offset, "limit": limit, "total": len(found)}})
 
         return await self.s.off_loop(work)
 
