@@ -552,6 +552,17 @@ class ServedState:
         n = self.check_model_slot(session, n, "model_seq_id")
         return n, names.run_id(session.session_id, n), self.model_label(session, n, meta), session.model_requests.get(n)
 
+    def reserve_run(self, owner: str, session: ServedSessionView) -> int:
+        """The session's next run number, held for a run made later (PyTRIO's control plane names a
+        run before its actor's init_run makes it): a "reserved" entry, settled at once, in its slot. It
+        counts against the key's unretrieved results until open_run replaces it (or the reaper drops it)."""
+        assert isinstance(session, ServedSession)
+        n = self.check_model_slot(session, len(session.model_requests), "model_seq_id")
+        entry = self.new_entry(owner, session, "reserved")
+        session.model_requests[n] = entry
+        entry.settle({})
+        return n
+
     def open_run(self, owner: str, session: ServedSessionView, n: int, request: CreateModelRequest | FromStateRequest,
                  label: str, then: Callable[[dict], dict] = lambda out: out, kind: str = "create_model") -> Entry:
         """Run `n` of `session` (a new adapter, or one from a checkpoint) made on the worker threads;

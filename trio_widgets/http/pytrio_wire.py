@@ -330,10 +330,7 @@ class PyTrio:
         base = self.base_of(body.get("base_model") or (self._source(owner, source).base_model if source else None),
                             request)
         # the run's number is its slot in the session; the adapter is made when its init_run event comes
-        n = self.s.check_model_slot(session, len(session.model_requests), "model_seq_id")
-        # a placeholder, settled at once: it counts against the key's results until init_run (or the reaper)
-        session.model_requests[n] = self.s.new_entry(owner, session, "reserved")
-        session.model_requests[n].settle({})
+        n = self.s.state.reserve_run(owner, session)  # counts against the key's results until init_run
         return {"training_run_cuid": names.run_id(session.session_id, n), "service_session_cuid": session.session_id,
                 "workspace_cuid": self.workspace(owner), "status": "PENDING", "run_index": n,
                 "model_spec_cuid": base, "model_alias": base, "model_id": self.model_id(base, request),
