@@ -459,7 +459,8 @@ class PyTrio:
                 self.s.entries.get(self._op(owner, model, index - 1, kind, payload))  # init_run is seq 0
         except (InvalidInputError, NotSupportedError) as exc:  # refused: a failed event, as the actor's
             if model is not None and isinstance(exc, NotSupportedError):
-                model.seq.refuse(index - 1)  # its index is used up: the events after it do not wait for it
+                # its index is used up: the events after it do not wait for it
+                self.s.state.refuse_seq(owner, model.model_id, index - 1)
             return self._event(event_id, kind, None, wire_of(exc))
         if entry is not None:
             session.aliases[event_id] = entry.request_id
