@@ -37,6 +37,9 @@ from ..backend import (
     OptimStepRequest,
     SampleRequest,
     SaveRequest,
+    ServedEntry,
+    ServedModelView,
+    ServedSessionView,
     WeightsInfo,
 )
 from ..backend import ForwardRequest as _Forward
@@ -48,7 +51,7 @@ from .auth import HttpError, api_key_of, is_loopback, not_found, wire_of
 from .routes import json_body, read_body
 
 if TYPE_CHECKING:
-    from .service import ServedModel, ServedSession, Service
+    from .service import Service
 
 __all__ = ["ACTOR", "CONTROL", "pytrio_routes"]
 
@@ -205,7 +208,7 @@ class PyTrio:
     def workspace(self, owner: str) -> str:
         return f"ws-{owner[:12]}"
 
-    def actor(self, request: Request, session: ServedSession, owner: str) -> dict[str, Any]:
+    def actor(self, request: Request, session: ServedSessionView, owner: str) -> dict[str, Any]:
         base = str(request.base_url).rstrip("/")
         return {"actor": {"actor_cuid": f"pool-{self.s.pool.name}", "endpoint": f"{base}{ACTOR}/{session.session_id}",
                           "connect_mode": "direct", "tls_enabled": False},
@@ -221,17 +224,17 @@ class PyTrio:
         tinker's tokenizer_id, a hub model's name, or for a client on this machine the directory the
         server keeps the tokenizer of a built-in model in. A fleet's pool (an id tag) says the name: a
         pool's directory means nothing to its sibling pools, and pytrio compares model ids across them."""
-        return name if self.s.id_tag else self.s.tokenizer_id(name, _local(request)) or name
+        return name if self.s.id_tag else self.s.state.tokenizer_id(name, _local(request)) or name
 
     def base_of(self, value: Any, request: Request) -> str:
         """A served model's name from its name or its `model_id`."""
         found = [m for m in self.s.models if value == m or value == self.model_id(m, request)]
-        return self.s.base_model(found[0] if found else value)
+        return self.s.state.base_model(found[0] if found else value)
 
-    def session_of(self, request: Request, owner: str, live: bool = True) -> ServedSession:
-        return self.s.session(request.path_params["session_id"], owner, live=live)
+    def session_of(self, request: Request, owner: str, live: bool = True) -> ServedSessionView:
+        return self.s.state.session(request.path_params["session_id"], owner, live=live)
 
-    def session_json(self, session: ServedSession) -> dict[str, Any]:
+    def session_json(self, session: ServedSessionView) -> dict[str, Any]:
         return {"service_session_cuid": session.session_id, "workspace_cuid": self.workspace(session.owner),
                 "status": "ACTIVE" if session.state == "live" else "ENDED", "sdk_version": None,
                 "created_at": _now(), "updated_at": _now(),
@@ -242,7 +245,7 @@ class PyTrio:
         """A run the key's backend described (read on the catalog's thread), with what the live model
         says of it (read here, on the loop's)."""
         run_id = run.training_run_id
-        model = self.s.trained.get(run_id)
+        model = self.s.state.trained.get(run_id)
         h = model.handle if model is not None and model.session.owner == owner else None
         match = names.RUN_ID_RE.match(run_id)
         flags = {"train_mlp": h.train_mlp if h else True, "train_attn": h.train_attn if h else True,
@@ -297,13 +300,13 @@ class PyTrio:
     async def create_session(self, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, self.s, owner))
         made = self.s.create_session(owner, {"user_metadata": _metadata(body.get("user_metadata"), "user_metadata")})
-        return self.session_json(self.s.session(made["session_id"], owner))
+        return self.session_json(self.s.state.session(made["session_id"], owner))
 
     async def get_session(self, owner: str, request: Request) -> dict:
         return self.session_json(self.session_of(request, owner, live=False))
 
     async def list_sessions(self, owner: str, request: Request) -> dict:
-        mine = [s for s in self.s.sessions.values() if s.owner == owner]
+        mine = [s for s in self.s.state.sessions.values() if s.owner == owner]
         limit, offset = _page(request)
         return {"service_sessions": [self.session_json(s) for s in mine[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(mine)}}
@@ -316,7 +319,7 @@ class PyTrio:
         await read_body(request, self.s, owner)
         session = self.session_of(request, owner, live=False)
         if session.state == "live":
-            self.s.end_session(session, "finished", "the PyTRIO client closed its service session")
+            self.s.state.end_session(session, "finished", "the PyTRIO client closed its service session")
         return {}
 
     def _source(self, owner: str, uri: Any) -> Any:
@@ -349,24 +352,24 @@ class PyTrio:
         await read_body(request, self.s, owner)
         run_id = request.path_params["run_id"]
         match = names.RUN_ID_RE.match(run_id)
-        session = self.s.session(match.group("session") if match else None, owner)
+        session = self.s.state.session(match.group("session") if match else None, owner)
         return {"training_run_cuid": run_id, "service_session_cuid": session.session_id,
                 "workspace_cuid": self.workspace(owner), **self.actor(request, session, owner)}
 
     async def by_checkpoint(self, owner: str, request: Request) -> dict:
         uri = request.query_params.get("checkpoint_uri")
-        info = await self.s.off_loop(lambda: self._source(owner, uri))
+        info = await self.s.state.off_loop(lambda: self._source(owner, uri))
         return {"base_model": self.model_id(info.base_model, request), "lora_rank": info.lora_rank, "seed": None,
                 "train_mlp": info.train_mlp is not False, "train_attn": info.train_attn is not False,
                 "train_unembed": info.train_unembed is not False}
 
     async def get_run(self, owner: str, request: Request) -> dict:
         run_id = request.path_params["run_id"]
-        return self.run_json(owner, await self.s.off_loop(lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
+        return self.run_json(owner, await self.s.state.off_loop(lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
 
     async def list_runs(self, owner: str, request: Request) -> dict:
         limit, offset = _page(request)
-        runs = await self.s.off_loop(lambda: self.s.of(owner).call(ListTrainingRuns()))
+        runs = await self.s.state.off_loop(lambda: self.s.of(owner).call(ListTrainingRuns()))
         return {"training_runs": [self.run_json(owner, r) for r in runs[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
 
@@ -379,17 +382,17 @@ class PyTrio:
             return JSONResponse({"checkpoints": [self.checkpoint_json(owner, c) for c in found[offset:offset + limit]],
                                  "cursor": {"offset": offset, "limit": limit, "total": len(found)}})
 
-        return await self.s.off_loop(work)
+        return await self.s.state.off_loop(work)
 
     async def delete_checkpoint(self, owner: str, request: Request) -> dict:
         run, kind, name = self.checkpoint_path(request.path_params["cuid"])
-        await self.s.off_loop(lambda: self.s.of(owner).call(DeleteCheckpoint(run, f"{kind}/{name}")))
+        await self.s.state.off_loop(lambda: self.s.of(owner).call(DeleteCheckpoint(run, f"{kind}/{name}")))
         return {}
 
     async def download_url(self, owner: str, request: Request) -> dict:
         run, kind, name = self.checkpoint_path(request.path_params["cuid"])
-        found = await self.s.off_loop(lambda: self.s.export_urls(owner, names.checkpoint_path(run, kind, name),  # type: ignore[arg-type]
-                                                                   str(request.base_url)))
+        found = await self.s.state.off_loop(lambda: self.s.export_urls(owner, names.checkpoint_path(run, kind, name),  # type: ignore[arg-type]
+                                                                         str(request.base_url)))
         return {"url": found["archive_url"], "expires_at": found["expires"], "source": "object_storage",
                 "checkpoint_status": "READY", "tls_cert_pem": None, "tls_not_after": None}
 
@@ -400,11 +403,11 @@ class PyTrio:
         base = self.base_of(body["base_model"], request) if body.get("base_model") else None
         # a number no other sampler of the session has or is being given (two creates may run at once;
         # tinker's SDK numbers its own, PyTRIO's does not)
-        n = next(self.s.numbers)
+        n = next(self.s.state.numbers)
         made = await self.s.create_sampling_session(owner, {"session_id": session.session_id, "model_path": path,
                                                             "base_model": None if path else base,
                                                             "sampling_session_seq_id": n})
-        sampler = self.s.sampler(made["sampling_session_id"], owner)
+        sampler = self.s.state.sampler(made["sampling_session_id"], owner)
         h = sampler.handle
         return {"sampling_run_cuid": sampler.sampler_id, "service_session_cuid": session.session_id,
                 "workspace_cuid": self.workspace(owner), "status": "RUNNING",
@@ -413,7 +416,7 @@ class PyTrio:
                 **self.actor(request, session, owner), "created_at": _now()}
 
     async def get_sampler(self, owner: str, request: Request) -> dict:
-        sampler = self.s.sampler(request.path_params["sampler_id"], owner)
+        sampler = self.s.state.sampler(request.path_params["sampler_id"], owner)
         h = sampler.handle
         return {"sampling_run_cuid": sampler.sampler_id, "service_session_cuid": sampler.session.session_id,
                 "workspace_cuid": self.workspace(owner), "status": "RUNNING", "base_model": h.base_model,
@@ -422,7 +425,7 @@ class PyTrio:
 
     async def renew_sampler(self, owner: str, request: Request) -> dict:
         await read_body(request, self.s, owner)
-        sampler = self.s.sampler(request.path_params["sampler_id"], owner)
+        sampler = self.s.state.sampler(request.path_params["sampler_id"], owner)
         return {"sampling_run_cuid": sampler.sampler_id, "service_session_cuid": sampler.session.session_id,
                 "workspace_cuid": self.workspace(owner), **self.actor(request, sampler.session, owner)}
 
@@ -430,7 +433,7 @@ class PyTrio:
     async def heartbeat(self, owner: str, request: Request) -> dict:
         await read_body(request, self.s, owner)
         self.session_of(request, owner)  # a sign of life (410 once expired)
-        return {"heartbeat_ms": int(min(10.0, self.s.session_timeout_s / 4) * 1000)}
+        return {"heartbeat_ms": int(min(10.0, self.s.state.session_timeout_s / 4) * 1000)}
 
     async def submit(self, owner: str, request: Request) -> Response:
         ctype = request.headers.get("content-type", "")
@@ -447,16 +450,16 @@ class PyTrio:
         meta = _field(envelope.get("metadata"), dict, "metadata")
         session = self.session_of(request, owner)
         if event_id in session.aliases:  # a retry: the first one's state
-            return self._event(event_id, kind, self.s.entries.get(session.aliases[event_id]))  # (same type)
+            return self._event(event_id, kind, self.s.state.entries.get(session.aliases[event_id]))  # (same type)
         run_id = _field(meta.get("run_id"), str, "metadata.run_id")
         index = _field(meta.get("index"), int, "metadata.index")
         payload = _field(envelope.get("payload"), dict, "payload")
-        model = None if kind == "trainer.init_run" else self.s.model(run_id, owner)
+        model = None if kind == "trainer.init_run" else self.s.state.model(run_id, owner)
         if model is not None and model.session is not session:
             raise not_found(f"run {run_id!r:.80} in this session")
         try:
             entry = self._init_run(owner, session, run_id, payload, request) if model is None else \
-                self.s.entries.get(self._op(owner, model, index - 1, kind, payload))  # init_run is seq 0
+                self.s.state.entries.get(self._op(owner, model, index - 1, kind, payload))  # init_run is seq 0
         except (InvalidInputError, NotSupportedError) as exc:  # refused: a failed event, as the actor's
             if model is not None and isinstance(exc, NotSupportedError):
                 # its index is used up: the events after it do not wait for it
@@ -468,7 +471,7 @@ class PyTrio:
                 session.aliases.popitem(last=False)
         return self._event(event_id, kind, entry)
 
-    def _init_run(self, owner: str, session: ServedSession, run_id: str, p: dict, http: Request) -> Any:
+    def _init_run(self, owner: str, session: ServedSessionView, run_id: str, p: dict, http: Request) -> ServedEntry:
         match = names.RUN_ID_RE.match(run_id)
         n = int(match.group("n")) if match and match.group("session") == session.session_id else -1
         placeholder = session.model_requests.get(n)
@@ -479,8 +482,8 @@ class PyTrio:
         lora = _field(p.get("lora_config"), dict, "lora_config")
         metadata = _metadata(p.get("user_metadata"), "user_metadata")
         uri = _text(p.get("checkpoint_uri") or None, "checkpoint_uri", None)
-        self.s.forget(placeholder.request_id)
-        label = self.s.model_label(session, n, metadata)
+        self.s.state.forget(placeholder.request_id)
+        label = self.s.state.model_label(session, n, metadata)
         request: CreateModelRequest | FromStateRequest
         if uri:
             request = FromStateRequest(uri, bool(p.get("load_optimizer")), label,
@@ -493,10 +496,11 @@ class PyTrio:
                                          train_attn=bool(lora.get("train_attn", True)),
                                          train_unembed=bool(lora.get("train_unembed", True)), label=label,
                                          run_id=run_id, session_id=session.session_id)
-        return self.s.open_run(owner, session, n, request, label, lambda out: {"training_run_cuid": out["model_id"]})
+        return self.s.state.open_run(owner, session, n, request, label,
+                                     lambda out: {"training_run_cuid": out["model_id"]})
 
-    def _op(self, owner: str, model: ServedModel, seq: int, kind: str, p: dict) -> str:
-        s = self.s
+    def _op(self, owner: str, model: ServedModelView, seq: int, kind: str, p: dict) -> str:
+        s = self.s.state
         if kind in ("trainer.forward", "trainer.forward_backward"):
             with s.consumes(model, seq):
                 loss = _field(p.get("loss"), dict, "loss")
@@ -531,13 +535,13 @@ class PyTrio:
             raise NotSupportedError(f"event type {kind!r:.40} is not supported by a local trio pool")
         return s.sequenced(model, owner, seq, op, request, lambda r: (encode(r), False))["request_id"]
 
-    def _event(self, event_id: str, kind: str, entry: Any, error: WireError | None = None) -> Response:
+    def _event(self, event_id: str, kind: str, entry: ServedEntry | None, error: WireError | None = None) -> Response:
         out: dict[str, Any] = {"version": 1, "event_id": event_id, "type": kind}
         usage = {"input_tokens": 0, "output_tokens": 0, "train_tokens": 0}
         if entry is None and error is None:
             error = WireError(404, "not_found", "user", f"event {event_id} is not known here (any more)")
         if entry is not None and entry.done.is_set():
-            self.s.mark_retrieved(entry)
+            self.s.state.mark_retrieved(entry)
             error = entry.error
             if error is None:
                 out.update(status="succeeded", result=entry.body or {}, usage=usage)
@@ -552,7 +556,7 @@ class PyTrio:
         session = self.session_of(request, owner)
         event_id = request.path_params["event_id"]
         rid = session.aliases.get(event_id)
-        entry = self.s.entries.get(rid) if rid is not None else None
+        entry = self.s.state.entries.get(rid) if rid is not None else None
         if entry is None:
             raise not_found(f"event {event_id!r:.60}")
         wait = request.headers.get("prefer", "").partition("wait=")[2]
@@ -565,7 +569,7 @@ class PyTrio:
     async def sample(self, owner: str, request: Request) -> dict:
         body = json_body(await read_body(request, self.s, owner))
         session = self.session_of(request, owner)
-        sampler = self.s.sampler(request.path_params["sampler_id"], owner)
+        sampler = self.s.state.sampler(request.path_params["sampler_id"], owner)
         if sampler.session is not session:
             raise not_found(f"sampling run {sampler.sampler_id!r:.80} in this session")
         prompt = _model_input(body.get("prompt"), "prompt")
@@ -589,9 +593,9 @@ class PyTrio:
                     "usage": {"input_tokens": len(prompt.to_ints()),
                               "output_tokens": sum(len(q.tokens) for q in r.sequences)}}, False
 
-        entry = self.s.sample(owner, sampler, asked, encode)
+        entry = self.s.state.sample(owner, sampler, asked, encode)
         await entry.done.wait()
-        self.s.mark_retrieved(entry)
+        self.s.state.mark_retrieved(entry)
         if entry.error is not None:
             raise _Failed(entry.error)
         assert isinstance(entry.body, dict)
