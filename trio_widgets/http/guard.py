@@ -35,10 +35,12 @@ import ipaddress
 import json
 import logging
 import socket
+import time
+import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -46,7 +48,7 @@ from starlette.responses import JSONResponse
 from ..protocol import WireError
 from .auth import HttpError, api_key_of, error_response
 
-__all__ = ["Budget", "Connections", "Policy", "guarded_protocol", "policy_app", "read_body"]
+__all__ = ["Budget", "Connections", "Pace", "Policy", "guarded_protocol", "policy_app", "read_body"]
 
 log = logging.getLogger("trio_widgets.http.server")
 
@@ -57,6 +59,8 @@ _LOOKED_AT = frozenset((b"host", b"origin", b"content-type", b"content-length", 
 # what a browser says of a request a page of another site made (Fetch Metadata); no client of ours
 # sends the header, and a page's no-cors GET carries no Origin, only this
 _FROM_ANOTHER_SITE = frozenset(("cross-site", "same-site"))
+
+T = TypeVar("T")
 
 
 def _machine_names() -> set[str]:
@@ -434,6 +438,35 @@ class Budget:
             self.held[owner] -= mine
             if self.held[owner] <= 0:
                 del self.held[owner]
+
+
+class Pace:
+    """One key's catalog work (listings, deletes, TTLs: disk and JSON on the catalog's thread, with
+    the GIL) one job at a time, and its next job not before it has rested as long as the last one
+    took: a key listing 2,000 checkpoints back to back gets at most half of that thread, and the
+    clock, which needs the GIL too, keeps its neighbours' cycles (event loop thread only)."""
+
+    def __init__(self, keys: int = 4096):
+        self.keys = keys
+        self.locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.ready: OrderedDict[str, float] = OrderedDict()  # key -> when its next job may start
+
+    async def run(self, owner: str, job: Callable[[], Awaitable[T]]) -> T:
+        lock = self.locks.get(owner)
+        if lock is None:
+            lock = self.locks[owner] = asyncio.Lock()
+        async with lock:
+            rest = self.ready.pop(owner, 0.0) - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+            start = time.monotonic()
+            try:
+                return await job()
+            finally:
+                now = time.monotonic()
+                self.ready[owner] = now + min(now - start, 1.0)
+                while len(self.ready) > self.keys:
+                    self.ready.popitem(last=False)
 
 
 async def read_body(request: Request, service: Any, owner: str) -> bytes:

@@ -28,7 +28,7 @@ from ..errors import InvalidInputError, NotSupportedError
 from ..protocol import WireError
 from . import wire
 from .auth import HttpError, answering, error_response, is_local
-from .guard import read_body
+from .guard import Pace, read_body
 from .stream import info as info_of
 from .stream import telemetry_stream
 
@@ -85,6 +85,7 @@ def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
 
 def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
     """Tinker's routes, then `more` (PyTRIO's: trio_widgets/http/pytrio_wire.py), then 404 for the rest."""
+    pace = Pace()  # one key's catalog work paced (guard.py)
     async def config(s: Service, owner: str, request: Request) -> dict:
         await read_body(request, s, owner)
         # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
@@ -144,7 +145,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         return await s.state.off_loop(lambda: s.state.tokenizer_files(owner, model))
 
     async def catalog(s: Service, owner: str, call: Any, encode: Callable[[Any], dict] = lambda _r: {}) -> dict:
-        return await s.state.off_loop(lambda: encode(s.of(owner).call(call)))
+        return await pace.run(owner, lambda: s.state.off_loop(lambda: encode(s.of(owner).call(call))))
 
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
         return await catalog(s, owner, ListCheckpoints(request.path_params["model_id"]),
