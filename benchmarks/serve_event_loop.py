@@ -50,8 +50,8 @@ def arm(pool: trio.LocalPool, loop: str, clients: int, updates: int) -> float:
                 cpu0 = thread_cpu_s(http_thread)
                 run()
                 used = thread_cpu_s(http_thread) - cpu0
-            if type(server._service.loop).__module__.split(".")[0] != loop:
-                raise RuntimeError(f"the server ran on {type(server._service.loop)}, not {loop}")
+            if type(server._service.state.loop).__module__.split(".")[0] != loop:
+                raise RuntimeError(f"the server ran on {type(server._service.state.loop)}, not {loop}")
     finally:
         served.new_event_loop = LOOPS["uvloop"]  # the module's own factory, for whatever serves next
     return used / (len(kinds) * updates) * 1e3

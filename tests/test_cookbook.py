@@ -191,7 +191,7 @@ def test_an_answered_result_outlasts_the_sdks_read_timeout(tmp_path, monkeypatch
         future = tc.forward_backward([tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7]),
                                                    loss_fn_inputs={"target_tokens": [6, 7, 8]})], "cross_entropy")
         future.result(timeout=120)
-        entries = server._service.entries
+        entries = server._service.state.entries
         [request_id] = [rid for rid, entry in entries.items() if entry.kind == "forward_backward"]
         assert entries[request_id].retrieved is not None
 

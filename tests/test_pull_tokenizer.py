@@ -48,7 +48,7 @@ def test_a_participant_pulls_the_tokenizer_and_loads_it_offline_by_name(server, 
     assert after.returncode == 0, after.stderr
     assert after.stdout.strip() == str(byte_tokenizer().encode("héllo", add_special_tokens=False))
     # the tinker SDK's own loader, given the name a remote client is told (tokenizer_id)
-    assert server._service.tokenizer_id(trio.DEFAULT_MODEL, local=False) == trio.DEFAULT_MODEL
+    assert server._service.state.tokenizer_id(trio.DEFAULT_MODEL, local=False) == trio.DEFAULT_MODEL
     sdk = _run(["-c", "from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info as f; "
                       f"print(f({trio.DEFAULT_MODEL!r}, {trio.DEFAULT_MODEL!r}).decode([107, 108]))"], env)
     assert sdk.returncode == 0 and sdk.stdout.strip() == byte_tokenizer().decode([107, 108]), sdk.stderr
@@ -58,7 +58,7 @@ def test_a_participant_pulls_the_tokenizer_and_loads_it_offline_by_name(server, 
 
 
 def test_a_client_on_the_servers_machine_is_told_a_directory(server):
-    where = server._service.tokenizer_id(trio.DEFAULT_MODEL, local=True)
+    where = server._service.state.tokenizer_id(trio.DEFAULT_MODEL, local=True)
     assert where is not None and os.path.isdir(where)
 
 

@@ -359,7 +359,7 @@ def test_a_key_cannot_hold_the_pool(pool):
                 extra.create_lora_training_client(trio.DEFAULT_MODEL, rank=4)
             neighbour.steps(3)  # the other key is not counted against
             held[0].close()  # a closed client gives its place back
-            wait_for(lambda: len(server._service._key_clients(_owner(MALLORY))) == 2, "the place given back", 30)
+            wait_for(lambda: len(server._service.state._key_clients(_owner(MALLORY))) == 2, "the place given back", 30)
             held.append(extra.create_lora_training_client(trio.DEFAULT_MODEL, rank=4))
         finally:
             for s in services:
@@ -394,7 +394,7 @@ def test_closed_clients_and_their_results_are_freed(pool):
     big = [trio.Datum(trio.ModelInput.from_ints([(i * 7 + j) % 200 + 3 for j in range(256)]),
                       {"target_tokens": [(i * 7 + j) % 200 + 4 for j in range(256)]}) for i in range(8)]
     with served(pool) as server:
-        service = server._service
+        service = server._service.state
         tenants = pool.tenant_count
         clients = [trio.ServiceClient(base_url=server.url) for _ in range(3)]
         try:
@@ -419,7 +419,7 @@ def test_a_closed_client_is_named_closed_not_unknown(pool):
         tc.forward_backward(BATCH).result(timeout=60)
         model_id = tc.client_id
         tc.close()
-        wait_for(lambda: model_id not in server._service.trained, "released", 30)
+        wait_for(lambda: model_id not in server._service.state.trained, "released", 30)
         r = raw(server.url, "POST", "/optim_step", json={"model_id": model_id, "adam_params": {}})
         assert r.status_code == 410 and "was closed" in r.json()["detail"]
         service.close()

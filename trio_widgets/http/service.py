@@ -41,11 +41,6 @@ from .guard import Budget
 
 __all__ = ["Service"]
 
-# pytrio_wire.py's names for the served rows, until it names the seam's (backend.ServedSessionView, ...)
-ServedSession = Any
-ServedModel = Any
-
-
 class Service:
     """The Tinker codec. What it does not decode or encode it asks the engine's served state
     (`self.state`, a `ServedStateView` of the seam's), so both codecs call one table."""
@@ -80,11 +75,6 @@ class Service:
         self.state: ServedStateView = self.backend.call(tables)
         self.exports = Exports(lambda owner, path: self.of(owner).call(CheckpointDir(path)),
                                max_bytes=max_export_bytes, url_ttl_s=export_url_ttl_s, timeout_s=export_timeout_s)
-
-    def __getattr__(self, name: str) -> Any:  # pytrio_wire.py's `s.<state's name>`, until it asks s.state
-        if name == "state":  # (not made yet)
-            raise AttributeError(name)
-        return getattr(self.state, name)
 
     def authenticate(self, request: Request, observer: bool = False) -> str:
         return authenticate(api_key_of(request.headers), self.api_keys, self.observer_keys, observer)
