@@ -130,6 +130,7 @@ def _slices(samples: list[Request], max_rows: int) -> list[list[Request]]:
 
 
 _TRIM_DELAY_S = 1.0  # what still held a dropped client's tensors (a delivery, a future) lets go first
+_TRIM_BUSY_S = 30.0  # a pool never idle trims anyway, this long after its clients dropped
 
 
 def _return_memory() -> None:
@@ -684,7 +685,7 @@ class LocalPool:
             tenants = {cid: self._tenants[cid] for cid in taken}
         for cid in dropped:
             self.telemetry.retire_client(cid)
-        if dropped:
+        if dropped and self._clock.trim_at is None:  # (later drops do not put off a pending trim)
             self._clock.trim_at = now + _TRIM_DELAY_S
         for requests in taken.values():
             for request in requests:
@@ -962,7 +963,8 @@ def _clock_loop(pool_ref: weakref.ref[LocalPool], clock: _Clock) -> None:
                            cpu_s=cpu, gil_wait_s=waited)
         min_cycle_s = pool.min_cycle_s
         idle = not requests and not decoding
-        if clock.trim_at is not None and time.perf_counter() >= clock.trim_at:
+        # trimming takes malloc's locks for a while: on an idle cycle, unless the pool stays busy for long
+        if clock.trim_at is not None and time.perf_counter() >= clock.trim_at + (0.0 if idle else _TRIM_BUSY_S):
             clock.trim_at = None
             _return_memory()
         # Hold nothing that leads back to the pool while sleeping, so that a dropped pool
