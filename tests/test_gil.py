@@ -20,8 +20,9 @@ import weakref
 from conftest import random_batch
 
 import trio_widgets as trio
+from trio_widgets.advisor import gil_held, gil_where
 from trio_widgets.gil import GilWatchdog, RunMeter, is_user_file, user_frames
-from trio_widgets.telemetry import GilStall, Telemetry, UserFrame
+from trio_widgets.telemetry import GC_FILE, GilStall, Telemetry, UserFrame
 from trio_widgets.trace import chrome_trace, metrics_rows
 
 
@@ -76,6 +77,43 @@ def test_python_holding_the_gil_is_named_by_thread_function_and_line():
     assert all(s.heartbeats >= 2 and s.ended_at > s.started_at for s in stalls)
     # the clock, sleeping between its idle cycles, woke late while the GIL was held
     assert any(c.gil_wait_s > 0 for c in cycles if c.started_at >= mine[0].started_at)
+
+
+def test_a_garbage_collection_is_not_blamed_on_the_function_that_runs_after_it():
+    """A collection holds the GIL from start to end, so the watchdog can only look after it, at
+    whatever the collecting thread runs next: the stall is the collector's, and only the hog's
+    own Python is the hog's."""
+    gc.freeze()  # what this process holds already is out of the passes: they visit `graph` alone
+    graph = [{"i": [i]} for i in range(150_000)]  # a pass over these: tens of ms
+
+    def collecting():
+        for _ in range(20):
+            gc.collect()  # a full pass, then a moment off the GIL: the watchdog looks in between
+            time.sleep(0.001)
+
+    try:
+        with trio.LocalPool(min_cycle_s=0.02, name="gil-gc") as pool:
+            assert pool.gil_watchdog._on_gc in gc.callbacks
+            settle(pool.gil_watchdog)
+            worker = threading.Thread(target=collecting, name="collector")
+            worker.start()
+            worker.join()
+            settle(pool.gil_watchdog)
+            loader = threading.Thread(target=hog, args=(0.5,), name="loader")
+            loader.start()
+            loader.join()
+            settle(pool.gil_watchdog)
+            stalls = list(pool.telemetry.gil)
+        assert pool.gil_watchdog._on_gc not in gc.callbacks  # closed with its pool
+    finally:
+        graph.clear()
+        gc.unfreeze()
+    theirs = blamed(pool, "collector")
+    assert theirs and all(s.frames[0].file == GC_FILE and not s.frames[0].user for s in theirs), theirs
+    assert gil_where(theirs[0]).startswith("in Python's garbage collector")
+    # a hog's stalls are its own, the collector's are not user code: the culprit is the hog
+    held = gil_held([s for s in stalls if s.thread in ("collector", "loader")], 0.0, time.perf_counter())
+    assert held is not None and held[1].frames[0].function == "hog", held
 
 
 def test_sampling_frames_keeps_no_dropped_pool_alive():

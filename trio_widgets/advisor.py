@@ -52,7 +52,7 @@ from typing import Literal
 
 from .metrics import PERIOD_WINDOW, cycle_duration, cycles_per_update, format_cycles
 from .ops import OPS, UPDATE_OPS
-from .telemetry import ClientInfo, CoreSample, CycleRecord, GilStall, RequestRecord, Telemetry, UserFrame
+from .telemetry import GC_FILE, ClientInfo, CoreSample, CycleRecord, GilStall, RequestRecord, Telemetry, UserFrame
 
 __all__ = ["Diagnosis", "core_demand", "cpu_message", "cycle_seconds", "diagnose", "diagnose_client",
            "diagnose_telemetry", "gil_held", "gil_where",
@@ -246,6 +246,9 @@ def gil_where(culprit: GilStall) -> str:
     if not frames:
         return f"in thread {culprit.thread!r}"
     top = frames[0]
+    if top.file == GC_FILE:
+        return ("in Python's garbage collector, a pass over every live object (gc.freeze() after loading "
+                "keeps what lives on out of its passes)")
     where = top.where if top.function == "<module>" else f"in `{top.function}`, {top.where}"
     caller = next((f for f in frames[1:] if f.function not in (top.function, "<module>")), None)
     if caller is not None:

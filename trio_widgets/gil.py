@@ -36,16 +36,17 @@ it cannot tell the GIL from a busy CPU.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
 import sysconfig
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from types import FrameType
 
-from .telemetry import CoreSample, GilStall, Telemetry, UserFrame
+from .telemetry import GC_FILE, CoreSample, GilStall, Telemetry, UserFrame
 
 __all__ = ["GilWatchdog", "RunMeter", "user_frames"]
 
@@ -136,6 +137,8 @@ def _library_roots() -> tuple[str, ...]:
 
 
 _LIBRARY = _library_roots()
+# asyncio's loop running a callback or a task's step (a task's coroutine frames sit above these)
+_EVENT_LOOP = (os.path.join("asyncio", "events.py"), os.path.join("asyncio", "base_events.py"))
 _ANONYMOUS = ("<genexpr>", "<listcomp>", "<dictcomp>", "<setcomp>", "<lambda>", "<locals>")
 
 
@@ -181,6 +184,10 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
     innermost = frame
     while frame is not None and len(out) < limit:
         code = frame.f_code
+        if not out and code.co_filename.endswith(_EVENT_LOOP):
+            # an event loop's callback or its own work: the function that started the loop (the
+            # caller of asyncio.run) is not what runs (a coroutine's own frames come before this)
+            break
         cell = cells.get(code.co_filename)
         if cell is not None or is_user_file(code.co_filename):
             function = _function(code)
@@ -269,6 +276,11 @@ class GilWatchdog:
         self.cpus = cpu_count()
         #: stretches that were contention (the holder preempted while every core was wanted), not the GIL
         self.contended = 0
+        # (thread ident, start, end) of recent collections: the watchdog cannot look while one runs
+        # (the collecting thread holds the GIL throughout), so a look after it would blame whatever
+        # function that thread runs next, a random allocator
+        self._collections: deque[tuple[int, float, float]] = deque(maxlen=64)
+        self._collecting: dict[int, float] = {}
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -276,6 +288,7 @@ class GilWatchdog:
 
     def start(self) -> GilWatchdog:
         if self._thread is None:
+            gc.callbacks.append(self._on_gc)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         return self
@@ -283,9 +296,27 @@ class GilWatchdog:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; wait up to `timeout` seconds for it to end (0: do not wait)."""
         self._stop.set()
+        try:
+            gc.callbacks.remove(self._on_gc)
+        except ValueError:
+            pass  # never started, or stopped before
         thread = self._thread
         if timeout > 0 and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        # Runs in the collecting thread, inside the collection: no allocation worth the name
+        now, me = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._collecting[me] = now
+        else:
+            started = self._collecting.pop(me, None)
+            if started is not None and now - started > 1e-3:
+                self._collections.append((me, started, now))
+
+    def _collected(self, ident: int | None, since: float, until: float) -> float:
+        """Seconds thread `ident` spent collecting garbage in [since, until]."""
+        return sum(max(0.0, min(b, until) - max(a, since)) for who, a, b in list(self._collections) if who == ident)
 
     # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -445,9 +476,15 @@ class GilWatchdog:
         if first or best is None or best[0] < share * window_s:
             return None
         thread = best[1]
+        now = time.perf_counter()
         frames = sys._current_frames()
         try:
-            return thread.name, user_frames(frames.get(thread.ident))  # type: ignore[arg-type]
+            frame = frames.get(thread.ident)  # type: ignore[arg-type]
+            # a collection since the last look, or one starting now (its callback can hand the GIL over)
+            if (thread.ident in self._collecting or (frame is not None and frame.f_code is _ON_GC)
+                    or self._collected(thread.ident, now - window_s, now) >= share * window_s):
+                return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
+            return thread.name, user_frames(frame)
         finally:
             # The map holds every thread's frame, this one's too: a reference cycle that would keep
             # their locals (a pool the user just dropped) alive until the next garbage collection.
@@ -498,6 +535,9 @@ class GilWatchdog:
             return False
         ran, queued = seen[2] - seen[0], seen[3] - seen[1]
         return queued >= ran
+
+
+_ON_GC = GilWatchdog._on_gc.__code__
 
 
 def _total(tasks: dict[int, tuple[float, float]] | None) -> tuple[float, float] | None:

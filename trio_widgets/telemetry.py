@@ -78,6 +78,10 @@ class RequestRecord:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+#: a UserFrame's file for Python's garbage collector (a collection is no function's own work)
+GC_FILE = "<garbage collector>"
+
+
 @dataclass(frozen=True, slots=True)
 class UserFrame:
     """Where Python was executing: file, function and line; for a notebook cell's code, the
@@ -95,6 +99,8 @@ class UserFrame:
         """'cell In[3] line 7' or 'loader.py line 12'."""
         if self.cell is not None:
             return f"cell In[{self.cell}] line {self.line}"
+        if self.file == GC_FILE:
+            return "Python's garbage collector"
         return f"{os.path.basename(self.file)} line {self.line}"
 
     @property
