@@ -235,3 +235,53 @@ def test_the_tinker_binding_is_a_codec_over_the_engines_served_state():
                     if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
                             and target.value.id == "self":
                         assert target.attr not in tables, f"{name}:{node.lineno} keeps a table: self.{target.attr}"
+
+
+@pytest.mark.parametrize("path", [p for p in _CODECS if not p.endswith("service.py")])
+def test_a_codecs_catalog_work_is_paced_per_key(path):
+    """Issue 36: a key's listings, deletes, exports and tokenizer files go to the catalog's thread
+    through Service.catalog (one guard.Pace per key for both codecs), never straight to
+    state.off_loop: a key cannot double its share of that thread, and its GIL, by using both wires."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).parent.parent / path).read_text())
+    direct = [node.lineno for node in ast.walk(tree)
+              if isinstance(node, ast.Attribute) and node.attr == "off_loop"]
+    assert direct == [], f"{path} reaches the catalog's thread unpaced at lines {direct}"
+    paced = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "catalog"
+             and isinstance(node.value, ast.Attribute | ast.Name)]
+    assert paced, f"{path} names no catalog work at all: this test no longer reads it"
+
+
+def test_one_keys_catalog_jobs_run_one_at_a_time_and_rest_another_keys_do_not_wait():
+    """guard.Pace: a key's next job starts no sooner than the last one took after it ended, and
+    never beside it; another key's job starts at once (lower bounds and orders only: a loaded
+    machine can only make the rests longer)."""
+    import asyncio
+    import time
+
+    from trio_widgets.http.guard import Pace
+
+    events: list[tuple[str, str, float]] = []
+
+    async def job(name: str, seconds: float) -> str:
+        events.append(("start", name, time.monotonic()))
+        await asyncio.sleep(seconds)
+        events.append(("end", name, time.monotonic()))
+        return name
+
+    async def main() -> list[str]:
+        pace = Pace()
+        a = [pace.run("ada", lambda i=i: job(f"ada{i}", 0.2)) for i in range(3)]
+        b = pace.run("bob", lambda: job("bob", 0.01))
+        return await asyncio.gather(*a, b)
+
+    assert asyncio.run(main()) == ["ada0", "ada1", "ada2", "bob"]  # each job's own answer
+    at = {(kind, name): t for kind, name, t in events}
+    for i in (1, 2):
+        took = at[("end", f"ada{i - 1}")] - at[("start", f"ada{i - 1}")]
+        assert at[("start", f"ada{i}")] >= at[("end", f"ada{i - 1}")] + took, events
+    assert at[("start", "bob")] < at[("end", "ada0")], events  # bob did not queue behind ada
+    order = [(kind, name) for kind, name, _ in events if name.startswith("ada")]
+    assert order == [(k, f"ada{i}") for i in range(3) for k in ("start", "end")], events

@@ -358,18 +358,18 @@ class PyTrio:
 
     async def by_checkpoint(self, owner: str, request: Request) -> dict:
         uri = request.query_params.get("checkpoint_uri")
-        info = await self.s.state.off_loop(lambda: self._source(owner, uri))
+        info = await self.s.catalog(owner, lambda: self._source(owner, uri))
         return {"base_model": self.model_id(info.base_model, request), "lora_rank": info.lora_rank, "seed": None,
                 "train_mlp": info.train_mlp is not False, "train_attn": info.train_attn is not False,
                 "train_unembed": info.train_unembed is not False}
 
     async def get_run(self, owner: str, request: Request) -> dict:
         run_id = request.path_params["run_id"]
-        return self.run_json(owner, await self.s.state.off_loop(lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
+        return self.run_json(owner, await self.s.catalog(owner, lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
 
     async def list_runs(self, owner: str, request: Request) -> dict:
         limit, offset = _page(request)
-        runs = await self.s.state.off_loop(lambda: self.s.of(owner).call(ListTrainingRuns()))
+        runs = await self.s.catalog(owner, lambda: self.s.of(owner).call(ListTrainingRuns()))
         return {"training_runs": [self.run_json(owner, r) for r in runs[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
 
@@ -382,16 +382,16 @@ class PyTrio:
             return JSONResponse({"checkpoints": [self.checkpoint_json(owner, c) for c in found[offset:offset + limit]],
                                  "cursor": {"offset": offset, "limit": limit, "total": len(found)}})
 
-        return await self.s.state.off_loop(work)
+        return await self.s.catalog(owner, work)
 
     async def delete_checkpoint(self, owner: str, request: Request) -> dict:
         run, kind, name = self.checkpoint_path(request.path_params["cuid"])
-        await self.s.state.off_loop(lambda: self.s.of(owner).call(DeleteCheckpoint(run, f"{kind}/{name}")))
+        await self.s.catalog(owner, lambda: self.s.of(owner).call(DeleteCheckpoint(run, f"{kind}/{name}")))
         return {}
 
     async def download_url(self, owner: str, request: Request) -> dict:
         run, kind, name = self.checkpoint_path(request.path_params["cuid"])
-        found = await self.s.state.off_loop(lambda: self.s.export_urls(owner, names.checkpoint_path(run, kind, name),  # type: ignore[arg-type]
+        found = await self.s.catalog(owner, lambda: self.s.export_urls(owner, names.checkpoint_path(run, kind, name),  # type: ignore[arg-type]
                                                                          str(request.base_url)))
         return {"url": found["archive_url"], "expires_at": found["expires"], "source": "object_storage",
                 "checkpoint_status": "READY", "tls_cert_pem": None, "tls_not_after": None}

@@ -28,7 +28,7 @@ from ..errors import InvalidInputError, NotSupportedError
 from ..protocol import WireError
 from . import wire
 from .auth import HttpError, answering, error_response, is_local
-from .guard import Pace, read_body
+from .guard import read_body
 from .stream import info as info_of
 from .stream import telemetry_stream
 
@@ -85,7 +85,6 @@ def _json_handler(method: Callable[[Service, str, dict], Any]) -> Handler:
 
 def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
     """Tinker's routes, then `more` (PyTRIO's: trio_widgets/http/pytrio_wire.py), then 404 for the rest."""
-    pace = Pace()  # one key's catalog work paced (guard.py)
     async def config(s: Service, owner: str, request: Request) -> dict:
         await read_body(request, s, owner)
         # plain httpx (no Rust transport), uncompressed bodies, chunks no larger than a pool request
@@ -139,13 +138,13 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         request.state.client = body.get("model_id")
         return s.get_info(owner, body, local=is_local(request))
 
-    # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop (the state's off_loop)
+    # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop, paced per key
     async def tokenizer(s: Service, owner: str, request: Request) -> dict:
         model = request.query_params.get("base_model")
-        return await s.state.off_loop(lambda: s.state.tokenizer_files(owner, model))
+        return await s.catalog(owner, lambda: s.state.tokenizer_files(owner, model))
 
     async def catalog(s: Service, owner: str, call: Any, encode: Callable[[Any], dict] = lambda _r: {}) -> dict:
-        return await pace.run(owner, lambda: s.state.off_loop(lambda: encode(s.of(owner).call(call))))
+        return await s.catalog(owner, lambda: encode(s.of(owner).call(call)))
 
     async def checkpoints(s: Service, owner: str, request: Request) -> dict:
         return await catalog(s, owner, ListCheckpoints(request.path_params["model_id"]),

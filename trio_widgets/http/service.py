@@ -9,8 +9,8 @@ runs it. What the protocol is: server.py's docstring and docs/serving.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -37,7 +37,9 @@ from ..validation import check_loss
 from . import wire
 from .auth import api_key_of, authenticate, owner_of
 from .exports import Exports, parse_age_recipients
-from .guard import Budget
+from .guard import Budget, Pace
+
+T = TypeVar("T")
 
 __all__ = ["Service"]
 
@@ -69,6 +71,7 @@ class Service:
         self.budget = Budget(per_key=max(int(max_inflight_bytes_per_key), self.max_body_bytes),
                              total=max(int(max_inflight_bytes), self.max_body_bytes))
         self.fwdbwd_max_chunk_len = int(fwdbwd_max_chunk_len or pool.limits.max_request_data)
+        self.pace = Pace()  # one key's catalog work paced, whichever codec asks (guard.py)
         self.streams = 0
         self.streams_of: dict[str, int] = {}  # open telemetry streams per key (or address, without keys)
         tables = ServedTables(tuple(self.models), self.key_names, id_tag=id_tag, **served)
@@ -82,6 +85,10 @@ class Service:
     def of(self, owner: str) -> Backend:
         """The backend of an API key: its runs, checkpoints and listings."""
         return self.state.of(owner)
+
+    async def catalog(self, owner: str, work: Callable[[], T]) -> T:
+        """`work()` (a key's listing, delete, export: disk and JSON) on the catalog's thread, paced per key."""
+        return await self.pace.run(owner, lambda: self.state.off_loop(work))
 
     # -- sessions, models ---------------------------------------------------------------------
     def create_session(self, owner: str, body: dict) -> dict:
