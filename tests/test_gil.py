@@ -93,7 +93,6 @@ def test_a_garbage_collection_is_not_blamed_on_the_function_that_runs_after_it()
 
     try:
         with trio.LocalPool(min_cycle_s=0.02, name="gil-gc") as pool:
-            assert pool.gil_watchdog._on_gc in gc.callbacks
             settle(pool.gil_watchdog)
             worker = threading.Thread(target=collecting, name="collector")
             worker.start()
@@ -104,7 +103,6 @@ def test_a_garbage_collection_is_not_blamed_on_the_function_that_runs_after_it()
             loader.join()
             settle(pool.gil_watchdog)
             stalls = list(pool.telemetry.gil)
-        assert pool.gil_watchdog._on_gc not in gc.callbacks  # closed with its pool
     finally:
         graph.clear()
         gc.unfreeze()

@@ -43,7 +43,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from types import FrameType
 
 from .telemetry import GC_FILE, CoreSample, GilStall, Telemetry, UserFrame
@@ -276,11 +276,10 @@ class GilWatchdog:
         self.cpus = cpu_count()
         #: stretches that were contention (the holder preempted while every core was wanted), not the GIL
         self.contended = 0
-        # (thread ident, start, end) of recent collections: the watchdog cannot look while one runs
-        # (the collecting thread holds the GIL throughout), so a look after it would blame whatever
-        # function that thread runs next, a random allocator
-        self._collections: deque[tuple[int, float, float]] = deque(maxlen=64)
-        self._collecting: dict[int, float] = {}
+        # Full collections seen at the last look. One holds the GIL from start to end, so a look can
+        # only come after it, at whatever the collecting thread runs next, a random allocator. (Not
+        # gc.callbacks: a Ctrl-C landing in a callback's Python is swallowed by the collector.)
+        self._full_collections = _full_collections()
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -288,7 +287,6 @@ class GilWatchdog:
 
     def start(self) -> GilWatchdog:
         if self._thread is None:
-            gc.callbacks.append(self._on_gc)
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         return self
@@ -296,27 +294,9 @@ class GilWatchdog:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread; wait up to `timeout` seconds for it to end (0: do not wait)."""
         self._stop.set()
-        try:
-            gc.callbacks.remove(self._on_gc)
-        except ValueError:
-            pass  # never started, or stopped before
         thread = self._thread
         if timeout > 0 and thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        # Runs in the collecting thread, inside the collection: no allocation worth the name
-        now, me = time.perf_counter(), threading.get_ident()
-        if phase == "start":
-            self._collecting[me] = now
-        else:
-            started = self._collecting.pop(me, None)
-            if started is not None and now - started > 1e-3:
-                self._collections.append((me, started, now))
-
-    def _collected(self, ident: int | None, since: float, until: float) -> float:
-        """Seconds thread `ident` spent collecting garbage in [since, until]."""
-        return sum(max(0.0, min(b, until) - max(a, since)) for who, a, b in list(self._collections) if who == ident)
 
     # -- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -476,15 +456,12 @@ class GilWatchdog:
         if first or best is None or best[0] < share * window_s:
             return None
         thread = best[1]
-        now = time.perf_counter()
+        full, self._full_collections = self._full_collections, _full_collections()
+        if self._full_collections != full:  # a full pass since the last look: the collector's time
+            return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
         frames = sys._current_frames()
         try:
-            frame = frames.get(thread.ident)  # type: ignore[arg-type]
-            # a collection since the last look, or one starting now (its callback can hand the GIL over)
-            if (thread.ident in self._collecting or (frame is not None and frame.f_code is _ON_GC)
-                    or self._collected(thread.ident, now - window_s, now) >= share * window_s):
-                return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
-            return thread.name, user_frames(frame)
+            return thread.name, user_frames(frames.get(thread.ident))  # type: ignore[arg-type]
         finally:
             # The map holds every thread's frame, this one's too: a reference cycle that would keep
             # their locals (a pool the user just dropped) alive until the next garbage collection.
@@ -537,7 +514,9 @@ class GilWatchdog:
         return queued >= ran
 
 
-_ON_GC = GilWatchdog._on_gc.__code__
+def _full_collections() -> int:
+    """Full (oldest-generation) collections so far: young ones are short, bounded by their size."""
+    return int(gc.get_stats()[-1]["collections"])
 
 
 def _total(tasks: dict[int, tuple[float, float]] | None) -> tuple[float, float] | None:
