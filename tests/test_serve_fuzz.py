@@ -437,6 +437,8 @@ class PyTrioFuzz:
                 "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": 3, "stop": None},
                 "return_text": True, "return_token_logprobs": True, "topk_prompt_logprobs": 0, "request_id": "r"},
             ("POST", f"{a}/client/heartbeat"): {},
+            # no such endpoint: another method on a known path, a path under the prefixes that is none
+            ("PUT", f"{c}/service-sessions"): {}, ("GET", f"{a}/events"): None, ("GET", f"{c}/no/such/{sid}"): None,
             # what ends things runs last (see _cases)
             ("POST", f"{c}/service-sessions/{sid}/close"): {},
             ("DELETE", f"{c}/checkpoints/{run}~sampler_weights~fuzzed-w"): None,
@@ -526,9 +528,14 @@ def test_no_pytrio_request_gets_a_500_and_a_neighbour_keeps_training(tmp_path):
                 return
             answered[r.status_code] = answered.get(r.status_code, 0) + 1
             what = f"{r.status_code} {what}"
+            # under PyTRIO's prefixes, in PyTRIO's shape (its SDK reads code and message), odd paths too
+            sent_to = r.request.url.path  # (httpx resolves a '..' segment before sending)
+            ours = sent_to in (CONTROL, ACTOR) or sent_to.startswith((CONTROL + "/", ACTOR + "/"))
             if r.status_code >= 500 or r.status_code >= 400 and not (
                     r.headers.get("content-type", "").startswith("application/json")
-                    and isinstance(r.json(), dict) and (r.json().get("message") or r.json().get("detail"))):
+                    and isinstance(r.json(), dict)
+                    and ((r.json().get("message") and r.json().get("code")) if ours
+                         else (r.json().get("message") or r.json().get("detail")))):
                 bad.append(f"{what}: {r.text[:300]}")
             elif r.status_code == 200 and r.headers.get("content-type", "").startswith(MSGPACK):
                 got = msgpack.unpackb(r.content)

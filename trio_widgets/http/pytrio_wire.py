@@ -676,5 +676,11 @@ def pytrio_routes(service: Service) -> list[Route]:
         ("POST", f"{a}/sampling-runs/{{sampler_id}}/sample", codec.sample),
         ("POST", f"{a}/client/heartbeat", codec.heartbeat),
     ]
-    return [Route(path, endpoint(handler), methods=[method]) for method, path, handler in table]
+    async def unknown(owner: str, request: Request) -> dict:  # under PyTRIO's prefixes: said in its shape
+        raise HttpError(404, f"no such endpoint: {request.method} {request.url.path[:200]}", code="no_endpoint")
+
+    rest = [Route(path, endpoint(unknown), methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+            for prefix in (CONTROL, ACTOR) for path in (prefix, f"{prefix}/{{rest:path}}")]  # after the table:
+    # a known path asked with another method comes here too
+    return [Route(path, endpoint(handler), methods=[method]) for method, path, handler in table] + rest
 
