@@ -162,7 +162,8 @@ def test_controls_are_thread_safe_before_start():
 # -- interrupts: the metrics list exactly the updates the weights received (issue 10 item 6) --------
 
 SIGINT_SCRIPT = r"""
-import itertools, json, os, signal, sys, threading, time
+import faulthandler, itertools, json, os, signal, sys, threading, time
+faulthandler.dump_traceback_later(240, exit=False)  # where it waits, should it hang (CI saw one)
 import trio_widgets as trio
 
 path, mode = sys.argv[1], sys.argv[2]
@@ -217,8 +218,11 @@ def test_sigint_during_run_sync_records_every_applied_update(tmp_path, mode):
 
     script = tmp_path / "interrupted.py"
     script.write_text(SIGINT_SCRIPT)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "metrics.jsonl"), mode],
-                         capture_output=True, text=True, timeout=300)
+    try:
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "metrics.jsonl"), mode],
+                             capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:  # its threads' stacks (faulthandler, at 240 s) say where
+        pytest.fail(f"the script hung: {exc.stdout!s:.2000}\n{exc.stderr!s:.12000}")
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(result)

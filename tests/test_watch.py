@@ -175,8 +175,9 @@ def test_a_gil_heavy_loader_is_named_gil_by_the_watcher_and_the_pool_every_time(
     # its holder is at that moment: CI once saw the watcher name the test's loop, which calls the
     # loader, in one run; the pool named the loader there)
     assert [(o[0], o[2]) for o in outcomes] == [("gil", "gil")] * 10, outcomes
-    for side in (1, 3):  # the names alone first: a failure's message shows each run's
-        assert sum(o[side] == "busy_loop_batches" for o in outcomes) >= 9, ([o[side] for o in outcomes], outcomes)
+    for side in (1, 3):  # the names first: a failure shows each run's
+        # (a text, which pytest shows whole: a tuple's repr is cut after a few names)
+        assert sum(o[side] == "busy_loop_batches" for o in outcomes) >= 9, f"{[o[side] for o in outcomes]}: {outcomes}"
     assert all("your Python held the interpreter" in o[5] for o in outcomes)
     assert sum("busy_loop_batches" in o[5] for o in outcomes) >= 9
 
