@@ -453,10 +453,11 @@ class GilWatchdog:
                 best = (used - before, thread)
         first = not stretch.cpu
         stretch.cpu = cpu
+        # read at every look, so a pass counts only in the window it ran in
+        full, self._full_collections = self._full_collections, _full_collections()
         if first or best is None or best[0] < share * window_s:
             return None
         thread = best[1]
-        full, self._full_collections = self._full_collections, _full_collections()
         if self._full_collections != full:  # a full pass since the last look: the collector's time
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
         frames = sys._current_frames()
