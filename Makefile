@@ -66,9 +66,11 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# -rfE: each failure's message again in the summary at the end (CI shows a run's tail; on CI pytest
+# prints it whole).
 test: setup browser-deps lint
-	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rs --durations=15 tests
-	TRIO_TORCH_THREADS=2 $(PY) -m pytest -q -rs -m "not no_numerics" -k "not tinker-http" $(NUMERIC_TESTS)
+	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rfEs --durations=15 tests
+	TRIO_TORCH_THREADS=2 $(PY) -m pytest -q -rfEs -m "not no_numerics" -k "not tinker-http" $(NUMERIC_TESTS)
 	$(MAKE) docs
 
 # The docs site into build/site, strict: a broken link, a missing reference or a public name

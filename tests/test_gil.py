@@ -246,6 +246,31 @@ def test_a_stretch_is_blamed_on_user_code_over_the_library_it_calls():
     assert _as_stall(stretch).frames == validation
 
 
+def test_a_thread_that_blocks_after_running_is_blamed_for_what_ran_not_where_it_waits():
+    """A loop runs its loader's Python, then blocks on a result (the GIL released, nothing runs): the
+    look that follows finds it waiting in the loop, yet the window's CPU was the loader's. (CI: a
+    pipelined loop blocked in `.result()` after each batch was named instead of its loader.)"""
+    telemetry = Telemetry()
+    watchdog = GilWatchdog(telemetry, "blocks").start()
+    result = threading.Event()  # never set: each wait is a blocked `.result()` that times out
+
+    def training_loop():
+        for _ in range(8):
+            hog(0.15)  # a few looks each: a look costs the watchdog a switch interval per system call
+            result.wait(0.05)
+
+    thread = threading.Thread(target=training_loop, name="training-loop")
+    try:
+        settle(watchdog)
+        thread.start()
+        thread.join()
+        settle(watchdog)
+    finally:
+        watchdog.stop()
+    names = [s.frames[0].function for s in telemetry.gil if s.thread == "training-loop" and s.frames]
+    assert "hog" in names and "training_loop" not in names, f"{names}"
+
+
 def test_a_stretch_begun_by_one_late_heartbeat_goes_on_while_its_holder_runs():
     """A loader that hands the GIL to the clock's torch calls lets most heartbeats through on time:
     a stretch begun by one late heartbeat (which only takes the threads' CPU baseline) goes on

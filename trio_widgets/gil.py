@@ -15,7 +15,10 @@ both cheap enough to run all the time:
   interpreter. Then it looks at what the other threads execute (`sys._current_frames`),
   finds the one that ran meanwhile (its `/proc` CPU and run-queue time), and keeps its top user
   frames (file, function, line; a notebook cell's execution count and line) in a
-  :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded). A stretch
+  :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded). The watchdog
+  looks when the GIL is given up, so it may find that thread stopped at a wait of its own (a
+  loop blocked on `.result()` after its loader ran): a moment's probe tells a wait from a
+  preemption, and a wait is blamed on the frames the look before found running. A stretch
   goes on through on-time heartbeats while that thread keeps running: a loop of short
   bytecodes hands the GIL over at each switch interval, so a heartbeat may get it at once
   while the clock, wanting it for each torch call, waits again and again (a convoy).
@@ -226,15 +229,20 @@ CORE_EVERY_S = 0.1
 #: no Python thread) wanted at least this share of the cores the holder leaves meanwhile, and the
 #: holder waited for a core at least as long as it ran: it held the GIL while they preempted it.
 CONTENDED_SHARE = 0.75
+#: How long the watchdog gives the GIL up to see whether the thread it blames takes it back (one
+#: waiting for it is woken by the release; on a busy machine it may wait for a core longer: then the
+#: look counts its frames from the look before, or none).
+PROBE_S = 0.001
 
 
 class _Stretch:
     """Late heartbeats in a row: becomes one GilStall."""
 
     __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "samples", "frames", "cpu",
-                 "times", "tasks0")
+                 "times", "tasks0", "running")
 
-    def __init__(self, started_at: float, tasks0: dict[int, tuple[float, float]] | None = None) -> None:
+    def __init__(self, started_at: float, tasks0: dict[int, tuple[float, float]] | None = None,
+                 running: dict[int, tuple[UserFrame, ...]] | None = None) -> None:
         self.started_at = self.ended_at = started_at
         self.lag_s = 0.0
         self.heartbeats = 0
@@ -247,6 +255,8 @@ class _Stretch:
         # native thread id -> [on a CPU, in the run queue] seconds at its first sample, then at its last
         self.times: dict[int, list[float]] = {}
         self.tasks0 = tasks0  # every thread's (CPU s, run-queue s) at its start
+        # native thread id -> its frames at the latest look that found it running (not stopped at a wait)
+        self.running: dict[int, tuple[UserFrame, ...]] = running if running is not None else {}
 
 
 class GilWatchdog:
@@ -280,6 +290,8 @@ class GilWatchdog:
         # only come after it, at whatever the collecting thread runs next, a random allocator. (Not
         # gc.callbacks: a Ctrl-C landing in a callback's Python is swallowed by the collector.)
         self._full_collections = _full_collections()
+        # a stretch closed only for its length hands the next one its holders' frames (the hold goes on)
+        self._running: dict[int, tuple[UserFrame, ...]] = {}
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -381,10 +393,11 @@ class GilWatchdog:
     def _late(self, due: float, woke: float, lag: float) -> None:
         stretch = self._stretch
         if stretch is not None and woke - stretch.started_at > self.max_stretch_s:
-            self._close_stretch()  # bounded stretches: the views and the advisor see them soon
+            self._close_stretch(goes_on=True)  # bounded stretches: the views and the advisor see them soon
             stretch = None
         if stretch is None:
-            stretch = self._stretch = _Stretch(due, self._tasks())
+            stretch = self._stretch = _Stretch(due, self._tasks(), self._running)
+            self._running = {}
             self._last_sample = woke
         stretch.ended_at = woke
         stretch.on_time = 0
@@ -413,7 +426,7 @@ class GilWatchdog:
         self._sample(stretch, *holder)
         self.telemetry.gil_ongoing = _as_stall(stretch)
         if woke - stretch.started_at > self.max_stretch_s:
-            self._close_stretch()  # bounded, as in _late: the next late heartbeat starts the next one
+            self._close_stretch(goes_on=True)  # bounded, as in _late: the next late heartbeat starts the next one
         return True
 
     @staticmethod
@@ -462,11 +475,43 @@ class GilWatchdog:
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
         frames = sys._current_frames()
         try:
-            return thread.name, user_frames(frames.get(thread.ident))  # type: ignore[arg-type]
+            top = frames.get(thread.ident)  # type: ignore[arg-type]
+            now, at, waits = user_frames(top), _at(frames, thread.ident), _library_frame(top)  # type: ignore[arg-type]
+            top = None
         finally:
             # The map holds every thread's frame, this one's too: a reference cycle that would keep
             # their locals (a pool the user just dropped) alive until the next garbage collection.
             frames.clear()
+        native = thread.native_id
+        assert native is not None and thread.ident is not None
+        if not self._ran_on(native, thread.ident, at):
+            # It gave the GIL up itself (a lock, a result, I/O) after running: where it waits now is
+            # not what ran (a loop blocked on `.result()` after its loader's Python). The window is
+            # its frames' at the look before, that found it running; without one, the wait itself,
+            # as library code: the hold counts, no user code is blamed for it.
+            return thread.name, stretch.running.get(native, waits)
+        stretch.running[native] = now
+        return thread.name, now
+
+    def _ran_on(self, native_id: int, ident: int, at: tuple[int, int] | None) -> bool:
+        """Whether a thread the watchdog found stopped at `at` (its innermost frame, instruction) had
+        been preempted, not stopped on its own: given the GIL for a moment, it runs on.
+
+        The switch interval makes a thread running Python drop the GIL and wait for it: it takes it
+        back as soon as it is released, and its frame moves on (or a C call that keeps the GIL, a
+        sort, runs: CPU time). One blocked on a lock, a result or I/O stays where it was, the CPU
+        it used since only what it took to reach its wait. Without /proc, the frame alone says."""
+        fd = self._task_fds.get(native_id)
+        before = _times_s(fd) if fd is not None else None
+        time.sleep(PROBE_S)
+        frames = sys._current_frames()
+        try:
+            if _at(frames, ident) != at:
+                return True  # it ran Python (or ended)
+        finally:
+            frames.clear()
+        after = _times_s(fd) if fd is not None else None
+        return before is not None and after is not None and after[0] - before[0] >= PROBE_S / 2
 
     def _times_of(self, native_id: int) -> tuple[float, float] | None:
         fd = self._task_fds.get(native_id)
@@ -483,9 +528,10 @@ class GilWatchdog:
             os.close(self._task_fds.pop(native_id))
         return value
 
-    def _close_stretch(self) -> None:
+    def _close_stretch(self, goes_on: bool = False) -> None:
         stretch, self._stretch = self._stretch, None
         self.telemetry.gil_ongoing = None
+        self._running = stretch.running if stretch is not None and goes_on else {}
         if stretch is None or not stretch.samples:
             return  # a single late heartbeat: too short to say who held the GIL
         if self._contended(stretch):
@@ -513,6 +559,20 @@ class GilWatchdog:
             return False
         ran, queued = seen[2] - seen[0], seen[3] - seen[1]
         return queued >= ran
+
+
+def _library_frame(frame: FrameType | None) -> tuple[UserFrame, ...]:
+    """`frame` itself, never user code (where a thread waits is not what it ran)."""
+    if frame is None:
+        return ()
+    code = frame.f_code
+    return (UserFrame(code.co_filename, _function(code), frame.f_lineno or 0, None, user=False),)
+
+
+def _at(frames: dict[int, FrameType], ident: int) -> tuple[int, int] | None:
+    """Where a thread is: its innermost frame and instruction (None: it ended)."""
+    top = frames.get(ident)
+    return (id(top), top.f_lasti) if top is not None else None
 
 
 def _full_collections() -> int:
