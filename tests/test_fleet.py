@@ -217,6 +217,14 @@ def test_samplers_listings_and_unknown_pools_across_the_fleet(fleet):
     assert assert_no_secret_in_arguments([KEY, OBSERVER]) >= 3
 
 
+def test_each_pool_keeps_its_startup_heap_out_of_the_collectors_passes(fleet):
+    """A replica's process serves its pool alone: once started, what it holds for good (torch, the
+    models, the app) is frozen, as `trio serve`'s is, so no full collection there walks it with the
+    GIL held while its event loop waits (issue 36)."""
+    pools = fleet_info(fleet)["pools"]
+    assert len(pools) == 2 and all(p["alive"] and p["frozen_objects"] > 100_000 for p in pools), pools
+
+
 def test_a_killed_pool_fails_its_sessions_futures_naming_it_and_the_other_loses_nothing(fleet):
     """It kills pool 0's replica (Ray starts a new one, which the tests after it use)."""
     sc_a, a, spare_a = _on_pool(fleet, 0)

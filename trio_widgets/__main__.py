@@ -194,7 +194,7 @@ def _pull_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .http.server import Server, check_bind
+    from .http.server import Server, check_bind, freeze_heap
 
     # the server's log on stderr: one line per refused or failed request, sessions expired
     handler = logging.StreamHandler(sys.stderr)
@@ -249,26 +249,13 @@ def _serve(args: argparse.Namespace) -> int:
         pool.close()
         print(f"trio serve: {exc}", file=sys.stderr)
         return 1
-    _freeze_heap()
+    freeze_heap()
     print(f"trio: serving pool {pool.name!r} ({pool.device.type}, min cycle {pool.min_cycle_s * 1e3:.0f} ms) on "
           f"{server.url} - models: {', '.join(models)}; keys: {len(keys) or 'none (loopback only)'}", flush=True)
     stop.wait()
     server.stop()  # answers pending futures, releases every client, closes the pool
     print("trio: stopped", flush=True)
     return 0
-
-
-def _freeze_heap() -> None:
-    """What a started server holds for good (torch, transformers, the base models, the app: some 400,000
-    objects) out of the cyclic collector's sight. A full collection scans every tracked object, and
-    whichever thread runs one holds the GIL meanwhile: a listing's thread allocating thousands of
-    entries set one off every few seconds, 0.2-0.5 s each, and the event loop, heartbeats included,
-    waited (issue 36: with 2,000 checkpoints listed in a loop, heartbeats up to 485 ms; frozen, 53 ms,
-    benchmarks/serve_abuse.py --only listing). What is allocated later is collected as before."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 def _serve_fleet(args: argparse.Namespace, keys: dict[str, str], models: list[str], stop: threading.Event) -> int:

@@ -106,6 +106,7 @@ class PoolState:
     clients: int  # live training and sampling clients
     tokens_per_cycle: float  # recent mean
     total_updates: int
+    frozen_objects: int = 0  # its startup heap, out of the cyclic collector's passes (server.freeze_heap)
 
     @property
     def name(self) -> str:
@@ -469,6 +470,7 @@ def _tag_of(op: str, body: bytes, content_type: str) -> tuple[int, str] | None:
 
 def describe(index: int, epoch: str, server: Any, node: str) -> PoolState:
     """The PoolState of a running `Server` (what a pool replica answers)."""
+    import gc
     import os
 
     pool = server.pool
@@ -478,7 +480,7 @@ def describe(index: int, epoch: str, server: Any, node: str) -> PoolState:
     return PoolState(index=index, epoch=epoch, url=server.url, models=tuple(server._service.models), pid=os.getpid(),
                      node=node, device=pool.device.type, sessions=len(sessions),
                      clients=sum(len(s["clients"]) for s in sessions), tokens_per_cycle=float(tokens),
-                     total_updates=int(pool.telemetry.total_updates))
+                     total_updates=int(pool.telemetry.total_updates), frozen_objects=gc.get_freeze_count())
 
 
 class FrontDoor:

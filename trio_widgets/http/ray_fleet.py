@@ -84,7 +84,7 @@ class PoolReplica:
 
     def __init__(self, index: int, pool_settings: dict, server_settings: dict, models: list[str]) -> None:
         from ..engine import LocalPool
-        from .server import Server
+        from .server import Server, freeze_heap
 
         self.index = index
         self.epoch = secrets.token_hex(3)  # new each time Ray (re)starts this replica
@@ -97,6 +97,7 @@ class PoolReplica:
             self.pool.get_base_model(name)
         self.server = Server(self.pool, host=self.node, port=0, models=models, owns_pool=True,
                              id_tag=pool_tag(index, self.epoch), **server_settings).start()
+        freeze_heap()  # a replica's process serves this pool alone, as `trio serve`'s does
 
     def describe(self) -> PoolState:
         return describe(self.index, self.epoch, self.server, self.node)

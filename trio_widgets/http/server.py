@@ -59,7 +59,7 @@ from .pytrio_wire import pytrio_routes
 from .routes import build_app
 from .service import Service
 
-__all__ = ["RETRIEVED_KEPT_S", "Server", "check_bind", "serve"]
+__all__ = ["RETRIEVED_KEPT_S", "Server", "check_bind", "freeze_heap", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,21 @@ class Server:
         parsed = parse_tinker_path(tinker_path)
         return ckpt.checkpoint_root(self.pool) / names.owner_run_dir(owner_of(api_key), parsed.run_id) / \
             parsed.segment / parsed.name
+
+
+def freeze_heap() -> None:
+    """For a process that serves a pool and nothing else (`trio serve`, a fleet's pool replica), once
+    started: what it holds for good (torch, transformers, the base models, the app: some 400,000
+    objects) out of the cyclic collector's sight. A full collection scans every tracked object, and
+    whichever thread runs one holds the GIL meanwhile: a listing's thread allocating thousands of
+    entries set one off every few seconds, 0.2-0.5 s each, and the event loop, heartbeats included,
+    waited (issue 36: with 2,000 checkpoints listed in a loop, heartbeats up to 485 ms; frozen, 53 ms,
+    benchmarks/serve_abuse.py --only listing). What is allocated later is collected as before. Not
+    for a notebook's pool: the user's own objects would be frozen with it."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def serve(pool: LocalPool, *, host: str = "127.0.0.1", port: int = 8000, **settings: Any) -> Server:
