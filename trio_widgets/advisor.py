@@ -247,7 +247,7 @@ def gil_where(culprit: GilStall) -> str:
         return f"in thread {culprit.thread!r}"
     top = frames[0]
     if top.file == GC_FILE:
-        return ("in Python's garbage collector, a pass over every live object (gc.freeze() after loading "
+        return (f"in {top.where}, a pass over every live object (gc.freeze() after loading "
                 "keeps what lives on out of its passes)")
     where = top.where if top.function == "<module>" else f"in `{top.function}`, {top.where}"
     caller = next((f for f in frames[1:] if f.function not in (top.function, "<module>")), None)

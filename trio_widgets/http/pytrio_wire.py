@@ -48,7 +48,7 @@ from ..protocol import WireError, names, wire_error
 from ..types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 from ..validation import check_loss
 from .auth import HttpError, api_key_of, is_loopback, not_found, wire_of
-from .routes import json_body, read_body
+from .routes import json_body, page, read_body
 
 if TYPE_CHECKING:
     from .service import Service
@@ -307,7 +307,7 @@ class PyTrio:
 
     async def list_sessions(self, owner: str, request: Request) -> dict:
         mine = [s for s in self.s.state.sessions.values() if s.owner == owner]
-        limit, offset = _page(request)
+        limit, offset = page(request, 20)
         return {"service_sessions": [self.session_json(s) for s in mine[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(mine)}}
 
@@ -368,13 +368,13 @@ class PyTrio:
         return self.run_json(owner, await self.s.catalog(owner, lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
 
     async def list_runs(self, owner: str, request: Request) -> dict:
-        limit, offset = _page(request)
+        limit, offset = page(request, 20)
         runs = await self.s.catalog(owner, lambda: self.s.of(owner).call(ListTrainingRuns()))
         return {"training_runs": [self.run_json(owner, r) for r in runs[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
 
     async def checkpoints(self, owner: str, request: Request) -> Response:
-        limit, offset = _page(request)
+        limit, offset = page(request, 20)
         run_id = request.path_params.get("run_id")
 
         def work() -> JSONResponse:  # listed, paged and encoded (up to 10,000 entries) off the event loop
@@ -610,16 +610,6 @@ class _Failed(Exception):
 
 def _local(request: Request) -> bool:
     return request.client is not None and is_loopback(request.client.host)
-
-
-def _page(request: Request) -> tuple[int, int]:
-    values = []
-    for name, default in (("limit", 20), ("offset", 0)):
-        text = request.query_params.get(name, str(default))
-        if not text.isdigit() or int(text) > 10_000:
-            raise InvalidInputError(f"must be an integer from 0 to 10000, got {text!r:.20}", field=name)
-        values.append(int(text))
-    return values[0], values[1]
 
 
 Handler = Callable[[str, Request], Any]

@@ -35,7 +35,7 @@ from .stream import telemetry_stream
 if TYPE_CHECKING:
     from .service import Service
 
-__all__ = ["API", "build_app", "error_response", "json_body", "read_body"]
+__all__ = ["API", "build_app", "error_response", "json_body", "page", "read_body"]
 
 
 API = "/api/v1"
@@ -67,6 +67,18 @@ def json_body(body: bytes) -> dict:
     if not isinstance(value, dict):
         raise HttpError(400, f"the body must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def page(request: Request, limit: int) -> tuple[int, int]:
+    """A listing's (limit, offset) from its query (`limit` when not given; each 0 to 10,000: each codec
+    passes its SDK's default, Tinker's 100, PyTRIO's 20)."""
+    values = []
+    for name, default in (("limit", limit), ("offset", 0)):
+        text = request.query_params.get(name, str(default))
+        if not text.isdigit() or int(text) > 10_000:
+            raise InvalidInputError(f"must be an integer from 0 to 10000, got {text!r:.20}", field=name)
+        values.append(int(text))
+    return values[0], values[1]
 
 
 Handler = Callable[["Service", str, Request], Awaitable[Any]]
@@ -150,24 +162,15 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         return await catalog(s, owner, ListCheckpoints(request.path_params["model_id"]),
                              lambda found: {"checkpoints": [_plain(c) for c in found[:1000]]})  # bounded
 
-    def page(request: Request) -> tuple[int, int]:
-        values = []
-        for name, default in (("limit", 100), ("offset", 0)):
-            text = request.query_params.get(name, str(default))
-            if not text.isdigit() or int(text) > 10_000:
-                raise InvalidInputError(f"must be an integer from 0 to 10000, got {text!r:.20}", field=name)
-            values.append(int(text))
-        return values[0], values[1]
-
     async def training_runs(s: Service, owner: str, request: Request) -> dict:
-        limit, offset = page(request)
+        limit, offset = page(request, 100)
         return await catalog(s, owner, ListTrainingRuns(), lambda runs: _paged("training_runs", runs, limit, offset))
 
     async def training_run(s: Service, owner: str, request: Request) -> dict:
         return await catalog(s, owner, GetTrainingRun(request.path_params["model_id"]), _plain)
 
     async def user_checkpoints(s: Service, owner: str, request: Request) -> dict:
-        limit, offset = page(request)  # newest first, as in-process
+        limit, offset = page(request, 100)  # newest first, as in-process
         return await catalog(s, owner, ListCheckpoints(None), lambda found: _paged("checkpoints", found[::-1], limit,
                                                                                   offset))
 
