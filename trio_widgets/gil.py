@@ -18,7 +18,10 @@ both cheap enough to run all the time:
   :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded). The watchdog
   looks when the GIL is given up, so it may find that thread stopped at a wait of its own (a
   loop blocked on `.result()` after its loader ran): a moment's probe tells a wait from a
-  preemption, and a wait is blamed on the frames the look before found running. A stretch
+  preemption, and a wait is blamed on the frames the look before found running. One hold
+  longer than that (a full collection, a C call that keeps the GIL) is over before a second
+  look: a heartbeat ``LONG_HOLD_S`` late reads every thread's place as it wakes and names the
+  holder from the CPU the threads used since the watchdog's look before the hold. A stretch
   goes on through on-time heartbeats while that thread keeps running: a loop of short
   bytecodes hands the GIL over at each switch interval, so a heartbeat may get it at once
   while the clock, wanting it for each torch call, waits again and again (a convoy).
@@ -46,7 +49,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from types import FrameType
 
 from .telemetry import GC_FILE, CoreSample, GilStall, Telemetry, UserFrame
@@ -229,6 +232,10 @@ CORE_EVERY_S = 0.1
 #: no Python thread) wanted at least this share of the cores the holder leaves meanwhile, and the
 #: holder waited for a core at least as long as it ran: it held the GIL while they preempted it.
 CONTENDED_SHARE = 0.75
+#: A stretch's first heartbeat this late ended one long hold (a full collection, a C call that keeps the
+#: GIL): it names the holder at once, from the threads' CPU at the watchdog's core look before it (a
+#: hold longer than the heartbeat's interval is over before a second look; none would name it).
+LONG_HOLD_S = 0.1
 #: How long the watchdog gives the GIL up to see whether the thread it blames takes it back (one
 #: waiting for it is woken by the release; on a busy machine it may wait for a core longer: then the
 #: look counts its frames from the look before, or none).
@@ -292,6 +299,8 @@ class GilWatchdog:
         self._full_collections = _full_collections()
         # a stretch closed only for its length hands the next one its holders' frames (the hold goes on)
         self._running: dict[int, tuple[UserFrame, ...]] = {}
+        # the last two core looks: (when, native thread id -> CPU + run-queue s, full collections)
+        self._snapshots: deque[tuple[float, dict[int, float], int]] = deque(maxlen=2)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -322,6 +331,9 @@ class GilWatchdog:
                 asked = time.perf_counter()
                 time.sleep(self.interval_s)  # one C call: cheaper than Event.wait (stop() waits <= 20 ms)
                 woke = time.perf_counter()
+                # after one long hold, every thread's place at once: each system call below gives the
+                # GIL up, and the holder runs on meanwhile
+                held = _where_all() if woke - asked - self.interval_s >= LONG_HOLD_S else None
                 rq_now = (_runqueue_s(own) or 0.0) if own is not None else 0.0
                 lag = (woke - asked - self.interval_s) - (rq_now - (rq or 0.0))
                 rq = rq_now
@@ -335,7 +347,7 @@ class GilWatchdog:
                     break
                 if lag > self.threshold_s:
                     self.late += 1
-                    self._late(asked + self.interval_s, woke, lag)
+                    self._late(asked + self.interval_s, woke, lag, held)
                 elif self._stretch is not None and not self._convoy(self._stretch, woke):
                     # A holder that gives the GIL up now and then (to the clock's torch calls)
                     # lets a heartbeat through on time: one such does not end the stretch.
@@ -380,7 +392,10 @@ class GilWatchdog:
               schedstat: bool) -> tuple[float, tuple[float, float] | None]:
         """Record a CoreSample for the window since `looked` (time, _tasks()); returns the next
         baseline. A thread that ended in the window takes its time along: demand is a lower bound."""
-        tasks = _total(self._tasks()) if schedstat else None
+        threads = self._tasks() if schedstat else None
+        tasks = _total(threads)
+        if threads is not None:
+            self._snapshots.append((now, {n: t[0] + t[1] for n, t in threads.items()}, _full_collections()))
         before = looked[1]
         demand = rq = None
         if tasks is not None and before is not None:
@@ -390,7 +405,7 @@ class GilWatchdog:
                                                   demand_s=demand, runqueue_s=rq, lag_s=lags))
         return now, tasks
 
-    def _late(self, due: float, woke: float, lag: float) -> None:
+    def _late(self, due: float, woke: float, lag: float, held: dict[int, _Where] | None = None) -> None:
         stretch = self._stretch
         if stretch is not None and woke - stretch.started_at > self.max_stretch_s:
             self._close_stretch(goes_on=True)  # bounded stretches: the views and the advisor see them soon
@@ -399,11 +414,19 @@ class GilWatchdog:
             stretch = self._stretch = _Stretch(due, self._tasks(), self._running)
             self._running = {}
             self._last_sample = woke
+            before = next((snap for snap in reversed(self._snapshots) if snap[0] <= due), None)
+            if lag >= LONG_HOLD_S and before is not None and held is not None:
+                # one long hold just ended (a full collection, a long C call): the next heartbeat will
+                # be on time, so this look names it, from every thread's CPU at the look before it and
+                # its place when the watchdog woke
+                self._last_sample, stretch.cpu, self._full_collections = before
+            else:
+                held = None
         stretch.ended_at = woke
         stretch.on_time = 0
         stretch.lag_s += lag
         stretch.heartbeats += 1
-        holder = self._holder(stretch, woke - self._last_sample)
+        holder = self._holder(stretch, woke - self._last_sample, held=held)
         self._last_sample = woke
         if holder is not None:
             self._sample(stretch, *holder)
@@ -435,8 +458,8 @@ class GilWatchdog:
         stretch.samples[key] += 1
         stretch.frames[key] = frames
 
-    def _holder(self, stretch: _Stretch, window_s: float,
-                share: float = HOLDER_SHARE) -> tuple[str, tuple[UserFrame, ...]] | None:
+    def _holder(self, stretch: _Stretch, window_s: float, share: float = HOLDER_SHARE,
+                held: dict[int, _Where] | None = None) -> tuple[str, tuple[UserFrame, ...]] | None:
         """The thread, other than pools' own, that ran (on a CPU, or waiting in the run queue for
         one) for most of the time since the previous look (the one that kept the GIL), with its
         top user frames now.
@@ -447,6 +470,7 @@ class GilWatchdog:
         me = threading.get_ident()
         cpu: dict[int, float] = {}
         best: tuple[float, threading.Thread] | None = None
+        first = not stretch.cpu
         for thread in threading.enumerate():
             native = thread.native_id
             if thread.ident == me or native is None or thread.name.startswith(_OWN_THREADS):
@@ -461,10 +485,10 @@ class GilWatchdog:
                 stretch.times[native] = [*times, *times]
             else:
                 seen[2], seen[3] = times
-            before = stretch.cpu.get(native)
-            if before is not None and (best is None or used - before > best[0]):
-                best = (used - before, thread)
-        first = not stretch.cpu
+            if not first:
+                ran = used - stretch.cpu.get(native, 0.0)  # (born since the last look: all its time is in it)
+                if best is None or ran > best[0]:
+                    best = (ran, thread)
         stretch.cpu = cpu
         # read at every look, so a pass counts only in the window it ran in
         full, self._full_collections = self._full_collections, _full_collections()
@@ -473,18 +497,11 @@ class GilWatchdog:
         thread = best[1]
         if self._full_collections != full:  # a full pass since the last look: the collector's time
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
-        frames = sys._current_frames()
-        try:
-            top = frames.get(thread.ident)  # type: ignore[arg-type]
-            now, at, waits = user_frames(top), _at(frames, thread.ident), _library_frame(top)  # type: ignore[arg-type]
-            top = None
-        finally:
-            # The map holds every thread's frame, this one's too: a reference cycle that would keep
-            # their locals (a pool the user just dropped) alive until the next garbage collection.
-            frames.clear()
-        native = thread.native_id
-        assert native is not None and thread.ident is not None
-        if not self._ran_on(native, thread.ident, at):
+        native, ident = thread.native_id, thread.ident
+        assert native is not None and ident is not None
+        place = held.get(ident) if held is not None else None
+        now, at, waits = place if place is not None else _where_all(ident).get(ident, ((), None, ()))
+        if not self._ran_on(native, ident, at):
             # It gave the GIL up itself (a lock, a result, I/O) after running: where it waits now is
             # not what ran (a loop blocked on `.result()` after its loader's Python). The window is
             # its frames' at the look before, that found it running; without one, the wait itself,
@@ -559,6 +576,24 @@ class GilWatchdog:
             return False
         ran, queued = seen[2] - seen[0], seen[3] - seen[1]
         return queued >= ran
+
+
+# a thread's place: its user frames, its innermost frame and instruction (None: it ended), and that frame
+# as library code (where it waits, when it stopped on its own)
+_Where = tuple[tuple[UserFrame, ...], tuple[int, int] | None, tuple[UserFrame, ...]]
+
+
+def _where_all(only: int | None = None) -> dict[int, _Where]:
+    """Every thread's place now (or thread `only`'s), other than the caller's."""
+    me = threading.get_ident()
+    frames = sys._current_frames()
+    try:
+        return {ident: (user_frames(top), _at(frames, ident), _library_frame(top)) for ident, top in frames.items()
+                if ident != me and only in (None, ident)}
+    finally:
+        # The map holds every thread's frame, this one's too: a reference cycle that would keep
+        # their locals (a pool the user just dropped) alive until the next garbage collection.
+        frames.clear()
 
 
 def _library_frame(frame: FrameType | None) -> tuple[UserFrame, ...]:
