@@ -299,8 +299,8 @@ class GilWatchdog:
         self._full_collections = _full_collections()
         # a stretch closed only for its length hands the next one its holders' frames (the hold goes on)
         self._running: dict[int, tuple[UserFrame, ...]] = {}
-        # the last two core looks: (when, native thread id -> CPU + run-queue s, full collections)
-        self._snapshots: deque[tuple[float, dict[int, float], int]] = deque(maxlen=2)
+        # the last two core looks: (when, native thread id -> (name, ident, CPU s), full collections)
+        self._snapshots: deque[tuple[float, dict[int, tuple[str, int, float]], int]] = deque(maxlen=2)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -331,9 +331,10 @@ class GilWatchdog:
                 asked = time.perf_counter()
                 time.sleep(self.interval_s)  # one C call: cheaper than Event.wait (stop() waits <= 20 ms)
                 woke = time.perf_counter()
-                # after one long hold, every thread's place at once: each system call below gives the
-                # GIL up, and the holder runs on meanwhile
-                held = _where_all() if woke - asked - self.interval_s >= LONG_HOLD_S else None
+                # one long hold just ended: named now, before any system call (each gives the GIL up,
+                # and the holder runs on meanwhile, or ends)
+                held = self._long_hold(asked + self.interval_s, woke) \
+                    if woke - asked - self.interval_s >= LONG_HOLD_S else None
                 rq_now = (_runqueue_s(own) or 0.0) if own is not None else 0.0
                 lag = (woke - asked - self.interval_s) - (rq_now - (rq or 0.0))
                 rq = rq_now
@@ -394,8 +395,7 @@ class GilWatchdog:
         baseline. A thread that ended in the window takes its time along: demand is a lower bound."""
         threads = self._tasks() if schedstat else None
         tasks = _total(threads)
-        if threads is not None:
-            self._snapshots.append((now, {n: t[0] + t[1] for n, t in threads.items()}, _full_collections()))
+        self._snapshots.append((now, _python_cpu(), _full_collections()))
         before = looked[1]
         demand = rq = None
         if tasks is not None and before is not None:
@@ -405,7 +405,8 @@ class GilWatchdog:
                                                   demand_s=demand, runqueue_s=rq, lag_s=lags))
         return now, tasks
 
-    def _late(self, due: float, woke: float, lag: float, held: dict[int, _Where] | None = None) -> None:
+    def _late(self, due: float, woke: float, lag: float,
+              held: tuple[str, tuple[UserFrame, ...]] | None = None) -> None:
         stretch = self._stretch
         if stretch is not None and woke - stretch.started_at > self.max_stretch_s:
             self._close_stretch(goes_on=True)  # bounded stretches: the views and the advisor see them soon
@@ -414,23 +415,39 @@ class GilWatchdog:
             stretch = self._stretch = _Stretch(due, self._tasks(), self._running)
             self._running = {}
             self._last_sample = woke
-            before = next((snap for snap in reversed(self._snapshots) if snap[0] <= due), None)
-            if lag >= LONG_HOLD_S and before is not None and held is not None:
-                # one long hold just ended (a full collection, a long C call): the next heartbeat will
-                # be on time, so this look names it, from every thread's CPU at the look before it and
-                # its place when the watchdog woke
-                self._last_sample, stretch.cpu, self._full_collections = before
-            else:
-                held = None
+            if held is not None and lag >= LONG_HOLD_S:
+                # one long hold (a full collection, a long C call): the next heartbeat will be on time
+                self._sample(stretch, *held)
         stretch.ended_at = woke
         stretch.on_time = 0
         stretch.lag_s += lag
         stretch.heartbeats += 1
-        holder = self._holder(stretch, woke - self._last_sample, held=held)
+        holder = self._holder(stretch, woke - self._last_sample)
         self._last_sample = woke
         if holder is not None:
             self._sample(stretch, *holder)
+        if stretch.samples:
             self.telemetry.gil_ongoing = _as_stall(stretch)
+
+    def _long_hold(self, due: float, woke: float) -> tuple[str, tuple[UserFrame, ...]] | None:
+        """The thread that held the GIL for most of the time since the core look before `due`, and
+        where it is, read without giving the GIL up (a hold that long is over: the next heartbeat is on
+        time, no second look names it). None without such a look, or when no thread ran for at least
+        HOLDER_SHARE of that time."""
+        before = next((snap for snap in reversed(self._snapshots) if snap[0] <= due), None)
+        if before is None:
+            return None
+        at, cpu0, full = before
+        cpu = _python_cpu()
+        ran = {native: c - (cpu0[native][2] if native in cpu0 else 0.0) for native, (_, _, c) in cpu.items()}
+        native = max(ran, key=ran.__getitem__, default=None)
+        if native is None or ran[native] < HOLDER_SHARE * (woke - at):
+            return None
+        name, ident, _ = cpu[native]
+        if _full_collections() != full:
+            return name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
+        frames, _, waits = _where_all(ident).get(ident, ((), None, ()))
+        return name, frames or waits
 
     def _convoy(self, stretch: _Stretch, woke: float) -> bool:
         """An on-time heartbeat while the stretch's holder still runs: the stretch goes on.
@@ -458,8 +475,8 @@ class GilWatchdog:
         stretch.samples[key] += 1
         stretch.frames[key] = frames
 
-    def _holder(self, stretch: _Stretch, window_s: float, share: float = HOLDER_SHARE,
-                held: dict[int, _Where] | None = None) -> tuple[str, tuple[UserFrame, ...]] | None:
+    def _holder(self, stretch: _Stretch, window_s: float,
+                share: float = HOLDER_SHARE) -> tuple[str, tuple[UserFrame, ...]] | None:
         """The thread, other than pools' own, that ran (on a CPU, or waiting in the run queue for
         one) for most of the time since the previous look (the one that kept the GIL), with its
         top user frames now.
@@ -499,8 +516,7 @@ class GilWatchdog:
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
         native, ident = thread.native_id, thread.ident
         assert native is not None and ident is not None
-        place = held.get(ident) if held is not None else None
-        now, at, waits = place if place is not None else _where_all(ident).get(ident, ((), None, ()))
+        now, at, waits = _where_all(ident).get(ident, ((), None, ()))
         if not self._ran_on(native, ident, at):
             # It gave the GIL up itself (a lock, a result, I/O) after running: where it waits now is
             # not what ran (a loop blocked on `.result()` after its loader's Python). The window is
@@ -594,6 +610,22 @@ def _where_all(only: int | None = None) -> dict[int, _Where]:
         # The map holds every thread's frame, this one's too: a reference cycle that would keep
         # their locals (a pool the user just dropped) alive until the next garbage collection.
         frames.clear()
+
+
+def _python_cpu() -> dict[int, tuple[str, int, float]]:
+    """native thread id -> (name, ident, CPU s) of every Python thread but the caller and pools' own,
+    read from each thread's CPU clock (Linux's per-thread clock id), which keeps the GIL: a read of
+    /proc gives it up, to a holder that runs on. {} where that clock cannot be read."""
+    me, out = threading.get_ident(), {}
+    for thread in threading.enumerate():
+        native, ident = thread.native_id, thread.ident
+        if ident == me or native is None or ident is None or thread.name.startswith(_OWN_THREADS):
+            continue
+        try:  # MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): another thread's clock_gettime(CLOCK_THREAD_CPUTIME_ID)
+            out[native] = (thread.name, ident, time.clock_gettime(((~native) << 3) | 6))
+        except (OSError, OverflowError, AttributeError):
+            continue  # it ended meanwhile, or not Linux
+    return out
 
 
 def _library_frame(frame: FrameType | None) -> tuple[UserFrame, ...]:
