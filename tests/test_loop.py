@@ -163,7 +163,12 @@ def test_controls_are_thread_safe_before_start():
 
 SIGINT_SCRIPT = r"""
 import faulthandler, itertools, json, os, signal, sys, threading, time
-faulthandler.dump_traceback_later(240, exit=False)  # where it waits, should it hang (CI saw one)
+faulthandler.dump_traceback_later(240, exit=False)  # where it waits, should it hang
+# Ctrl+C as a terminal's Python gets it: a process started in the background by a shell inherits SIGINT
+# ignored, and then neither Python nor asyncio.run installs a handler, so the kill below is lost and the
+# run trains on (three fresh-clone runs of .ci/run launched with `&` hung here, faulthandler showing the
+# clock still training; the same script started with SIGINT ignored hangs, with this line it stops)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import trio_widgets as trio
 
 path, mode = sys.argv[1], sys.argv[2]
