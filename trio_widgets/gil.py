@@ -18,10 +18,7 @@ both cheap enough to run all the time:
   :class:`~trio_widgets.telemetry.GilStall` of the pool's telemetry (bounded). The watchdog
   looks when the GIL is given up, so it may find that thread stopped at a wait of its own (a
   loop blocked on `.result()` after its loader ran): a moment's probe tells a wait from a
-  preemption, and a wait is blamed on the frames the look before found running. One hold
-  longer than that (a full collection, a C call that keeps the GIL) is over before a second
-  look: a heartbeat ``LONG_HOLD_S`` late reads every thread's place as it wakes and names the
-  holder from the CPU the threads used since the watchdog's look before the hold. A stretch
+  preemption, and a wait is blamed on the frames the look before found running. A stretch
   goes on through on-time heartbeats while that thread keeps running: a loop of short
   bytecodes hands the GIL over at each switch interval, so a heartbeat may get it at once
   while the clock, wanting it for each torch call, waits again and again (a convoy).
@@ -49,7 +46,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from types import FrameType
 
 from .telemetry import GC_FILE, CoreSample, GilStall, Telemetry, UserFrame
@@ -232,10 +229,6 @@ CORE_EVERY_S = 0.1
 #: no Python thread) wanted at least this share of the cores the holder leaves meanwhile, and the
 #: holder waited for a core at least as long as it ran: it held the GIL while they preempted it.
 CONTENDED_SHARE = 0.75
-#: A stretch's first heartbeat this late ended one long hold (a full collection, a C call that keeps the
-#: GIL): it names the holder at once, from the threads' CPU at the watchdog's core look before it (a
-#: hold longer than the heartbeat's interval is over before a second look; none would name it).
-LONG_HOLD_S = 0.1
 #: How long the watchdog gives the GIL up to see whether the thread it blames takes it back (one
 #: waiting for it is woken by the release; on a busy machine it may wait for a core longer: then the
 #: look counts its frames from the look before, or none).
@@ -299,8 +292,6 @@ class GilWatchdog:
         self._full_collections = _full_collections()
         # a stretch closed only for its length hands the next one its holders' frames (the hold goes on)
         self._running: dict[int, tuple[UserFrame, ...]] = {}
-        # the last two core looks: (when, native thread id -> (name, ident, CPU s), full collections)
-        self._snapshots: deque[tuple[float, dict[int, tuple[str, int, float]], int]] = deque(maxlen=2)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -331,10 +322,6 @@ class GilWatchdog:
                 asked = time.perf_counter()
                 time.sleep(self.interval_s)  # one C call: cheaper than Event.wait (stop() waits <= 20 ms)
                 woke = time.perf_counter()
-                # one long hold just ended: named now, before any system call (each gives the GIL up,
-                # and the holder runs on meanwhile, or ends)
-                held = self._long_hold(asked + self.interval_s, woke) \
-                    if woke - asked - self.interval_s >= LONG_HOLD_S else None
                 rq_now = (_runqueue_s(own) or 0.0) if own is not None else 0.0
                 lag = (woke - asked - self.interval_s) - (rq_now - (rq or 0.0))
                 rq = rq_now
@@ -348,7 +335,7 @@ class GilWatchdog:
                     break
                 if lag > self.threshold_s:
                     self.late += 1
-                    self._late(asked + self.interval_s, woke, lag, held)
+                    self._late(asked + self.interval_s, woke, lag)
                 elif self._stretch is not None and not self._convoy(self._stretch, woke):
                     # A holder that gives the GIL up now and then (to the clock's torch calls)
                     # lets a heartbeat through on time: one such does not end the stretch.
@@ -393,9 +380,7 @@ class GilWatchdog:
               schedstat: bool) -> tuple[float, tuple[float, float] | None]:
         """Record a CoreSample for the window since `looked` (time, _tasks()); returns the next
         baseline. A thread that ended in the window takes its time along: demand is a lower bound."""
-        threads = self._tasks() if schedstat else None
-        tasks = _total(threads)
-        self._snapshots.append((now, _python_cpu(), _full_collections()))
+        tasks = _total(self._tasks()) if schedstat else None
         before = looked[1]
         demand = rq = None
         if tasks is not None and before is not None:
@@ -405,8 +390,7 @@ class GilWatchdog:
                                                   demand_s=demand, runqueue_s=rq, lag_s=lags))
         return now, tasks
 
-    def _late(self, due: float, woke: float, lag: float,
-              held: tuple[str, tuple[UserFrame, ...]] | None = None) -> None:
+    def _late(self, due: float, woke: float, lag: float) -> None:
         stretch = self._stretch
         if stretch is not None and woke - stretch.started_at > self.max_stretch_s:
             self._close_stretch(goes_on=True)  # bounded stretches: the views and the advisor see them soon
@@ -415,9 +399,6 @@ class GilWatchdog:
             stretch = self._stretch = _Stretch(due, self._tasks(), self._running)
             self._running = {}
             self._last_sample = woke
-            if held is not None and lag >= LONG_HOLD_S:
-                # one long hold (a full collection, a long C call): the next heartbeat will be on time
-                self._sample(stretch, *held)
         stretch.ended_at = woke
         stretch.on_time = 0
         stretch.lag_s += lag
@@ -426,28 +407,7 @@ class GilWatchdog:
         self._last_sample = woke
         if holder is not None:
             self._sample(stretch, *holder)
-        if stretch.samples:
             self.telemetry.gil_ongoing = _as_stall(stretch)
-
-    def _long_hold(self, due: float, woke: float) -> tuple[str, tuple[UserFrame, ...]] | None:
-        """The thread that held the GIL for most of the time since the core look before `due`, and
-        where it is, read without giving the GIL up (a hold that long is over: the next heartbeat is on
-        time, no second look names it). None without such a look, or when no thread ran for at least
-        HOLDER_SHARE of that time."""
-        before = next((snap for snap in reversed(self._snapshots) if snap[0] <= due), None)
-        if before is None:
-            return None
-        at, cpu0, full = before
-        cpu = _python_cpu()
-        ran = {native: c - (cpu0[native][2] if native in cpu0 else 0.0) for native, (_, _, c) in cpu.items()}
-        native = max(ran, key=ran.__getitem__, default=None)
-        if native is None or ran[native] < HOLDER_SHARE * (woke - at):
-            return None
-        name, ident, _ = cpu[native]
-        if _full_collections() != full:
-            return name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
-        frames, _, waits = _where_all(ident).get(ident, ((), None, ()))
-        return name, frames or waits
 
     def _convoy(self, stretch: _Stretch, woke: float) -> bool:
         """An on-time heartbeat while the stretch's holder still runs: the stretch goes on.
@@ -487,7 +447,6 @@ class GilWatchdog:
         me = threading.get_ident()
         cpu: dict[int, float] = {}
         best: tuple[float, threading.Thread] | None = None
-        first = not stretch.cpu
         for thread in threading.enumerate():
             native = thread.native_id
             if thread.ident == me or native is None or thread.name.startswith(_OWN_THREADS):
@@ -502,10 +461,10 @@ class GilWatchdog:
                 stretch.times[native] = [*times, *times]
             else:
                 seen[2], seen[3] = times
-            if not first:
-                ran = used - stretch.cpu.get(native, 0.0)  # (born since the last look: all its time is in it)
-                if best is None or ran > best[0]:
-                    best = (ran, thread)
+            before = stretch.cpu.get(native)
+            if before is not None and (best is None or used - before > best[0]):
+                best = (used - before, thread)
+        first = not stretch.cpu
         stretch.cpu = cpu
         # read at every look, so a pass counts only in the window it ran in
         full, self._full_collections = self._full_collections, _full_collections()
@@ -514,10 +473,18 @@ class GilWatchdog:
         thread = best[1]
         if self._full_collections != full:  # a full pass since the last look: the collector's time
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
-        native, ident = thread.native_id, thread.ident
-        assert native is not None and ident is not None
-        now, at, waits = _where_all(ident).get(ident, ((), None, ()))
-        if not self._ran_on(native, ident, at):
+        frames = sys._current_frames()
+        try:
+            top = frames.get(thread.ident)  # type: ignore[arg-type]
+            now, at, waits = user_frames(top), _at(frames, thread.ident), _library_frame(top)  # type: ignore[arg-type]
+            top = None
+        finally:
+            # The map holds every thread's frame, this one's too: a reference cycle that would keep
+            # their locals (a pool the user just dropped) alive until the next garbage collection.
+            frames.clear()
+        native = thread.native_id
+        assert native is not None and thread.ident is not None
+        if not self._ran_on(native, thread.ident, at):
             # It gave the GIL up itself (a lock, a result, I/O) after running: where it waits now is
             # not what ran (a loop blocked on `.result()` after its loader's Python). The window is
             # its frames' at the look before, that found it running; without one, the wait itself,
@@ -592,40 +559,6 @@ class GilWatchdog:
             return False
         ran, queued = seen[2] - seen[0], seen[3] - seen[1]
         return queued >= ran
-
-
-# a thread's place: its user frames, its innermost frame and instruction (None: it ended), and that frame
-# as library code (where it waits, when it stopped on its own)
-_Where = tuple[tuple[UserFrame, ...], tuple[int, int] | None, tuple[UserFrame, ...]]
-
-
-def _where_all(only: int | None = None) -> dict[int, _Where]:
-    """Every thread's place now (or thread `only`'s), other than the caller's."""
-    me = threading.get_ident()
-    frames = sys._current_frames()
-    try:
-        return {ident: (user_frames(top), _at(frames, ident), _library_frame(top)) for ident, top in frames.items()
-                if ident != me and only in (None, ident)}
-    finally:
-        # The map holds every thread's frame, this one's too: a reference cycle that would keep
-        # their locals (a pool the user just dropped) alive until the next garbage collection.
-        frames.clear()
-
-
-def _python_cpu() -> dict[int, tuple[str, int, float]]:
-    """native thread id -> (name, ident, CPU s) of every Python thread but the caller and pools' own,
-    read from each thread's CPU clock (Linux's per-thread clock id), which keeps the GIL: a read of
-    /proc gives it up, to a holder that runs on. {} where that clock cannot be read."""
-    me, out = threading.get_ident(), {}
-    for thread in threading.enumerate():
-        native, ident = thread.native_id, thread.ident
-        if ident == me or native is None or ident is None or thread.name.startswith(_OWN_THREADS):
-            continue
-        try:  # MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED): another thread's clock_gettime(CLOCK_THREAD_CPUTIME_ID)
-            out[native] = (thread.name, ident, time.clock_gettime(((~native) << 3) | 6))
-        except (OSError, OverflowError, AttributeError):
-            continue  # it ended meanwhile, or not Linux
-    return out
 
 
 def _library_frame(frame: FrameType | None) -> tuple[UserFrame, ...]:
