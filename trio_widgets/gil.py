@@ -198,10 +198,7 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
                 out.append(UserFrame(code.co_filename, function, frame.f_lineno or 0,
                                      cell if isinstance(cell, int) else None))
         frame = frame.f_back
-    if not out and innermost is not None:
-        code = innermost.f_code
-        out.append(UserFrame(code.co_filename, _function(code), innermost.f_lineno or 0, None, user=False))
-    return tuple(out)
+    return tuple(out) or _library_frame(innermost)
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -239,10 +236,9 @@ class _Stretch:
     """Late heartbeats in a row: becomes one GilStall."""
 
     __slots__ = ("started_at", "ended_at", "lag_s", "heartbeats", "on_time", "samples", "frames", "cpu",
-                 "times", "tasks0", "running")
+                 "times", "tasks0")
 
-    def __init__(self, started_at: float, tasks0: dict[int, tuple[float, float]] | None = None,
-                 running: dict[int, tuple[UserFrame, ...]] | None = None) -> None:
+    def __init__(self, started_at: float, tasks0: dict[int, tuple[float, float]] | None = None) -> None:
         self.started_at = self.ended_at = started_at
         self.lag_s = 0.0
         self.heartbeats = 0
@@ -255,8 +251,6 @@ class _Stretch:
         # native thread id -> [on a CPU, in the run queue] seconds at its first sample, then at its last
         self.times: dict[int, list[float]] = {}
         self.tasks0 = tasks0  # every thread's (CPU s, run-queue s) at its start
-        # native thread id -> its frames at the latest look that found it running (not stopped at a wait)
-        self.running: dict[int, tuple[UserFrame, ...]] = running if running is not None else {}
 
 
 class GilWatchdog:
@@ -290,7 +284,8 @@ class GilWatchdog:
         # only come after it, at whatever the collecting thread runs next, a random allocator. (Not
         # gc.callbacks: a Ctrl-C landing in a callback's Python is swallowed by the collector.)
         self._full_collections = _full_collections()
-        # a stretch closed only for its length hands the next one its holders' frames (the hold goes on)
+        # native thread id -> its frames at the latest look that found it running (not stopped at a wait
+        # of its own), in this hold: kept across a stretch closed only for its length
         self._running: dict[int, tuple[UserFrame, ...]] = {}
 
     @property
@@ -396,8 +391,7 @@ class GilWatchdog:
             self._close_stretch(goes_on=True)  # bounded stretches: the views and the advisor see them soon
             stretch = None
         if stretch is None:
-            stretch = self._stretch = _Stretch(due, self._tasks(), self._running)
-            self._running = {}
+            stretch = self._stretch = _Stretch(due, self._tasks())
             self._last_sample = woke
         stretch.ended_at = woke
         stretch.on_time = 0
@@ -489,8 +483,8 @@ class GilWatchdog:
             # not what ran (a loop blocked on `.result()` after its loader's Python). The window is
             # its frames' at the look before, that found it running; without one, the wait itself,
             # as library code: the hold counts, no user code is blamed for it.
-            return thread.name, stretch.running.get(native, waits)
-        stretch.running[native] = now
+            return thread.name, self._running.get(native, waits)
+        self._running[native] = now
         return thread.name, now
 
     def _ran_on(self, native_id: int, ident: int, at: tuple[int, int] | None) -> bool:
@@ -531,7 +525,8 @@ class GilWatchdog:
     def _close_stretch(self, goes_on: bool = False) -> None:
         stretch, self._stretch = self._stretch, None
         self.telemetry.gil_ongoing = None
-        self._running = stretch.running if stretch is not None and goes_on else {}
+        if not goes_on:
+            self._running.clear()
         if stretch is None or not stretch.samples:
             return  # a single late heartbeat: too short to say who held the GIL
         if self._contended(stretch):
