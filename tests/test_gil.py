@@ -41,9 +41,12 @@ HOG_LINES = range(_first, _first + len(_source))
 
 
 def settle(watchdog: GilWatchdog) -> None:
-    """Let a stretch in progress end: it closes after two on-time heartbeats."""
-    beats = watchdog.heartbeats
+    """Let a stretch in progress end: it closes after two on-time heartbeats. Bounded: a
+    watchdog thread that died fails the test here instead of hanging it."""
+    beats, deadline = watchdog.heartbeats, time.monotonic() + 30
     while watchdog.heartbeats < beats + 4:
+        assert watchdog.thread is not None and watchdog.thread.is_alive(), "the GIL watchdog's thread is gone"
+        assert time.monotonic() < deadline, f"the GIL watchdog beat {watchdog.heartbeats - beats} times in 30 s"
         time.sleep(watchdog.interval_s)
 
 

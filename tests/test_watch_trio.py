@@ -6,7 +6,9 @@ written in tinker's style (`.result()`) and in pytrio's (a client made and used 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
+import threading
 from collections import Counter
 
 import pytest
@@ -15,7 +17,7 @@ from served import in_threads
 
 import trio_widgets as trio
 from trio_widgets.advisor import diagnose_telemetry
-from trio_widgets.watch import in_flight_depth, unwatch, watch, watcher_of
+from trio_widgets.watch import Watcher, _track, in_flight_depth, unwatch, watch, watcher_of
 
 ADAM = trio.AdamParams(learning_rate=1e-3)
 BATCH = random_batch(0, n=1, length=8)
@@ -97,3 +99,31 @@ def test_a_watched_trio_client_resolves_to_the_watched_client():
             assert [r.op for r in watcher_of(watched).records()] == ["forward_backward"]
         finally:
             assert unwatch(watched) is tc
+
+
+def test_a_result_the_loop_has_counts_as_arrived_before_the_loops_next_submit():
+    """A concurrent future wakes the thread in `.result()` before it runs its done-callbacks, the
+    watcher's among them: a naive loop could submit its next request first and seem to have two in
+    flight (seen in notebook 07). The loop's own `.result()` records the arrival. Here the watcher's
+    callback waits behind an earlier one until the next request is in."""
+    watcher = Watcher(gil=False)
+    try:
+        source: concurrent.futures.Future = concurrent.futures.Future()
+        release = threading.Event()
+        source.add_done_callback(lambda _f: release.wait(30))  # callbacks run in order: the watcher's is next
+        first = watcher.submitted("run-1", "forward_backward")
+        future = _track(watcher, first, trio.APIFuture(source, request_id=1, op="forward_backward"))
+        output = trio.ForwardBackwardOutput("cross_entropy", [], {"loss:sum": 2.0})
+        setter = threading.Thread(target=source.set_result, args=(output,))
+        setter.start()
+        try:
+            assert future.result(timeout=30) is output
+            second = watcher.submitted("run-1", "optim_step")
+        finally:
+            release.set()
+            setter.join(30)
+        assert first.delivered_at is not None and first.delivered_at <= second.queued_at
+        assert first.status == "ok" and first.metrics["loss:sum"] == 2.0
+        assert in_flight_depth([first, second]) == 1 and watcher.in_flight() == {"run-1": 1}
+    finally:
+        watcher.close()

@@ -170,18 +170,20 @@ class Watcher:
 
     def resolved(self, record: WatchedRequest, result: Any = None, error: BaseException | None = None,
                  cancelled: bool = False) -> None:
-        """The SDK's future finished (any thread; once per record)."""
-        if record.delivered_at is not None:
-            return
+        """The SDK's future finished (any thread; the first call per record counts: the SDK's
+        done-callback and the loop's own `result()` may both report it, at once)."""
         now = time.perf_counter()
-        if cancelled:
-            record.status = "cancelled"
-        elif error is not None:
-            record.status, record.error = "error", f"{type(error).__name__}: {error}"[:500]
-        else:
-            record.status = "ok"
-            record.metrics.update(_numbers(getattr(result, "metrics", None)))
-        record.finished_at = record.delivered_at = now
+        with self._lock:
+            if record.delivered_at is not None:
+                return
+            if cancelled:
+                record.status = "cancelled"
+            elif error is not None:
+                record.status, record.error = "error", f"{type(error).__name__}: {error}"[:500]
+            else:
+                record.status = "ok"
+                record.metrics.update(_numbers(getattr(result, "metrics", None)))
+            record.finished_at = record.delivered_at = now
         self.telemetry.request_delivered(record)
         self._mark(record.client_id, -1, now)
 
@@ -281,14 +283,19 @@ class WatchedFuture:
     `coroutine` and `await` (pytrio's: `result`, `await`, `done`, `exception`, `cancel`, `map`),
     noting when the loop first asked for the result.
 
-    `failures`: the watcher to tell of a failure or cancellation when the loop meets it (pytrio's
-    futures, whose public surface signals only a success as it happens: see `_track`)."""
+    A result the loop gets is recorded as available then, if the SDK's done-callback has not
+    recorded it yet: a concurrent future wakes its waiters before it runs its callbacks, so a
+    naive loop could otherwise submit its next request first and seem to have two in flight.
 
-    __slots__ = ("_inner", "_record", "_failures")
+    `failures`: also record a failure or cancellation when the loop meets it (pytrio's futures,
+    whose public surface signals only a success as it happens: see `_track`)."""
 
-    def __init__(self, inner: Any, record: WatchedRequest, failures: Watcher | None = None):
+    __slots__ = ("_inner", "_record", "_watcher", "_failures")
+
+    def __init__(self, inner: Any, record: WatchedRequest, watcher: Watcher, failures: bool = False):
         self._inner = inner
         self._record = record
+        self._watcher = watcher
         self._failures = failures
 
     @property
@@ -298,37 +305,45 @@ class WatchedFuture:
     def result(self, timeout: float | None = None) -> Any:
         Watcher.asked(self._record, "result")
         try:
-            return self._inner.result(timeout)
+            out = self._inner.result(timeout)
         except BaseException as exc:
             self._failed(exc)
             raise
+        return self._arrived(out)
 
     async def result_async(self, timeout: float | None = None) -> Any:
         Watcher.asked(self._record, "await")
         try:
-            return await self._inner.result_async(timeout)
+            out = await self._inner.result_async(timeout)
         except BaseException as exc:
             self._failed(exc)
             raise
+        return self._arrived(out)
 
     async def _awaited(self) -> Any:
         """`await` on a future without `result_async` (pytrio's: awaitable itself)."""
         Watcher.asked(self._record, "await")
         try:
-            return await self._inner
+            out = await self._inner
         except BaseException as exc:
             self._failed(exc)
             raise
+        return self._arrived(out)
+
+    def _arrived(self, out: Any) -> Any:
+        if self._record.delivered_at is None:
+            self._watcher.resolved(self._record, out)
+        return out
 
     def _failed(self, exc: BaseException) -> None:
-        if self._failures is None or self._record.delivered_at is not None or not self._inner.done():
+        if not self._failures or self._record.delivered_at is not None or not self._inner.done():
             return  # (tracked by a done-callback, already recorded, or only a wait that timed out)
         from concurrent.futures import CancelledError
 
         if isinstance(exc, (asyncio.CancelledError, CancelledError)):
-            self._failures.resolved(self._record, cancelled=True)
+            self._watcher.resolved(self._record, cancelled=True)
         else:
-            self._failures.resolved(self._record, error=exc)
+            self._watcher.resolved(self._record, error=exc)
 
     def future(self) -> Any:
         return self._inner.future()
@@ -438,7 +453,7 @@ def _track(watcher: Watcher, record: WatchedRequest, inner: Any) -> WatchedFutur
     became available recorded; None if it is no future."""
     if _has(inner, "future"):  # tinker's and trio's: a concurrent.futures.Future
         watcher.track(record, inner.future())
-        return WatchedFuture(inner, record)
+        return WatchedFuture(inner, record, watcher)
     if not _is_future(inner):
         return None
 
@@ -450,7 +465,7 @@ def _track(watcher: Watcher, record: WatchedRequest, inner: Any) -> WatchedFutur
         watcher.resolved(record, result)
 
     inner.map(arrived)
-    return WatchedFuture(inner, record, failures=watcher)
+    return WatchedFuture(inner, record, watcher, failures=True)
 
 
 def _async_submitter(op: str) -> Callable[..., Awaitable[Any]]:

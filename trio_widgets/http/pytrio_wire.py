@@ -61,6 +61,7 @@ CONTROL = "/api/openapi/v1"
 ACTOR = "/api/pytrio"  # + /<session id>/v1/...
 MSGPACK = "application/msgpack"
 _ALIASES = 8192  # event ids remembered per session
+PYTRIO_PAGE = 20  # a listing's default page size in PyTRIO's SDK
 # an entry's kind (the pool's op) -> the event type that made it
 _EVENT_OF = {"create_model": "trainer.init_run", "forward": "trainer.forward",
              "forward_backward": "trainer.forward_backward",
@@ -307,7 +308,7 @@ class PyTrio:
 
     async def list_sessions(self, owner: str, request: Request) -> dict:
         mine = [s for s in self.s.state.sessions.values() if s.owner == owner]
-        limit, offset = page(request, 20)
+        limit, offset = page(request, PYTRIO_PAGE)
         return {"service_sessions": [self.session_json(s) for s in mine[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(mine)}}
 
@@ -368,13 +369,13 @@ class PyTrio:
         return self.run_json(owner, await self.s.catalog(owner, lambda: self.s.of(owner).call(GetTrainingRun(run_id))))
 
     async def list_runs(self, owner: str, request: Request) -> dict:
-        limit, offset = page(request, 20)
+        limit, offset = page(request, PYTRIO_PAGE)
         runs = await self.s.catalog(owner, lambda: self.s.of(owner).call(ListTrainingRuns()))
         return {"training_runs": [self.run_json(owner, r) for r in runs[offset:offset + limit]],
                 "cursor": {"offset": offset, "limit": limit, "total": len(runs)}}
 
     async def checkpoints(self, owner: str, request: Request) -> Response:
-        limit, offset = page(request, 20)
+        limit, offset = page(request, PYTRIO_PAGE)
         run_id = request.path_params.get("run_id")
 
         def work() -> JSONResponse:  # listed, paged and encoded (up to 10,000 entries) off the event loop

@@ -69,6 +69,9 @@ def json_body(body: bytes) -> dict:
     return value
 
 
+TINKER_PAGE = 100  # a listing's default page size in Tinker's SDK (PyTRIO's: pytrio_wire.PYTRIO_PAGE)
+
+
 def page(request: Request, limit: int) -> tuple[int, int]:
     """A listing's (limit, offset) from its query (`limit` when not given; each 0 to 10,000: each codec
     passes its SDK's default, Tinker's 100, PyTRIO's 20)."""
@@ -163,14 +166,14 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
                              lambda found: {"checkpoints": [_plain(c) for c in found[:1000]]})  # bounded
 
     async def training_runs(s: Service, owner: str, request: Request) -> dict:
-        limit, offset = page(request, 100)
+        limit, offset = page(request, TINKER_PAGE)
         return await catalog(s, owner, ListTrainingRuns(), lambda runs: _paged("training_runs", runs, limit, offset))
 
     async def training_run(s: Service, owner: str, request: Request) -> dict:
         return await catalog(s, owner, GetTrainingRun(request.path_params["model_id"]), _plain)
 
     async def user_checkpoints(s: Service, owner: str, request: Request) -> dict:
-        limit, offset = page(request, 100)  # newest first, as in-process
+        limit, offset = page(request, TINKER_PAGE)  # newest first, as in-process
         return await catalog(s, owner, ListCheckpoints(None), lambda found: _paged("checkpoints", found[::-1], limit,
                                                                                   offset))
 
