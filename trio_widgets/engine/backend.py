@@ -293,7 +293,7 @@ class LocalBackend:
         adapter = LoRAAdapter(targets, int(rank), seed, base.device)
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, int(rank), seed, train_attn=request.train_attn,
                         train_mlp=request.train_mlp, train_unembed=request.train_unembed, run_id=run_id,
-                        run_dir=run_dir)
+                        run_dir=run_dir, owner=self.owner)
         pool.add_tenant(tenant, request.label)
         return self._served(handle_of(tenant), request.user_metadata, request.session_id)
 
@@ -325,7 +325,7 @@ class LocalBackend:
         tenant = Tenant(pool.new_client_id("lora"), base, adapter, loaded.rank, loaded.seed,
                         train_attn=flag("train_attn", "attn"), train_mlp=flag("train_mlp", "mlp"),
                         train_unembed=flag("train_unembed", "unembed"), run_id=run_id, run_dir=run_dir,
-                        resumed_from=loaded.path)
+                        resumed_from=loaded.path, owner=self.owner)
         pool.add_tenant(tenant, request.label)
         return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata, request.session_id)
 
@@ -364,7 +364,8 @@ class LocalBackend:
             if request.base_model is None:
                 raise InvalidInputError("give model_path (saved weights) or base_model", field="model_path")
             base = pool.get_base_model(request.base_model)
-            tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling")
+            tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling",
+                            owner=self.owner)
             pool.add_tenant(tenant, request.label)
             return self._served(handle_of(tenant), session_id=request.session_id, key=request.sampler_id)
         loaded = ckpt.read_checkpoint(self._resolve(request.model_path) if self.owner else request.model_path, pool)
@@ -380,7 +381,8 @@ class LocalBackend:
         base = pool.get_base_model(name)
         ckpt.targets_of(loaded, base, shown)
         adapter = LoRAAdapter.from_weights(loaded.weights, loaded.rank, loaded.alpha, loaded.seed, base.device)
-        tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling")
+        tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling",
+                        owner=self.owner)
         pool.add_tenant(tenant, request.label)
         return self._served(handle_of(tenant, model_path=shown), session_id=request.session_id,
                             key=request.sampler_id)

@@ -69,15 +69,24 @@ def _resolve_ops() -> dict[str, _Op]:
     return resolved
 
 
-def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int, max_rows: int | None = None,
-          max_prompt_tokens: int | None = None) -> list[Request]:
-    """The requests of one client's queue that this cycle runs, in order. Its new samples start at
-    most `max_rows` decode rows and `max_prompt_tokens` of prefill a cycle (one request whatever its
-    size): a client's sampling is cut into bounded slices per cycle, and its neighbours' work waits
-    for one slice, not for all it asked at once."""
+@dataclass
+class _Allowance:
+    """What a party (an API key's clients, or one client) may still start this cycle: sample
+    requests, and while several clients have work, decode rows and prompt tokens (None: unbounded).
+    Its first request goes whatever its size."""
+
+    samples: int
+    rows: int | None = None
+    prompt_tokens: int | None = None
+    fresh: bool = True
+
+
+def _take(queue: deque[Request], kinds: dict[str, OpKind], allowance: _Allowance) -> list[Request]:
+    """The requests of one client's queue that this cycle runs, in order. Its new samples start
+    within `allowance` (shared by its party's clients): a party's sampling is cut into bounded
+    slices per cycle, and its neighbours' work waits for one slice, not for all it asked at once."""
     taken: list[Request] = []
     took_forward = took_optim = False
-    samples = rows = prompt_tokens = 0
     for request in queue:
         if not request.ready:  # a reserved place: what follows keeps its order behind it
             break
@@ -91,15 +100,19 @@ def _take(queue: deque[Request], kinds: dict[str, OpKind], max_samples: int, max
                 break
             took_optim = True
         elif kind == "sample":
-            if samples >= max_samples:
+            if allowance.samples <= 0:
                 break
             more_rows, more_tokens = _sample_size(request)
-            if samples and ((max_rows is not None and rows + more_rows > max_rows)
-                            or (max_prompt_tokens is not None and prompt_tokens + more_tokens > max_prompt_tokens)):
+            rows_left, tokens_left = allowance.rows, allowance.prompt_tokens
+            if not allowance.fresh and ((rows_left is not None and more_rows > rows_left) or
+                                        (tokens_left is not None and more_tokens > tokens_left)):
                 break
-            samples += 1
-            rows += more_rows
-            prompt_tokens += more_tokens
+            allowance.fresh = False
+            allowance.samples -= 1
+            if allowance.rows is not None:
+                allowance.rows -= more_rows
+            if allowance.prompt_tokens is not None:
+                allowance.prompt_tokens -= more_tokens
         taken.append(request)
     return taken
 
@@ -194,15 +207,16 @@ class _Share:
             share = self.SHARE * max(self.pool.min_cycle_s - other, other)
             self.pool._decode_credit = min(self.CAP_S, self.pool._decode_credit + share)
 
-    def view(self, entry: _Carried | None) -> _ShareView:
-        return _ShareView(self, entry)
+    def view(self, entry: _Carried | None, steps: int | None = None) -> _ShareView:
+        return _ShareView(self, entry, steps)
 
 
 class _ShareView:
     """One decode batch's take() on a cycle's `_Share` (what `advance(budget)` asks before each step)."""
 
-    def __init__(self, share: _Share, entry: _Carried | None):
+    def __init__(self, share: _Share, entry: _Carried | None, steps: int | None = None):
         self.share, self.entry = share, entry
+        self.steps = steps  # steps this view may still take (None: while the credit lasts)
         self.mark = time.perf_counter()
         self.stepping = False
 
@@ -218,12 +232,27 @@ class _ShareView:
         self.share.open(now)
         credit = self.share.pool._decode_credit
         expected = self.entry.step_s if self.entry is not None else 0.0
-        self.stepping = credit > 0 and (credit >= expected or credit >= _Share.CAP_S)
+        self.stepping = credit > 0 and (credit >= expected or credit >= _Share.CAP_S) and self.steps != 0
+        if self.stepping and self.steps is not None:
+            self.steps -= 1
         return self.stepping
 
     def finish(self) -> None:
         self._spend(time.perf_counter())
         self.stepping = False
+
+
+class _OneStep:
+    """One step of a cycle's StepBudget (a decode's turn while several keys decode)."""
+
+    def __init__(self, budget: StepBudget):
+        self.budget, self.steps = budget, 1
+
+    def take(self) -> bool:
+        if self.steps and self.budget.take():
+            self.steps = 0
+            return True
+        return False
 
 
 class _Clock:
@@ -361,6 +390,9 @@ class LocalPool:
         # what a decode asks of it is take())
         self.decode_budget: Any = StepBudget(self.min_decode_steps)
         self._contended = False
+        # each client's API key this cycle while several parties have work (clock thread; _take_queues)
+        self._keys: dict[str, str | None] = {}
+        self._turns: dict[str, int] = {}  # a party's clients' turns to start samples first (_take_queues)
         self._last_busy: dict[str, int] = {}  # client -> the last cycle it had work in (clock thread)
         self._last_queued = -_BUSY_CYCLES - 1  # the last cycle some client had a request queued
         # a decode batch holds at most this many rows (a request's most), and a client starts at most
@@ -666,18 +698,7 @@ class LocalPool:
             else:
                 self.decode_budget = StepBudget(self.min_decode_steps, now, self.min_cycle_s)
                 self._decode_credit = 0.0
-            rows, prompt_tokens = (self.decode_slice_rows, self.max_tokens_per_pass) if self._contended \
-                else (None, None)
-            taken: dict[str, list[Request]] = {}
-            for cid, queue in self._queues.items():
-                samples = self.max_samples_per_cycle - decoding.get(cid, 0)
-                if self._contended and self._decode_credit < 0 and decoding.get(cid, 0):
-                    samples = 0  # its decodes spent more than their share: they go on, nothing new starts
-                requests = _take(queue, self._kinds, samples, rows, prompt_tokens)
-                for _ in requests:
-                    queue.popleft()
-                if requests:
-                    taken[cid] = requests
+            taken = self._take_queues(decoding)
             dropped = [c for c in self._retired if not self._queues[c] and c not in taken and c not in decoding]
             for cid in dropped:
                 del self._tenants[cid], self._queues[cid]
@@ -694,6 +715,45 @@ class LocalPool:
         self._cycle_tenants = tenants
         self.telemetry.add_boundary(QueueDepthRecord(index, now, depths))
         return index, taken
+
+    def _take_queues(self, decoding: Counter[str]) -> dict[str, list[Request]]:
+        """Each client's requests for this cycle (under the clock's lock), in the queues' order.
+        New samples start within a party's allowance (`_Allowance`: bounded slices while several
+        clients have work). While several parties have work, a party is an API key: its clients
+        share one allowance and take the first place in turn (a key with N sampling clients
+        started N slices a cycle: issue 36). In-process clients, and a key's clients while it is
+        alone, are each a party of their own."""
+        tenants = self._tenants
+        owners = {cid: t.owner for cid, t in tenants.items() if t.owner is not None}
+        several = len({owners.get(cid, cid) for cid in self._last_busy}) > 1
+        party = {cid: owners.get(cid, cid) if several else cid for cid in self._queues}
+        # carried decodes take turns by API key (in-process clients: one group; a carry is its first request's)
+        self._keys = {cid: owners.get(cid) for cid in self._queues} if several else {}
+        members: dict[str, list[str]] = {}
+        for cid in self._queues:
+            members.setdefault(party[cid], []).append(cid)
+        decoding_of: Counter[str] = Counter()
+        for cid, n in decoding.items():
+            decoding_of[party.get(cid, cid)] += n
+        takes: dict[str, list[Request]] = {}
+        turns: dict[str, int] = {}
+        for who, cids in members.items():
+            allowance = _Allowance(self.max_samples_per_cycle - decoding_of.get(who, 0))
+            if self._contended:
+                allowance.rows, allowance.prompt_tokens = self.decode_slice_rows, self.max_tokens_per_pass
+                if self._decode_credit < 0 and decoding_of.get(who, 0):
+                    allowance.samples = 0  # its decodes spent more than their share: they go on, nothing new starts
+            turn = self._turns.get(who, 0)
+            for cid in cids[turn % len(cids):] + cids[:turn % len(cids)]:
+                queue = self._queues[cid]
+                requests = _take(queue, self._kinds, allowance)
+                for _ in requests:
+                    queue.popleft()
+                if requests:
+                    takes[cid] = requests
+            turns[who] = turn + (not allowance.fresh)  # the next client goes first once one started a sample
+        self._turns = turns
+        return {cid: takes[cid] for cid in self._queues if cid in takes}
 
     def _execute(self, index: int, taken: dict[str, list[Request]]) -> list[tuple[Request, Any]]:
         """Run one cycle's work; returns (request, value or exception) in a stable order."""
@@ -733,26 +793,46 @@ class LocalPool:
         return outcomes
 
     def _advance_carried(self) -> list[tuple[Request, Any]]:
-        """This cycle's share of the samples still decoding from earlier cycles."""
-        outcomes = []
-        for entry in list(self._clock.carried):
-            budget = self.decode_budget.view(entry) if isinstance(self.decode_budget, _Share) else self.decode_budget
-            try:
-                finished = entry.carry.advance(budget)
-            except Exception as exc:  # a bug: what is left of it fails, the clock goes on
-                finished = {i: _as_failure(entry.requests[i], exc) for i in entry.waiting}
-            finally:
-                if isinstance(budget, _ShareView):
-                    budget.finish()
-            now = time.perf_counter()
-            for i, value in finished.items():
-                if i in entry.waiting:
-                    entry.waiting.discard(i)
-                    entry.requests[i].record.finished_at = now
-                    outcomes.append((entry.requests[i], value))
-            if not entry.waiting:
-                self._clock.carried.remove(entry)
+        """This cycle's share of the samples still decoding from earlier cycles: the oldest first;
+        while several keys have work, their decodes take turns a step at a time, each key's oldest
+        first, so one key's many rows cannot spend the share before another's decode steps."""
+        outcomes: list[tuple[Request, Any]] = []
+        share = self.decode_budget
+        by_key: dict[str | None, list[_Carried]] = {}
+        for entry in self._clock.carried:
+            by_key.setdefault(self._keys.get(entry.requests[min(entry.waiting)].client_id), []).append(entry)
+        if len(by_key) < 2:
+            for entry in list(self._clock.carried):
+                self._advance(entry, share.view(entry) if isinstance(share, _Share) else share, outcomes)
+            return outcomes
+        turns = [e for rank in itertools.zip_longest(*by_key.values()) for e in rank if e is not None]
+        stepped = True
+        while stepped and turns:
+            stepped = False
+            for entry in turns:
+                view = share.view(entry, steps=1) if isinstance(share, _Share) else _OneStep(share)
+                self._advance(entry, view, outcomes)
+                stepped = stepped or view.steps == 0
+            turns = [e for e in turns if e.waiting]
         return outcomes
+
+    def _advance(self, entry: _Carried, budget: Any, outcomes: list[tuple[Request, Any]]) -> None:
+        """Advance one carried decode as `budget` allows; what finished goes to `outcomes`."""
+        try:
+            finished = entry.carry.advance(budget)
+        except Exception as exc:  # a bug: what is left of it fails, the clock goes on
+            finished = {i: _as_failure(entry.requests[i], exc) for i in entry.waiting}
+        finally:
+            if isinstance(budget, _ShareView):
+                budget.finish()
+        now = time.perf_counter()
+        for i, value in finished.items():
+            if i in entry.waiting:
+                entry.waiting.discard(i)
+                entry.requests[i].record.finished_at = now
+                outcomes.append((entry.requests[i], value))
+        if not entry.waiting:
+            self._clock.carried.remove(entry)
 
     def _run_single(self, request: Request) -> Any:
         tenant = self._cycle_tenants[request.client_id]

@@ -173,7 +173,7 @@ def run_save(pool: PoolLike, tenant: Tenant, request: Request) -> Any:
     if not save.make_sampler:
         return SaveWeightsForSamplerResponse(path=written, model=tenant.base.name, size=size)
     sampler = Tenant(pool.new_client_id("sampler"), tenant.base, snapshot, snapshot.rank, snapshot.seed,
-                     kind="sampling", parent=tenant.client_id)
+                     kind="sampling", parent=tenant.client_id, owner=tenant.owner)
     return AddTenant(sampler, save.label or f"{tenant.client_id} sampler",
                      SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written))
 

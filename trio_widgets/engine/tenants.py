@@ -35,6 +35,9 @@ class Tenant:
     run_dir: str | None = None
     parent: str | None = None  # a snapshot sampler: the training client it was taken from
     resumed_from: str | None = None  # a client made from a checkpoint: its directory
+    #: the API key (digest) of a served pool's client: its clients share one slice of new decode
+    #: rows a cycle while other keys have work (clock.py); None in-process (each client its own)
+    owner: str | None = None
 
 
 @dataclass
