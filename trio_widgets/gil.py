@@ -47,7 +47,7 @@ import sysconfig
 import threading
 import time
 from collections import Counter
-from types import FrameType
+from types import CodeType, FrameType
 
 from .telemetry import GC_FILE, CoreSample, GilStall, Telemetry, UserFrame
 
@@ -182,11 +182,55 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
     """The innermost `limit` frames of user code on `frame`'s stack (innermost first; a
     comprehension counts as the function it is written in); if there is none, the innermost
     frame itself (library code the user called)."""
+    return _user_frames(_read_stack(frame), limit)
+
+
+#: Frames read of a stack at most (a recursion deep in library code is cut there).
+_MAX_DEPTH = 256
+
+
+def _read_stack(frame: FrameType | None) -> list[tuple[CodeType, int]]:
+    """(code, line) of `frame` and its callers, innermost first: attribute reads only, nothing
+    that could run other Python code or give the GIL up meanwhile (see `_stack_of`)."""
+    out: list[tuple[CodeType, int]] = []
+    while frame is not None and len(out) < _MAX_DEPTH:
+        out.append((frame.f_code, frame.f_lineno or 0))
+        frame = frame.f_back
+    return out
+
+
+def _stack_of(ident: int) -> tuple[list[tuple[CodeType, int]], tuple[int, int] | None]:
+    """Another thread's stack (`_read_stack`), and where it is (`_at`), read while no other thread
+    runs Python. CPython 3.11 can crash reading the frames of a thread that moves on during the
+    walk (python/cpython#111363; a segfault in this walk, while the main thread ran a coroutine,
+    ended one of this project's test runs): a zero sleep first gives this thread a whole switch
+    interval before a waiting thread may ask for the GIL back, and with the collector off no
+    finalizer runs other code (which could give the GIL up) during the walk of microseconds."""
+    time.sleep(0)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        frames = sys._current_frames()
+        try:
+            top = frames.get(ident)
+            stack, at = _read_stack(top), _at(frames, ident)
+            top = None
+        finally:
+            # The map holds every thread's frame, this one's too: a reference cycle that would keep
+            # their locals (a pool the user just dropped) alive until the next garbage collection.
+            frames.clear()
+    finally:
+        if collecting:
+            gc.enable()
+    return stack, at
+
+
+def _user_frames(stack: list[tuple[CodeType, int]], limit: int = 3) -> tuple[UserFrame, ...]:
     cells = _cells()
     out: list[UserFrame] = []
-    innermost = frame
-    while frame is not None and len(out) < limit:
-        code = frame.f_code
+    for code, line in stack:
+        if len(out) >= limit:
+            break
         if not out and code.co_filename.endswith(_EVENT_LOOP):
             # an event loop's callback or its own work: the function that started the loop (the
             # caller of asyncio.run) is not what runs (a coroutine's own frames come before this)
@@ -195,10 +239,8 @@ def user_frames(frame: FrameType | None, limit: int = 3) -> tuple[UserFrame, ...
         if cell is not None or is_user_file(code.co_filename):
             function = _function(code)
             if not out or (out[-1].function, out[-1].file) != (function, code.co_filename):
-                out.append(UserFrame(code.co_filename, function, frame.f_lineno or 0,
-                                     cell if isinstance(cell, int) else None))
-        frame = frame.f_back
-    return tuple(out) or _library_frame(innermost)
+                out.append(UserFrame(code.co_filename, function, line, cell if isinstance(cell, int) else None))
+    return tuple(out) or _library_frame(stack)
 
 
 # --------------------------------------------------------------------------- watchdog
@@ -467,15 +509,9 @@ class GilWatchdog:
         thread = best[1]
         if self._full_collections != full:  # a full pass since the last look: the collector's time
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
-        frames = sys._current_frames()
-        try:
-            top = frames.get(thread.ident)  # type: ignore[arg-type]
-            now, at, waits = user_frames(top), _at(frames, thread.ident), _library_frame(top)  # type: ignore[arg-type]
-            top = None
-        finally:
-            # The map holds every thread's frame, this one's too: a reference cycle that would keep
-            # their locals (a pool the user just dropped) alive until the next garbage collection.
-            frames.clear()
+        assert thread.ident is not None
+        stack, at = _stack_of(thread.ident)
+        now, waits = _user_frames(stack), _library_frame(stack)
         native = thread.native_id
         assert native is not None and thread.ident is not None
         if not self._ran_on(native, thread.ident, at):
@@ -556,12 +592,12 @@ class GilWatchdog:
         return queued >= ran
 
 
-def _library_frame(frame: FrameType | None) -> tuple[UserFrame, ...]:
-    """`frame` itself, never user code (where a thread waits is not what it ran)."""
-    if frame is None:
+def _library_frame(stack: list[tuple[CodeType, int]]) -> tuple[UserFrame, ...]:
+    """A stack's innermost frame, never user code (where a thread waits is not what it ran)."""
+    if not stack:
         return ()
-    code = frame.f_code
-    return (UserFrame(code.co_filename, _function(code), frame.f_lineno or 0, None, user=False),)
+    code, line = stack[0]
+    return (UserFrame(code.co_filename, _function(code), line, None, user=False),)
 
 
 def _at(frames: dict[int, FrameType], ident: int) -> tuple[int, int] | None:
