@@ -7,6 +7,7 @@ neighbour's updates take under it, side by side with its quiet time, is measured
 from __future__ import annotations
 
 import threading
+import time
 
 import trio_widgets as trio
 
@@ -138,9 +139,10 @@ def test_a_keys_decodes_take_turns_with_another_keys(tmp_path):
             base_model=trio.DEFAULT_MODEL)
         big = [big_key.sample(trio.ModelInput.from_ints([5, 6, 7 + i]), 16,
                               trio.SamplingParams(max_tokens=200, seed=1)) for i in range(4)]
-        deadline = threading.Event()
+        deadline = time.monotonic() + 60
         while not all(r.cycle is not None for r in pool.telemetry.requests if r.op == "sample"):
-            deadline.wait(0.01)  # the big ones started: they are carried decodes now
+            assert time.monotonic() < deadline, "the 4 big samples did not all start within 60 s"
+            time.sleep(0.01)  # the big ones started: they are carried decodes now
         small = small_key.sample(small_prompt, 1, small_params)
         shared = small.result(timeout=300)
         done_with_small = sum(f.done() for f in big)

@@ -509,12 +509,11 @@ class GilWatchdog:
         thread = best[1]
         if self._full_collections != full:  # a full pass since the last look: the collector's time
             return thread.name, (UserFrame(GC_FILE, "gc", 0, None, user=False),)
-        assert thread.ident is not None
-        stack, at = _stack_of(thread.ident)
+        ident, native = thread.ident, thread.native_id
+        assert ident is not None and native is not None  # (a started thread's: enumerate() lists no other)
+        stack, at = _stack_of(ident)
         now, waits = _user_frames(stack), _library_frame(stack)
-        native = thread.native_id
-        assert native is not None and thread.ident is not None
-        if not self._ran_on(native, thread.ident, at):
+        if not self._ran_on(native, ident, at):
             # It gave the GIL up itself (a lock, a result, I/O) after running: where it waits now is
             # not what ran (a loop blocked on `.result()` after its loader's Python). The window is
             # its frames' at the look before, that found it running; without one, the wait itself,

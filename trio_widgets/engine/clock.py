@@ -207,16 +207,15 @@ class _Share:
             share = self.SHARE * max(self.pool.min_cycle_s - other, other)
             self.pool._decode_credit = min(self.CAP_S, self.pool._decode_credit + share)
 
-    def view(self, entry: _Carried | None, steps: int | None = None) -> _ShareView:
-        return _ShareView(self, entry, steps)
+    def view(self, entry: _Carried | None) -> _ShareView:
+        return _ShareView(self, entry)
 
 
 class _ShareView:
     """One decode batch's take() on a cycle's `_Share` (what `advance(budget)` asks before each step)."""
 
-    def __init__(self, share: _Share, entry: _Carried | None, steps: int | None = None):
+    def __init__(self, share: _Share, entry: _Carried | None):
         self.share, self.entry = share, entry
-        self.steps = steps  # steps this view may still take (None: while the credit lasts)
         self.mark = time.perf_counter()
         self.stepping = False
 
@@ -232,9 +231,7 @@ class _ShareView:
         self.share.open(now)
         credit = self.share.pool._decode_credit
         expected = self.entry.step_s if self.entry is not None else 0.0
-        self.stepping = credit > 0 and (credit >= expected or credit >= _Share.CAP_S) and self.steps != 0
-        if self.stepping and self.steps is not None:
-            self.steps -= 1
+        self.stepping = credit > 0 and (credit >= expected or credit >= _Share.CAP_S)
         return self.stepping
 
     def finish(self) -> None:
@@ -243,16 +240,21 @@ class _ShareView:
 
 
 class _OneStep:
-    """One step of a cycle's StepBudget (a decode's turn while several keys decode)."""
+    """One step of a cycle's budget, a StepBudget or a _Share's view (a decode's turn while
+    several keys decode)."""
 
-    def __init__(self, budget: StepBudget):
-        self.budget, self.steps = budget, 1
+    def __init__(self, budget: StepBudget | _ShareView):
+        self.budget, self.took = budget, False
 
     def take(self) -> bool:
-        if self.steps and self.budget.take():
-            self.steps = 0
-            return True
-        return False
+        if self.took:
+            return False
+        self.took = self.budget.take()
+        return self.took
+
+    def finish(self) -> None:
+        if isinstance(self.budget, _ShareView):  # (it charges the step's time to the credit)
+            self.budget.finish()
 
 
 class _Clock:
@@ -390,8 +392,8 @@ class LocalPool:
         # what a decode asks of it is take())
         self.decode_budget: Any = StepBudget(self.min_decode_steps)
         self._contended = False
-        # each client's API key this cycle while several parties have work (clock thread; _take_queues)
-        self._keys: dict[str, str | None] = {}
+        # whether several parties (API keys) have work this cycle (clock thread; _take_queues)
+        self._several = False
         self._turns: dict[str, int] = {}  # a party's clients' turns to start samples first (_take_queues)
         self._last_busy: dict[str, int] = {}  # client -> the last cycle it had work in (clock thread)
         self._last_queued = -_BUSY_CYCLES - 1  # the last cycle some client had a request queued
@@ -723,18 +725,17 @@ class LocalPool:
         share one allowance and take the first place in turn (a key with N sampling clients
         started N slices a cycle: issue 36). In-process clients, and a key's clients while it is
         alone, are each a party of their own."""
-        tenants = self._tenants
-        owners = {cid: t.owner for cid, t in tenants.items() if t.owner is not None}
-        several = len({owners.get(cid, cid) for cid in self._last_busy}) > 1
-        party = {cid: owners.get(cid, cid) if several else cid for cid in self._queues}
-        # carried decodes take turns by API key (in-process clients: one group; a carry is its first request's)
-        self._keys = {cid: owners.get(cid) for cid in self._queues} if several else {}
-        members: dict[str, list[str]] = {}
-        for cid in self._queues:
-            members.setdefault(party[cid], []).append(cid)
-        decoding_of: Counter[str] = Counter()
-        for cid, n in decoding.items():
-            decoding_of[party.get(cid, cid)] += n
+        owners = {cid: t.owner for cid, t in self._tenants.items() if t.owner is not None}
+        self._several = bool(owners) and len({owners.get(cid, cid) for cid in self._last_busy}) > 1
+        if self._several:
+            members: dict[str, list[str]] = {}
+            for cid in self._queues:
+                members.setdefault(owners.get(cid, cid), []).append(cid)
+            decoding_of: Counter[str] = Counter()
+            for cid, n in decoding.items():
+                decoding_of[owners.get(cid, cid)] += n
+        else:  # (in-process clients, or one key: each client a party of its own)
+            members, decoding_of = {cid: [cid] for cid in self._queues}, decoding
         takes: dict[str, list[Request]] = {}
         turns: dict[str, int] = {}
         for who, cids in members.items():
@@ -799,8 +800,9 @@ class LocalPool:
         outcomes: list[tuple[Request, Any]] = []
         share = self.decode_budget
         by_key: dict[str | None, list[_Carried]] = {}
-        for entry in self._clock.carried:
-            by_key.setdefault(self._keys.get(entry.requests[min(entry.waiting)].client_id), []).append(entry)
+        for entry in self._clock.carried:  # (a carry is its first request's; in-process clients: one group)
+            tenant = self._tenants.get(entry.requests[min(entry.waiting)].client_id)
+            by_key.setdefault(tenant.owner if self._several and tenant is not None else None, []).append(entry)
         if len(by_key) < 2:
             for entry in list(self._clock.carried):
                 self._advance(entry, share.view(entry) if isinstance(share, _Share) else share, outcomes)
@@ -810,9 +812,9 @@ class LocalPool:
         while stepped and turns:
             stepped = False
             for entry in turns:
-                view = share.view(entry, steps=1) if isinstance(share, _Share) else _OneStep(share)
+                view = _OneStep(share.view(entry) if isinstance(share, _Share) else share)
                 self._advance(entry, view, outcomes)
-                stepped = stepped or view.steps == 0
+                stepped = stepped or view.took
             turns = [e for e in turns if e.waiting]
         return outcomes
 
@@ -823,7 +825,7 @@ class LocalPool:
         except Exception as exc:  # a bug: what is left of it fails, the clock goes on
             finished = {i: _as_failure(entry.requests[i], exc) for i in entry.waiting}
         finally:
-            if isinstance(budget, _ShareView):
+            if isinstance(budget, (_ShareView, _OneStep)):
                 budget.finish()
         now = time.perf_counter()
         for i, value in finished.items():
