@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 from served import SharedFleet
-from transports import TRANSPORTS
+from transports import TRANSPORTS, service
 
 import trio_widgets as trio
 
@@ -134,6 +134,13 @@ def pytest_sessionfinish(session, exitstatus):
 def pool():
     with trio.LocalPool(min_cycle_s=0.0, name="test") as p:
         yield p
+
+
+@pytest.fixture
+def svc(pool, transport):
+    """A ServiceClient of `pool` through each codec (a module with pools of its own overrides it)."""
+    with service(transport, pool) as s:
+        yield s
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import checkpoint_dir, inspect, pool_client_id, service
+from transports import checkpoint_dir, differs, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine import sampling
@@ -45,8 +45,8 @@ def _step(tc: trio.TrainingClient, i: int) -> trio.OptimStepResponse:
     return tc.optim_step(ADAM).result()
 
 
-def _weights(tc) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return tc.inspect_adapter().result().weights
+def _weights(svc, pool, tc) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return inspect(svc, pool, tc).weights
 
 
 def _same(w1, w2) -> bool:
@@ -61,15 +61,16 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def svc(pool):
-    return trio.ServiceClient(pool)
-
-
-@pytest.fixture(scope="module")
-def both(pool, transport):
+def svc(pool, transport):
     """A ServiceClient through each codec to the same pool (conftest.py's transport)."""
     with service(transport, pool) as svc:
         yield svc
+
+
+@pytest.fixture(scope="module")
+def local(pool):
+    """An in-process ServiceClient, for what only a local caller can do: name a directory."""
+    return trio.ServiceClient(pool)
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +82,7 @@ def saved(svc):
     return tc, tc.save_state("three").result().path, tc.save_weights_for_sampler("three-w").result().path
 
 
-def test_resume_equivalence_is_bitwise(both, pool):
-    svc = both
-
-    def _weights(tc):
-        return inspect(svc, pool, tc).weights
-
+def test_resume_equivalence_is_bitwise(svc, pool):
     straight = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
     losses_straight = [_update(straight, i) for i in range(20)]
     first = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
@@ -96,21 +92,21 @@ def test_resume_equivalence_is_bitwise(both, pool):
     assert resumed.client_id != first.client_id
     losses += [_update(resumed, i) for i in range(10, 20)]  # each optim_step ran in its forward's cycle
     assert losses == losses_straight  # exact float equality
-    assert _same(_weights(resumed), _weights(straight))
+    assert _same(_weights(svc, pool, resumed), _weights(svc, pool, straight))
     assert inspect(svc, pool, resumed).step == inspect(svc, pool, straight).step == 20
-    assert not _same(_weights(first), _weights(straight))  # the first client stopped at 10
+    assert not _same(_weights(svc, pool, first), _weights(svc, pool, straight))  # the first client stopped at 10
     info = resumed.get_info().model_data
     assert (info.base_model, info.lora_rank) == (trio.DEFAULT_MODEL, 8)
 
 
-def test_load_state_resets_adam_and_with_optimizer_continues_it(svc, saved):
+def test_load_state_resets_adam_and_with_optimizer_continues_it(svc, pool, saved):
     tc, path, _ = saved
-    at_save = _weights(tc)
+    at_save = _weights(svc, pool, tc)
     weights_only = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=77)
     with_opt = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=78)
     assert weights_only.load_state(path).result().path == path
     with_opt.load_state_with_optimizer(path).result()
-    assert _same(_weights(weights_only), at_save) and _same(_weights(with_opt), at_save)
+    assert _same(_weights(svc, pool, weights_only), at_save) and _same(_weights(svc, pool, with_opt), at_save)
 
     reference = svc.create_training_client_from_state_with_optimizer(path)  # the run continued without a break
     ref_step = _step(reference, 3)
@@ -118,10 +114,10 @@ def test_load_state_resets_adam_and_with_optimizer_continues_it(svc, saved):
     wi_step = _step(with_opt, 3)
     assert ref_step.metrics["step:max"] == wi_step.metrics["step:max"] == 4
     assert wo_step.metrics["step:max"] == 1
-    assert _same(_weights(with_opt), _weights(reference))
-    assert not _same(_weights(weights_only), _weights(reference))
+    assert _same(_weights(svc, pool, with_opt), _weights(svc, pool, reference))
+    assert not _same(_weights(svc, pool, weights_only), _weights(svc, pool, reference))
     # fresh moments: the first AdamW step moves every weight with a gradient by lr (times sign)
-    deltas = torch.cat([(_weights(weights_only)[n][1] - at_save[n][1] * (1 - ADAM.learning_rate *
+    deltas = torch.cat([(_weights(svc, pool, weights_only)[n][1] - at_save[n][1] * (1 - ADAM.learning_rate *
                                                                        ADAM.weight_decay)).flatten()
                         for n in at_save])
     # Fresh moments: Δ = lr·g/(|g| + eps), lr to within eps/|g| (eps 1e-12) and the rounding of
@@ -129,18 +125,13 @@ def test_load_state_resets_adam_and_with_optimizer_continues_it(svc, saved):
     # Entries that moved by less than 1e-4 are the ones with no gradient (or clipped to ~0).
     moved = deltas.abs()[deltas.abs() > 1e-4]
     assert moved.numel() > 100 and torch.allclose(moved, torch.full_like(moved, ADAM.learning_rate), rtol=1e-3)
-    cont = torch.cat([(_weights(with_opt)[n][1] - at_save[n][1] * (1 - ADAM.learning_rate *
+    cont = torch.cat([(_weights(svc, pool, with_opt)[n][1] - at_save[n][1] * (1 - ADAM.learning_rate *
                                                                  ADAM.weight_decay)).flatten() for n in at_save])
     assert not torch.allclose(cont.abs()[cont.abs() > 1e-4], torch.full_like(cont.abs()[cont.abs() > 1e-4],
                                                                              ADAM.learning_rate), rtol=1e-3)
 
 
-def test_state_ops_run_in_order_after_the_optim_step_before_them(both, pool):
-    svc = both
-
-    def _weights(tc):
-        return inspect(svc, pool, tc).weights
-
+def test_state_ops_run_in_order_after_the_optim_step_before_them(svc, pool):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=9)
     with pool.hold():
         tc.forward_backward([_datum(0)], "cross_entropy")
@@ -149,7 +140,7 @@ def test_state_ops_run_in_order_after_the_optim_step_before_them(both, pool):
     path = save.result().path
     assert save.cycle == opt.cycle  # state ops ride along in the client's cycle
     loaded = svc.create_training_client_from_state(path)
-    assert _same(_weights(loaded), _weights(tc))
+    assert _same(_weights(svc, pool, loaded), _weights(svc, pool, tc))
     assert json.loads((checkpoint_dir(svc, pool, path) / "trio_checkpoint.json").read_text())["step"] == 1
     record = next(r for r in pool.telemetry.requests_of(pool_client_id(svc, tc)) if r.op == "save_state")
     assert record.status == "ok" and record.cycle == save.cycle
@@ -170,7 +161,7 @@ def test_peft_loads_the_exported_adapter_with_the_same_logits(svc, pool, saved):
             bare_logits = model(input_ids=ids).logits[0]
     sc = svc.create_sampling_client(model_path=sampler_path)
     base = pool.get_base_model(trio.DEFAULT_MODEL)
-    snap = sc.inspect_adapter().result()
+    snap = inspect(svc, pool, sc)
     adapter = LoRAAdapter.from_weights(snap.weights, snap.rank, snap.alpha)
     pool_logits = sampling.forward_logits(base, adapter, [PROMPT])[0]
     terms = model_terms(tiny_config(), len(PROMPT))
@@ -185,7 +176,7 @@ def test_peft_loads_the_exported_adapter_with_the_same_logits(svc, pool, saved):
     assert_fp32_close(snap.compute_logprobs(PROMPT).result()[1:], ref, terms, "snapshot vs PEFT's")
 
 
-def test_an_adapter_written_by_peft_loads_in_the_pool(svc, pool, tmp_path):
+def test_an_adapter_written_by_peft_loads_in_the_pool(local, tmp_path):
     peft = pytest.importorskip("peft")
     fresh, _ = _build_builtin(trio.DEFAULT_MODEL, torch.float32)
     config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
@@ -195,7 +186,7 @@ def test_an_adapter_written_by_peft_loads_in_the_pool(svc, pool, tmp_path):
     model.save_pretrained(tmp_path / "from-peft")
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([PROMPT])).logits[0]
-    sc = svc.create_sampling_client(model_path=str(tmp_path / "from-peft"), base_model=trio.DEFAULT_MODEL)
+    sc = local.create_sampling_client(model_path=str(tmp_path / "from-peft"), base_model=trio.DEFAULT_MODEL)
     snap = sc.inspect_adapter().result()
     assert snap.scale == 16 / 4 and len(snap.weights) == 3 * 4
     ref = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(PROMPT[1:])[:, None]).squeeze(1)
@@ -255,19 +246,31 @@ def _assert_clear(exc: BaseException, path: str) -> None:
     assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)
 
 
-def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, pool, saved, tmp_path):
+def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, pool, saved, tmp_path, transport):
     tc, path, sampler_path = saved
     local, sampler_local = pool.checkpoint_path(path), pool.checkpoint_path(sampler_path)
     loaders = [tc.load_state, tc.load_state_with_optimizer, svc.create_training_client_from_state,
                lambda p: svc.create_sampling_client(model_path=p)]
     missing = str(tmp_path / "no-such-checkpoint")
+    run = path.split("/")[2]
+    for load in loaders:
+        for unknown in (f"tinker://{run}/weights/no-such-checkpoint", "tinker://run/weights/x"):
+            with pytest.raises(trio.CheckpointNotFoundError) as info:
+                load(unknown)
+            assert isinstance(info.value, FileNotFoundError)
+            _assert_clear(info.value, unknown)
+    if differs(transport, "filesystem-paths"):  # a directory of this machine is refused, naming the field
+        for load in loaders:
+            with pytest.raises(trio.InvalidInputError, match="tinker:// path") as refused:
+                load(str(local))
+            assert refused.value.field in ("path", "model_path") and not isinstance(refused.value, trio.CheckpointError)
+        _check_compatibility(svc, tc, path, sampler_path)
+        return
     for load in loaders:
         with pytest.raises(trio.CheckpointNotFoundError) as info:
             load(missing)
         assert isinstance(info.value, FileNotFoundError)
         _assert_clear(info.value, missing)
-    with pytest.raises(trio.CheckpointNotFoundError):
-        tc.load_state("tinker://run/weights/x")
 
     truncated = _copy(local, tmp_path, "truncated")
     data = (truncated / "adapter_model.safetensors").read_bytes()
@@ -294,7 +297,11 @@ def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, pool, saved, t
             _assert_clear(info.value, str(where))
     with pytest.raises(trio.CheckpointError, match="is a file") as info:
         tc.load_state(str(local / "adapter_model.safetensors"))
-    # weights-only and made-for-another-client checkpoints
+    _check_compatibility(svc, tc, path, sampler_path)
+
+
+def _check_compatibility(svc, tc, path: str, sampler_path: str) -> None:
+    """Weights-only and made-for-another-client checkpoints are refused, naming the path."""
     with pytest.raises(trio.CheckpointError, match="no optimizer state") as info:
         tc.load_state_with_optimizer(sampler_path)
     _assert_clear(info.value, sampler_path)
@@ -309,16 +316,17 @@ def test_unknown_and_corrupted_checkpoints_give_clear_errors(svc, pool, saved, t
     assert tc.load_state(sampler_path).result().path == sampler_path
 
 
-def test_a_half_finished_replace_still_loads_the_previous_checkpoint(svc, pool, tmp_path):
+def test_a_half_finished_replace_still_loads_the_previous_checkpoint(svc, pool):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=6)
     _step(tc, 0)
-    path = pool.checkpoint_path(tc.save_state("swap").result().path)
-    expected = _weights(tc)
+    saved_as = tc.save_state("swap").result().path
+    path = checkpoint_dir(svc, pool, saved_as)
+    expected = _weights(svc, pool, tc)
     # the instant between moving the old directory aside and renaming the new one in
     os.rename(path, path.parent / ".swap.old-123456")
     (path.parent / ".swap.tmp-abcdef").mkdir()
-    resumed = svc.create_training_client_from_state(str(path))
-    assert _same(_weights(resumed), expected)
+    resumed = svc.create_training_client_from_state(saved_as)
+    assert _same(_weights(svc, pool, resumed), expected)
 
 
 def _dead_tag() -> str:
@@ -348,17 +356,17 @@ def test_overwrite_swaps_the_directories_in_one_step_on_linux(tmp_path):
 @pytest.mark.no_numerics
 @pytest.mark.parametrize("state", ["between the two renames", "after the exchange", "mid-write", "mid-delete",
                                    "mid-expiry", "a live writer", "our pid, before we started"])
-def test_a_pool_start_finishes_what_a_killed_writer_left(svc, pool, tmp_path, state):
+def test_a_pool_start_finishes_what_a_killed_writer_left(local, pool, tmp_path, state):
     """Each on-disk state a save, delete or expiry update killed at that point leaves: at the next
     pool start the name loads (the previous checkpoint where the new one never got its name, the
     new one where it did) and the writer's siblings are gone; a live writer's are left alone."""
-    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=8)
+    tc = local.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=8)
     _step(tc, 0)
     old_src = pool.checkpoint_path(tc.save_state("v1").result().path)
-    old_weights = _weights(tc)
+    old_weights = _weights(local, pool, tc)
     _step(tc, 1)
     new_src = pool.checkpoint_path(tc.save_state("v2").result().path)
-    new_weights = _weights(tc)
+    new_weights = _weights(local, pool, tc)
     folder = tmp_path / "root" / "run-1" / "weights"
     folder.mkdir(parents=True)
     final = folder / "ck"
@@ -402,13 +410,13 @@ def test_a_pool_start_finishes_what_a_killed_writer_left(svc, pool, tmp_path, st
     else:
         assert before and leftovers() == []
     assert sorted(os.listdir(folder)) == [*_siblings(folder), "ck"]
-    resumed = svc.create_training_client_from_state_with_optimizer(str(final))
-    assert _same(_weights(resumed), expected)
+    resumed = local.create_training_client_from_state_with_optimizer(str(final))
+    assert _same(_weights(local, pool, resumed), expected)
 
 
 @pytest.mark.no_numerics
-def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(svc, pool, tmp_path):
-    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
+def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(local, pool, tmp_path):
+    tc = local.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
     _step(tc, 0)
     src = pool.checkpoint_path(tc.save_state("ck").result().path)
     folder = tmp_path / "run" / "weights"
@@ -416,8 +424,8 @@ def test_loading_a_name_a_killed_writer_left_set_aside_gives_it_back(svc, pool, 
     tag = _dead_tag()
     shutil.copytree(src, folder / f".ck.old-{tag}")
     (folder / f".ck.tmp-{tag}").mkdir()
-    resumed = svc.create_training_client_from_state(str(folder / "ck"))
-    assert _same(_weights(resumed), _weights(tc))
+    resumed = local.create_training_client_from_state(str(folder / "ck"))
+    assert _same(_weights(local, pool, resumed), _weights(local, pool, tc))
     assert os.listdir(folder) == ["ck"]
 
 
@@ -467,7 +475,7 @@ def _files(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.no_numerics
-def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path):
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(local, pool, tmp_path):
     """The writer saves rank-128 state (~17 MB) under one name; it is SIGKILLed as soon as the
     second save touches any file, wherever the implementation writes. The next pool's start
     leaves only the name."""
@@ -502,8 +510,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path)
         with trio.LocalPool(min_cycle_s=0.002, checkpoint_dir=str(ckdir)):  # its start cleans up after the kill
             pass
         assert os.listdir(path.parent) == ["latest"]
-        resumed = svc.create_training_client_from_state_with_optimizer(str(path))  # must load, whatever the moment
-        got = _digest(_weights(resumed))
+        resumed = local.create_training_client_from_state_with_optimizer(str(path))  # must load, whatever the moment
+        got = _digest(_weights(local, pool, resumed))
         assert got in (ready0[2], ready1[2])
         if not interrupted:
             continue  # the save finished before the kill: try again
@@ -515,12 +523,12 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint_loadable(svc, tmp_path)
     pytest.fail("the kill never landed in the middle of a save")
 
 
-def test_a_listing_shows_each_change_on_disk_at_once(both, pool):
+def test_a_listing_shows_each_change_on_disk_at_once(svc, pool):
     """Listings keep what they read of each checkpoint while it is unchanged (engine/checkpoints.py
     `_listed`): a replace, a TTL, a manifest broken on disk and a deletion each show in the next
     listing, through every codec."""
-    rest = both.create_rest_client()
-    tc = both.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=5)
+    rest = svc.create_rest_client()
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=5)
     path = tc.save_state("listed").result().path
     tc.save_state("kept").result()
 
@@ -534,7 +542,7 @@ def test_a_listing_shows_each_change_on_disk_at_once(both, pool):
     assert listed()["weights/listed"].time >= first.time
     rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result()  # the manifest rewritten in place
     assert listed()["weights/listed"].expires_at is not None
-    directory = checkpoint_dir(both, pool, path)
+    directory = checkpoint_dir(svc, pool, path)
     manifest = directory / "trio_checkpoint.json"
     manifest.write_text(manifest.read_text()[:-5])  # a lie on disk: not listed (loading it names it)
     assert set(listed()) == {"weights/kept"}

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import random_batch
+from transports import queued
 
 import trio_widgets as trio
 
@@ -99,12 +100,13 @@ def test_async_two_await_boundaries(clocked_pool):
     assert spans_and_periods(out["pipelined"]) == ({1}, {1})
 
 
-def test_one_update_per_tenant_per_cycle_and_order_kept(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+def test_one_update_per_tenant_per_cycle_and_order_kept(pool, svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     batch = random_batch(2, n=1, length=8)
     with pool.hold():  # everything below is queued before one boundary
         futures = [tc.forward_backward(batch), tc.optim_step(ADAM), tc.forward_backward(batch),
                    tc.forward_backward(batch), tc.optim_step(ADAM), tc.optim_step(ADAM)]
+        queued(pool, len(futures))
     for f in futures:
         f.result(timeout=60)
     c = [f.cycle for f in futures]
@@ -112,8 +114,8 @@ def test_one_update_per_tenant_per_cycle_and_order_kept(pool):
     assert c[1] == c[0] and c[2] == c[0] + 1 and c[3] == c[2] + 1 and c[4] == c[3] and c[5] == c[4] + 1
 
 
-def test_optim_step_keyword_and_positional(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+def test_optim_step_keyword_and_positional(svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     tc.forward_backward(random_batch(3, n=1, length=8)).result()
     assert tc.optim_step(adam_params=ADAM).result().metrics["step:max"] == 1
     assert tc.optim_step(ADAM).result().metrics["step:max"] == 2

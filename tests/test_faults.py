@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from conftest import adapter_weights, random_batch
-from transports import service
+from conftest import random_batch
+from transports import adapter_of, service
 
 import trio_widgets as trio
 from trio_widgets.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
@@ -60,13 +60,6 @@ def test_a_telemetry_subscriber_cannot_stop_the_clock(pool, escape):
         ticks_on(pool)
     finally:
         unsubscribe()
-
-
-@pytest.fixture
-def svc(pool, transport):
-    """The culprit's ServiceClient, through each codec to the same pool (conftest.py's transport)."""
-    with service(transport, pool) as s:
-        yield s
 
 
 @pytest.mark.parametrize("escape", ESCAPES, ids=lambda e: type(e).__name__)
@@ -206,10 +199,10 @@ def test_a_clock_that_dies_says_so_and_fails_what_it_cannot_run(monkeypatch):
             tc.forward_backward(BATCH)
 
 
-def test_limits_are_enforced_at_submit_and_configurable():
+def test_limits_are_enforced_at_submit_and_configurable(transport):
     with trio.LocalPool(min_cycle_s=0.0, name="limits", max_request_data=4, max_request_tokens=100,
-                        max_num_samples=8, max_sampled_tokens=64) as pool:
-        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+                        max_num_samples=8, max_sampled_tokens=64) as pool, service(transport, pool) as svc:
+        tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
         sc = tc.save_weights_and_get_sampling_client()
         prompt = trio.ModelInput.from_ints([5, 6, 7])
         cases = [
@@ -225,7 +218,7 @@ def test_limits_are_enforced_at_submit_and_configurable():
             with pytest.raises(trio.InvalidInputError) as info:
                 call()
             assert text in str(info.value) and setting in str(info.value) and info.value.field == field
-        assert pool.queue_depths()[tc.client_id] == 0
+        assert not any(pool.queue_depths().values())  # nothing queued by a refusal
         assert tc.forward_backward(random_batch(1, n=4, length=24)).result(timeout=60)  # within the limits
 
 
@@ -246,8 +239,8 @@ def test_bad_pool_settings_are_refused_before_anything_starts(kwargs, text):
     assert {t for t in threading.enumerate() if t.name.startswith("trio-clock-")} == before
 
 
-def test_odd_sampling_settings_fail_alone_or_not_at_all(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_odd_sampling_settings_fail_alone_or_not_at_all(pool, svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     sc = tc.save_weights_and_get_sampling_client()
     prompt = trio.ModelInput.from_ints([5, 6, 7])
     params = trio.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
@@ -262,25 +255,25 @@ def test_odd_sampling_settings_fail_alone_or_not_at_all(pool):
     assert [s.tokens for s in neighbour.result(timeout=60).sequences] == [s.tokens for s in alone.sequences]
 
 
-def test_load_and_save_results_are_reported_as_they_happened(pool, tmp_path):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_load_and_save_results_are_reported_as_they_happened(pool, svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     tc.forward_backward(BATCH)
     tc.optim_step(ADAM).result(timeout=60)
     path = tc.save_state("truth").result(timeout=60).path
-    other = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
+    other = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=9)
     with pool.hold():
         loaded = other.load_state(path)
         bad = other.forward_backward_custom(BATCH, lambda d, lps: (sum(-lp.sum() for lp in lps), {"m": "x"}))
     assert loaded.result(timeout=60).path == path  # ran and reported so, whatever its neighbours did
     with pytest.raises(trio.RequestFailedError):
         bad.result(timeout=60)
-    assert all(torch.equal(v, adapter_weights(tc)[k]) for k, v in adapter_weights(other).items())
+    assert all(torch.equal(v, adapter_of(svc, pool, tc)[k]) for k, v in adapter_of(svc, pool, other).items())
 
 
-def test_numpy_scalars_are_numbers(pool):
+def test_numpy_scalars_are_numbers(pool, svc):
     import numpy as np
 
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     tc.forward_backward(BATCH)
     step = tc.optim_step(trio.AdamParams(learning_rate=np.float32(1e-3), beta2=np.float64(0.99))).result(timeout=60)
     assert step.metrics["learning_rate:mean"] == pytest.approx(1e-3, rel=1e-6)  # float32(1e-3) as a float

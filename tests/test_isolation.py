@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import random_batch, write_peft_adapter
 from numerics import assert_fp32_close, model_terms, tiny_config
+from transports import adapter_of, inspect
 
 import trio_widgets as trio
 
@@ -192,24 +193,21 @@ def compare_sampling(joint: dict, solo: dict, solo_pools: dict, joint_pool: trio
                 break
 
 
-def test_flags_choose_the_wrapped_layers(pool):
-    service = trio.ServiceClient(pool)
-    only_attn = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0, train_mlp=False,
-                                                    train_unembed=False)
-    names = only_attn.inspect_adapter().result(timeout=60).weights.keys()
+def test_flags_choose_the_wrapped_layers(pool, svc):
+    only_attn = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0, train_mlp=False,
+                                                train_unembed=False)
+    names = inspect(svc, pool, only_attn).weights.keys()
     assert names and all("self_attn" in n for n in names)
     assert {n.rsplit(".", 1)[-1] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    every = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
-    every_names = every.inspect_adapter().result(timeout=60).weights
+    every = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    every_names = inspect(svc, pool, every).weights
     assert "lm_head" in every_names
     assert any(n.endswith("mlp.down_proj") for n in every_names)
 
 
-def test_same_seed_same_init_different_seed_different(pool):
-    service = trio.ServiceClient(pool)
-    a, b, c = (service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=s).inspect_adapter()
-               for s in (5, 5, 6))
-    wa, wb, wc = (f.result(timeout=60).state_dict() for f in (a, b, c))
+def test_same_seed_same_init_different_seed_different(pool, svc):
+    wa, wb, wc = (adapter_of(svc, pool, svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=s))
+                  for s in (5, 5, 6))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not torch.equal(wa["lm_head.lora_A"], wc["lm_head.lora_A"])
     assert all(float(v.abs().sum()) == 0 for k, v in wa.items() if k.endswith(".lora_B"))

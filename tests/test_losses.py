@@ -9,6 +9,7 @@ import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
 from test_gradients import _peft_model
+from transports import inspect
 
 import trio_widgets as trio
 from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
@@ -147,10 +148,9 @@ def test_loss_value_and_gradient(models, loss_fn, config):
         assert_fp32_close(gb, ref_b, terms, f"{loss_fn} {name}.lora_B gradient")
 
 
-def test_custom_loss_gradient_equals_builtin(pool):
+def test_custom_loss_gradient_equals_builtin(pool, svc):
     """forward_backward_custom with the cross-entropy written by hand gives the built-in's gradient."""
-    service = trio.ServiceClient(pool)
-    builtin, custom = (service.create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7) for _ in range(2))
+    builtin, custom = (svc.create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7) for _ in range(2))
     batch = rl_batch(3)
 
     def my_ce(data, logprobs):
@@ -166,16 +166,16 @@ def test_custom_loss_gradient_equals_builtin(pool):
     assert_fp32_close(rb.metrics["loss:sum"], ra.metrics["loss:sum"], model_terms(CONFIG, longest) + tokens,
                       "custom loss:sum", magnitude=magnitude)
     assert rb.metrics["tokens:sum"] == tokens
-    builtin_grad = builtin.inspect_adapter().result(timeout=60).grad_dict()
-    custom_grad = custom.inspect_adapter().result(timeout=60).grad_dict()
+    builtin_grad = inspect(svc, pool, builtin).grad_dict()
+    custom_grad = inspect(svc, pool, custom).grad_dict()
     for key, g in builtin_grad.items():
         assert_fp32_close(custom_grad[key], g, model_terms(CONFIG, longest, batch_tokens=tokens), f"custom {key}")
 
 
-def test_forward_has_no_side_effects(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7)
+def test_forward_has_no_side_effects(pool, svc):
+    tc = svc.create_lora_training_client(DEFAULT_MODEL, rank=4, seed=7)
     out = tc.forward(rl_batch(4), "cross_entropy").result(timeout=60)
-    assert out.metrics["loss:sum"] > 0 and tc.inspect_adapter().result(timeout=60).grad is None
+    assert out.metrics["loss:sum"] > 0 and inspect(svc, pool, tc).grad is None
 
 
 def test_gspo_sequence_ratio_properties():

@@ -179,7 +179,7 @@ def test_batches_and_names_are_bounded_as_in_process(server, alice):
     for bad in ("../escape", ".hidden", "a/b", "x" * 300):
         with pytest.raises(trio.InvalidInputError) as info:
             tc.save_state(bad)
-        assert info.value.field == "path"
+        assert info.value.field == "name"
     for path in ("tinker://../weights/x", f"tinker://{tc.client_id}/weights/..", "/etc/passwd",
                  f"tinker://{tc.client_id}/other/x"):
         r = call(server, "POST", "/create_sampling_session", ALICE,

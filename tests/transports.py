@@ -11,6 +11,7 @@ one calls `differs(transport, name)`, and tests/test_transports.py checks each e
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,13 @@ def checkpoint_dir(svc: trio.ServiceClient, pool: trio.LocalPool, path: Any) -> 
     return Path(path)
 
 
+
+
+def queued(pool: trio.LocalPool, count: int, timeout: float = 30.0) -> None:
+    """Wait until `count` requests wait in the pool's queues: inside `pool.hold()`, what a client
+    submitted over HTTP is in the pool before the boundary (in-process it is at once)."""
+    deadline = time.monotonic() + timeout
+    while sum(pool.queue_depths().values()) < count:
+        assert time.monotonic() < deadline, f"{sum(pool.queue_depths().values())} of {count} requests queued " \
+                                            f"after {timeout:.0f} s"
+        time.sleep(0.005)

@@ -29,7 +29,6 @@ from ..backend import (
     CreateSamplerRequest,
     ExportUrls,
     FromStateRequest,
-    LoadRequest,
     ModelHandle,
     Open,
     SaveRequest,
@@ -47,7 +46,7 @@ from ..errors import (
 )
 from ..export import PEFT_FILES, CheckpointExport, extract_tar
 from ..futures import APIFuture
-from ..protocol import names, parse_tinker_path
+from ..protocol import names
 from ..types import (
     AdamOptimizerConfig,
     Checkpoint,
@@ -203,9 +202,7 @@ class LocalBackend:
     def _resolve(self, path: Any) -> Path:
         """The directory a checkpoint path names: any path in-process; for a key's backend, the
         tinker:// path of one of its own runs, that exists."""
-        if self.owner is None:
-            return ckpt.resolve_path(path, self.pool)
-        return self._owned_dir(path)
+        return ckpt.resolve_path(path, self.pool, self.owner)
 
     def _on_checkpoint_dir(self, path: Any) -> Path:
         """(A served pool streams a checkpoint's files from it: an expired one reads as absent, as
@@ -219,19 +216,6 @@ class LocalBackend:
         if meta and ckpt.expired(meta, str(path)):
             raise CheckpointNotFoundError(f"checkpoint {str(path)!r:.200} has expired", path=str(path)[:200])
         return directory
-
-    def _owned_dir(self, path: Any) -> Path:
-        parsed = parse_tinker_path(path)  # a malformed path is a 400 naming the field
-        missing = CheckpointNotFoundError(f"checkpoint {path!r:.200} was not found for this API key",
-                                          path=str(path)[:200])
-        if not names.RUN_ID_RE.match(parsed.run_id):
-            raise missing
-        ckpt.validate_name(parsed.name, "path")
-        local = ckpt.checkpoint_root(self.pool) / names.owner_run_dir(self.owner, parsed.run_id) / \
-            parsed.segment / parsed.name
-        if not local.is_dir():
-            raise missing
-        return local
 
     def _owned(self, run_id: Any) -> str:
         """The directory of `run_id` under this key's tree (NotFound for a malformed id)."""
@@ -262,7 +246,7 @@ class LocalBackend:
         if not isinstance(path, (str, os.PathLike)):
             return False
         try:
-            directory = ckpt.resolve_path(path, self.pool)
+            directory = ckpt.resolve_path(path, self.pool, self.owner)
         except (InvalidInputError, OSError):
             return False
         return ckpt.is_checkpoint_dir(directory)
@@ -300,8 +284,8 @@ class LocalBackend:
     def _on_create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         pool = self.pool
         _run_names(request.run_id, request.run_dir)  # refused before the checkpoint is read
-        loaded = ckpt.read_checkpoint(self._resolve(request.path) if self.owner else request.path, pool,
-                                      require_optimizer=request.with_optimizer)
+        loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=request.with_optimizer,
+                                      owner=self.owner)
         shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
         if loaded.base_model is None:
             raise InvalidInputError(f"{shown!r} does not say which base model it adapts", field="path")
@@ -368,7 +352,7 @@ class LocalBackend:
                             owner=self.owner)
             pool.add_tenant(tenant, request.label)
             return self._served(handle_of(tenant), session_id=request.session_id, key=request.sampler_id)
-        loaded = ckpt.read_checkpoint(self._resolve(request.model_path) if self.owner else request.model_path, pool)
+        loaded = ckpt.read_checkpoint(request.model_path, pool, owner=self.owner)
         path = request.model_path
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
         name = request.base_model or loaded.base_model
@@ -396,8 +380,6 @@ class LocalBackend:
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, client_id: str, op: str, request: Any) -> APIFuture:
-        if self.owner is not None and isinstance(request, LoadRequest):  # a key loads its own checkpoints only
-            request = LoadRequest(str(self._resolve(request.path)))
         future = self.pool.submit(client_id, op, request)
         ledger = self._ledger
         key = ledger.by_client.get(client_id)
@@ -537,8 +519,8 @@ class LocalBackend:
         """The directory of an unexpired checkpoint (an expired one reads as absent, as listings do)."""
         directory = self._resolve(path)
         meta = ckpt.read_manifest(directory, self.pool)
-        if meta and ckpt.expired(meta, str(directory)):
-            raise CheckpointNotFoundError(f"checkpoint {str(directory)!r} has expired", path=str(directory))
+        if meta and ckpt.expired(meta, str(path)):  # (named as the caller named it: not this machine's directory)
+            raise CheckpointNotFoundError(f"checkpoint {str(path)!r:.200} has expired", path=str(path)[:200])
         return directory
 
     def _on_export_urls(self, path: Any) -> ExportUrls:
@@ -559,12 +541,12 @@ class LocalBackend:
         directory = self._resolve(path)
         meta = ckpt.read_manifest(directory, self.pool)
         if not meta:  # a PEFT directory from elsewhere: read it whole
-            loaded = ckpt.read_checkpoint(directory, self.pool)
+            loaded = ckpt.read_checkpoint(path, self.pool, owner=self.owner)
             if loaded.base_model is None:
-                raise InvalidInputError(f"{str(directory)!r} does not say which base model it adapts", field="path")
+                raise InvalidInputError(f"{str(path)!r:.200} does not say which base model it adapts", field="path")
             return WeightsInfoResponse(base_model=loaded.base_model, is_lora=True, lora_rank=loaded.rank)
-        if ckpt.expired(meta, str(directory)):
-            raise CheckpointNotFoundError(f"checkpoint {str(directory)!r} has expired", path=str(directory))
+        if ckpt.expired(meta, str(path)):
+            raise CheckpointNotFoundError(f"checkpoint {str(path)!r:.200} has expired", path=str(path)[:200])
         return WeightsInfoResponse(base_model=meta["base_model"], is_lora=True,
                                    optimizer_config=AdamOptimizerConfig(), lora_rank=meta["rank"],
                                    train_unembed=meta.get("train_unembed"), train_mlp=meta.get("train_mlp"),

@@ -451,8 +451,11 @@ def tinker_path_of(directory: Path) -> str:
     return f"{TINKER_SCHEME}{names.run_id_of_dirname(run) or run}/{directory.parent.name}/{directory.name}"
 
 
-def resolve_path(path: Any, pool: Any = None) -> Path:
-    """The checkpoint directory `path` names; set-aside copies stand in mid-replace."""
+def resolve_path(path: Any, pool: Any = None, owner: str | None = None) -> Path:
+    """The checkpoint directory `path` names; set-aside copies stand in mid-replace. For an
+    `owner` (a served client's API key): only a tinker:// path of one of its own runs."""
+    if owner is not None:
+        return _owned_dir(path, pool, owner)
     if isinstance(path, (SaveWeightsResponse, SaveWeightsForSamplerResponse, LoadWeightsResponse)):
         path = path.path
     if not isinstance(path, (str, os.PathLike)) or not str(path):
@@ -461,6 +464,7 @@ def resolve_path(path: Any, pool: Any = None) -> Path:
     if not isinstance(text, str) or "\0" in text:
         raise InvalidInputError(f"must be a checkpoint directory path (text, no NUL), got {_brief(text)}",
                                 field="path")
+    given = text  # (a tinker:// path not found is named as the caller gave it)
     if text.startswith(TINKER_SCHEME):
         text = str(tinker_path_dir(text, pool))
     elif "://" in text:
@@ -490,7 +494,8 @@ def resolve_path(path: Any, pool: Any = None) -> Path:
     for candidate in aside:
         if os.path.lexists(candidate / MANIFEST) or os.path.lexists(candidate / ADAPTER_CONFIG):
             return candidate
-    raise CheckpointNotFoundError(f"no checkpoint at {str(p)!r}", path=str(p))
+    shown = given if given.startswith(TINKER_SCHEME) else str(p)
+    raise CheckpointNotFoundError(f"no checkpoint at {shown!r}", path=shown)
 
 
 # -- reading: what may be read, and how much ---------------------------------------------------
@@ -817,14 +822,29 @@ def _read_optimizer(data: bytes, weights: dict[str, tuple[torch.Tensor, torch.Te
     return adam
 
 
-def read_checkpoint(path: Any, pool: Any = None, *, require_optimizer: bool = False) -> LoadedCheckpoint:
+def _owned_dir(path: Any, pool: Any, owner: str) -> Path:
+    parsed = parse_tinker_path(path)  # a malformed path is refused naming the field
+    missing = CheckpointNotFoundError(f"checkpoint {path!r:.200} was not found for this API key",
+                                      path=str(path)[:200])
+    if not names.RUN_ID_RE.match(parsed.run_id):
+        raise missing
+    validate_name(parsed.name, "path")
+    local = checkpoint_root(pool) / names.owner_run_dir(owner, parsed.run_id) / parsed.segment / parsed.name
+    try:  # (as in-process: a name a killed writer set aside is given back)
+        return resolve_path(local)
+    except CheckpointError:  # (its message names this machine's directories: not the caller's)
+        raise missing from None
+
+
+def read_checkpoint(path: Any, pool: Any = None, *, require_optimizer: bool = False,
+                    owner: str | None = None) -> LoadedCheckpoint:
     """Read and verify a checkpoint directory; every problem is a CheckpointError naming the path.
 
     Only the layout's files are read, each a regular file directly in the directory and of
     bounded size (`file_limits`), and every value is checked: ranks, alpha, seed and step in
     range, weights and moments finite float tensors of consistent shapes.
     """
-    directory = resolve_path(path, pool)
+    directory = resolve_path(path, pool, owner)
     shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(directory)
     max_rank = _pool_max_rank(pool)
     with _CheckpointFiles(directory, shown, file_limits(pool)) as files:

@@ -211,7 +211,7 @@ def prepare_load(pool: PoolLike, tenant: Tenant, op: str, request: LoadRequest) 
     _expect(request, LoadRequest, op)
     _trained(tenant, op)
     with_optimizer = op == "load_state_with_optimizer"
-    loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=with_optimizer)
+    loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=with_optimizer, owner=tenant.owner)
     shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
     ckpt.check_compatible(loaded, tenant, shown)
     return Prepared(LoadJob(loaded, with_optimizer, shown))

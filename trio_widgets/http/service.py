@@ -188,7 +188,7 @@ class Service:
     def save_weights(self, owner: str, body: dict) -> dict:
         model = self.state.model(body.get("model_id"), owner)
         with self.state.consumes(model, body.get("seq_id")):
-            name = names.validate_name(body.get("path"), "path")
+            name = names.validate_name(body.get("path"), "name")
             overwrite = body.get("overwrite", False)
             if not isinstance(overwrite, bool):
                 raise InvalidInputError(f"must be true or false, got {overwrite!r:.40}", field="overwrite")
@@ -207,7 +207,7 @@ class Service:
         the signed URLs of get_external_weights_urls (trio_widgets/http/exports.py)."""
         model = self.state.model(body.get("model_id"), owner)
         with self.state.consumes(model, body.get("seq_id")):
-            name = names.validate_name(body.get("path"), "path")
+            name = names.validate_name(body.get("path"), "name")
             recipients = parse_age_recipients(body.get("age_encryption_recipients"))
         path = names.checkpoint_path(model.model_id, "external_weights", name)
         request = SaveRequest(name, ttl_seconds=body.get("ttl_seconds"), external=True, age_recipients=recipients)
@@ -235,9 +235,9 @@ class Service:
                 raise InvalidInputError(f"only 'snapshot' sampling clients are supported here (a copy of the "
                                         f"weights as of this request), got {body.get('kind')!r:.40}", field="kind")
             if name is None and n is None:
-                raise InvalidInputError("give a name (path) or sampling_session_seq_id", field="path")
+                raise InvalidInputError("give a name (path) or sampling_session_seq_id", field="name")
             if name is not None:
-                names.validate_name(name, "path")
+                names.validate_name(name, "name")
             if n is not None:
                 self.state.sampler_slot(session, n)
             path = names.checkpoint_path(model.model_id, "sampler_weights", name) if name is not None else None
