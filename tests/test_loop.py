@@ -11,10 +11,14 @@ import time
 
 import pytest
 from conftest import make_datum, random_batch
+from transports import IN_PROCESS, inspect, pool_client_id, queued, service
 
 import trio_widgets as trio
 
-CYCLE_S = 0.1  # long enough that a client always reacts within one cycle
+# long enough that a client always reacts within one cycle (over HTTP: a request's round trip
+# and the server's GIL share too, as in test_serve_client.py)
+CYCLE_S = {IN_PROCESS: 0.1}
+HTTP_CYCLE_S = 0.4
 
 
 def steady_cycles(run: trio.TrainingRun, skip: int = 2) -> list[int]:
@@ -22,13 +26,13 @@ def steady_cycles(run: trio.TrainingRun, skip: int = 2) -> list[int]:
     return [m["cycles"] for m in list(run.metrics)[skip:]]
 
 
-def test_modes_give_4_2_1_cycles_per_update(tmp_path):
+def test_modes_give_4_2_1_cycles_per_update(tmp_path, transport):
     batch = random_batch(0, n=1, length=16)
     path = tmp_path / "metrics.jsonl"
 
     async def main():
-        with trio.LocalPool(min_cycle_s=CYCLE_S, name="modes") as pool:
-            sc = trio.ServiceClient(pool)
+        with trio.LocalPool(min_cycle_s=CYCLE_S.get(transport, HTTP_CYCLE_S), name="modes") as pool, \
+                service(transport, pool) as sc:
             plan = {"naive": (dict(mode="naive"), 6), "together": (dict(mode="together"), 8),
                     "pipelined": (dict(mode="pipelined"), 12), "lookahead2": (dict(mode="pipelined", lookahead=2), 12)}
             runs = {}
@@ -38,7 +42,7 @@ def test_modes_give_4_2_1_cycles_per_update(tmp_path):
                                         metrics_path=path if name == "naive" else None, **kw)
             assert all(r.task is not None for r in runs.values())  # started at once on the running loop
             await asyncio.gather(*(r.wait() for r in runs.values()))
-            depth = {name: max(d.depths.get(r.client.client_id, 0) for d in pool.telemetry.queue_depths)
+            depth = {name: max(d.depths.get(pool_client_id(sc, r.client), 0) for d in pool.telemetry.queue_depths)
                      for name, r in runs.items()}
             return runs, depth
 
@@ -65,13 +69,14 @@ def test_modes_give_4_2_1_cycles_per_update(tmp_path):
     assert rows[0]["cycles"] is None and rows[-1]["cycles"] == 4
 
 
-def test_pause_resume_stop_and_mode_change_from_another_thread():
+def test_pause_resume_stop_and_mode_change_from_another_thread(transport):
     batch = random_batch(1, n=1, length=12)
     events: dict = {}
 
     async def main():
-        with trio.LocalPool(min_cycle_s=0.05, name="controls") as pool:
-            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        with trio.LocalPool(min_cycle_s=CYCLE_S.get(transport, HTTP_CYCLE_S) / 2, name="controls") as pool, \
+                service(transport, pool) as svc:
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
             run = trio.train(tc, itertools.repeat(batch), mode="pipelined", learning_rate=1e-3)
 
             def wait_for(cond, what: str, timeout: float = 60.0) -> None:
@@ -85,7 +90,7 @@ def test_pause_resume_stop_and_mode_change_from_another_thread():
                 run.pause()
                 wait_for(lambda: run.state == "paused", "paused")
                 events["paused_step"], events["paused_at"] = run.step, time.perf_counter()
-                records = pool.telemetry.requests_of(tc.client_id)
+                records = pool.telemetry.requests_of(pool_client_id(svc, tc))
                 events["drained"] = all(r.status == "ok" for r in records)
                 events["fb_at_pause"] = sum(r.op == "forward_backward" for r in records)
                 cycle = pool.cycle_index
@@ -99,8 +104,8 @@ def test_pause_resume_stop_and_mode_change_from_another_thread():
                 run.stop()
 
             await asyncio.gather(run.wait(), asyncio.get_running_loop().run_in_executor(None, controller))
-            records = pool.telemetry.requests_of(tc.client_id)
-            return run, records, pool.queue_depths()[tc.client_id]
+            records = pool.telemetry.requests_of(pool_client_id(svc, tc))
+            return run, records, pool.queue_depths()[pool_client_id(svc, tc)]
 
     run, records, left = asyncio.run(main())
     assert run.state == "stopped" and run.task.done() and left == 0
@@ -114,25 +119,26 @@ def test_pause_resume_stop_and_mode_change_from_another_thread():
     assert sum(r.op == "forward_backward" for r in records) == run.step  # stop drained, lost nothing
 
 
-def test_run_sync_without_a_running_loop_and_finite_batches():
+def test_run_sync_without_a_running_loop_and_finite_batches(transport):
     batches = [random_batch(2, n=2, length=10), random_batch(3, n=2, length=10)]
-    with trio.LocalPool(min_cycle_s=0.0, name="sync") as pool:
-        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+    patched = hasattr(asyncio, "_nest_patched")  # (a test before may have run one inside a loop)
+    with trio.LocalPool(min_cycle_s=0.0, name="sync") as pool, service(transport, pool) as svc:
+        tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         run = trio.train(tc, batches, mode="together", learning_rate=1e-3)
         assert run.task is None  # no loop here: it starts when awaited
         assert trio.run_sync(run) is run
         assert run.state == "finished" and run.step == 2
         assert [m["tokens"] for m in run.metrics] == [20, 20]
         assert trio.run_sync(asyncio.sleep(0, result=7)) == 7
-    assert not hasattr(asyncio, "_nest_patched")  # nest_asyncio only inside a running loop
+    assert hasattr(asyncio, "_nest_patched") == patched  # nest_asyncio only inside a running loop
 
 
-def test_a_failing_request_ends_the_run_with_its_error():
+def test_a_failing_request_ends_the_run_with_its_error(transport):
     bad = [make_datum([5, 6, 7, 9999])]  # token id outside the vocabulary
 
     async def main():
-        with trio.LocalPool(min_cycle_s=0.0, name="errors") as pool:
-            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        with trio.LocalPool(min_cycle_s=0.0, name="errors") as pool, service(transport, pool) as svc:
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
             run = trio.train(tc, [random_batch(4, n=1, length=8), bad])
             with pytest.raises(trio.InvalidInputError, match="vocabulary"):
                 await run
@@ -239,14 +245,14 @@ def test_sigint_during_run_sync_records_every_applied_update(tmp_path, mode):
 
 
 @pytest.mark.parametrize("mode", ["script", "cell"])
-def test_ctrl_c_landing_in_the_runs_own_code_is_run_interrupted(mode):
+def test_ctrl_c_landing_in_the_runs_own_code_is_run_interrupted(mode, transport):
     """Where SIGINT lands is chance: here it lands in the run's own code (its batch iterator,
     called by the run's task). The run stops as for any interrupt; RunInterrupted, not a bare
     KeyboardInterrupt with the run left 'running'."""
     batch = random_batch(7, n=1, length=12)
 
-    with trio.LocalPool(min_cycle_s=0.02, name="ctrl-c") as pool:
-        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+    with trio.LocalPool(min_cycle_s=0.02, name="ctrl-c") as pool, service(transport, pool) as svc:
+        tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
 
         def batches():
             while True:
@@ -261,20 +267,21 @@ def test_ctrl_c_landing_in_the_runs_own_code_is_run_interrupted(mode):
 
         with pytest.raises(trio.RunInterrupted, match="interrupted: run .* stopped at step"):
             trio.run_sync(run) if mode == "script" else asyncio.run(cell())
-        snapshot = tc.inspect_adapter().result(timeout=60)
-        optim_ok = sum(r.op == "optim_step" and r.status == "ok" for r in pool.telemetry.requests_of(tc.client_id))
+        snapshot = inspect(svc, pool, tc)
+        optim_ok = sum(r.op == "optim_step" and r.status == "ok"
+                       for r in pool.telemetry.requests_of(pool_client_id(svc, tc)))
     assert run.state == "stopped" and run.stop_reason == "interrupted", (run.state, run.stop_reason)
     assert run.step >= 8 and run.step == len(run.metrics) == snapshot.step == optim_ok and snapshot.grad is None
 
 
-def test_cancelling_a_run_withdraws_what_is_queued_and_records_what_ran():
+def test_cancelling_a_run_withdraws_what_is_queued_and_records_what_ran(transport):
     """run.task.cancel() (asyncio.run's shutdown does it): updates still queued are withdrawn,
     those already in a cycle complete and are recorded; no gradient is left behind."""
     batch = random_batch(5, n=1, length=12)
 
     async def main():
-        with trio.LocalPool(min_cycle_s=0.05, name="cancel") as pool:
-            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        with trio.LocalPool(min_cycle_s=0.05, name="cancel") as pool, service(transport, pool) as svc:
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
             run = trio.train(tc, itertools.repeat(batch), mode="pipelined", lookahead=4, learning_rate=1e-3)
             while run.step < 6:
                 await asyncio.sleep(0.005)
@@ -282,8 +289,8 @@ def test_cancelling_a_run_withdraws_what_is_queued_and_records_what_ran():
             with pytest.raises(asyncio.CancelledError):
                 await run.task
             await asyncio.sleep(0.3)
-            snapshot = tc.inspect_adapter().result(timeout=60)
-            records = pool.telemetry.requests_of(tc.client_id)
+            snapshot = inspect(svc, pool, tc)
+            records = pool.telemetry.requests_of(pool_client_id(svc, tc))
             return run, snapshot, records
 
     run, snapshot, records = asyncio.run(main())
@@ -293,7 +300,7 @@ def test_cancelling_a_run_withdraws_what_is_queued_and_records_what_ran():
     assert any(r.status == "cancelled" for r in records)  # lookahead 4: some were still queued
 
 
-def test_an_update_whose_optim_step_was_withdrawn_gets_a_new_one():
+def test_an_update_whose_optim_step_was_withdrawn_gets_a_new_one(transport):
     """The one uneven case of a withdrawal: forward_backward ran, its optim_step was still
     queued. The run submits a new optim_step, so no gradient lingers and the update counts."""
     from collections import deque
@@ -304,19 +311,20 @@ def test_an_update_whose_optim_step_was_withdrawn_gets_a_new_one():
     adam = trio.AdamParams(learning_rate=1e-3)
 
     async def main():
-        with trio.LocalPool(min_cycle_s=0.02, name="uneven") as pool:
-            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        with trio.LocalPool(min_cycle_s=0.02, name="uneven") as pool, service(transport, pool) as svc:
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
             run = trio.TrainingRun(tc, [], learning_rate=1e-3)
             fb1 = tc.forward_backward(batch)
             await fb1  # ran: its gradient waits in the adapter
             with pool.hold():  # no boundary: all of these stay queued while we withdraw
                 opt1 = tc.optim_step(adam)
                 fb2, opt2 = tc.forward_backward(batch), tc.optim_step(adam)
+                queued(pool, 3)
                 inflight = deque([_Update(1, fb1, opt1, 10.0, 10, 1e-3, "pipelined", 0.0, 0.0),
                                   _Update(2, fb2, opt2, 10.0, 10, 1e-3, "pipelined", 0.0, 0.0)])
                 withdrawn = run._withdraw(inflight)
             await run._finish_withdrawn(inflight, withdrawn)
-            snapshot = tc.inspect_adapter().result(timeout=60)
+            snapshot = inspect(svc, pool, tc)
             return run, snapshot, (opt1.cancelled(), fb2.cancelled(), opt2.cancelled())
 
     run, snapshot, cancelled = asyncio.run(main())
@@ -324,10 +332,9 @@ def test_an_update_whose_optim_step_was_withdrawn_gets_a_new_one():
     assert run.step == 1 and len(run.metrics) == 1 and snapshot.step == 1 and snapshot.grad is None
 
 
-def test_run_names_follow_the_client_label():
-    with trio.LocalPool(min_cycle_s=0.0, name="names") as pool:
-        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0,
-                                                                   user_metadata={"name": "quickstart"})
+def test_run_names_follow_the_client_label(transport):
+    with trio.LocalPool(min_cycle_s=0.0, name="names") as pool, service(transport, pool) as svc:
+        tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0, user_metadata={"name": "quickstart"})
         run = trio.train(tc, [random_batch(7, n=1, length=8)])
         assert run.name == "quickstart" and "'quickstart'" in repr(run)
         trio.run_sync(run)

@@ -105,6 +105,7 @@ class ModelHandle:
     arch: str | None = None  # the base model's architecture (its config's model_type)
     context_length: int | None = None
     state_bytes: int = 0  # what the pool holds for it: adapter, and gradient and Adam moments when training
+    label: str | None = None  # the name the pool shows it by (user_metadata={"name": ...})
 
 
 # -- requests of a client (the op name travels beside them) ------------------------------

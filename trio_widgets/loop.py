@@ -132,12 +132,9 @@ class RunInterrupted(Exception):
 
 
 def _client_label(client: Any) -> str | None:
-    """The label the pool shows for this client (`user_metadata={"name": ...}`), if it has one."""
-    pool = _pool_of(client)
-    if pool is None:
-        return None
-    info = pool.telemetry.client_info(client.client_id)
-    return info.label if info is not None else None
+    """The label the pool shows for this client (`user_metadata={"name": ...}`), if it has one:
+    the engine's, on either transport (None for another SDK's client)."""
+    return client._handle.label if isinstance(client, TrainingClient) else None
 
 
 async def _result(future: APIFuture) -> Any:

@@ -279,7 +279,7 @@ class LocalBackend:
                         train_mlp=request.train_mlp, train_unembed=request.train_unembed, run_id=run_id,
                         run_dir=run_dir, owner=self.owner)
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant), request.user_metadata, request.session_id)
+        return self._served(handle_of(tenant, label=request.label), request.user_metadata, request.session_id)
 
     def _on_create_model_from_state(self, request: FromStateRequest) -> ModelHandle:
         pool = self.pool
@@ -311,7 +311,8 @@ class LocalBackend:
                         train_unembed=flag("train_unembed", "unembed"), run_id=run_id, run_dir=run_dir,
                         resumed_from=loaded.path, owner=self.owner)
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant, model_path=loaded.path), request.user_metadata, request.session_id)
+        return self._served(handle_of(tenant, model_path=loaded.path, label=request.label), request.user_metadata,
+                            request.session_id)
 
     def _next_run(self, session_id: str | None) -> tuple[str, int]:
         """The session a new run is listed under, and its number there."""
@@ -351,7 +352,8 @@ class LocalBackend:
             tenant = Tenant(pool.new_client_id("sampler"), base, None, 0, 0, kind="sampling",
                             owner=self.owner)
             pool.add_tenant(tenant, request.label)
-            return self._served(handle_of(tenant), session_id=request.session_id, key=request.sampler_id)
+            return self._served(handle_of(tenant, label=request.label), session_id=request.session_id,
+                                key=request.sampler_id)
         loaded = ckpt.read_checkpoint(request.model_path, pool, owner=self.owner)
         path = request.model_path
         shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
@@ -368,7 +370,7 @@ class LocalBackend:
         tenant = Tenant(pool.new_client_id("sampler"), base, adapter, adapter.rank, adapter.seed, kind="sampling",
                         owner=self.owner)
         pool.add_tenant(tenant, request.label)
-        return self._served(handle_of(tenant, model_path=shown), session_id=request.session_id,
+        return self._served(handle_of(tenant, model_path=shown, label=request.label), session_id=request.session_id,
                             key=request.sampler_id)
 
     def release(self, client_id: str) -> None:

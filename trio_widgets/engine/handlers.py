@@ -178,7 +178,7 @@ def run_save(pool: PoolLike, tenant: Tenant, request: Request) -> Any:
                      SamplerCreated(sampler=handle_of(sampler, model_path=written), path=written))
 
 
-def handle_of(tenant: Tenant, model_path: str | None = None) -> ModelHandle:
+def handle_of(tenant: Tenant, model_path: str | None = None, label: str | None = None) -> ModelHandle:
     adapter = tenant.adapter
     base = tenant.base
     return ModelHandle(client_id=tenant.client_id, base_model=base.name, rank=tenant.rank,
@@ -187,7 +187,7 @@ def handle_of(tenant: Tenant, model_path: str | None = None) -> ModelHandle:
                        model_path=model_path,
                        run_id=ckpt.run_id_of(tenant) if tenant.kind == "training" else None,
                        arch=getattr(getattr(base.model, "config", None), "model_type", None),
-                       context_length=base.context_length, state_bytes=_state_bytes(tenant))
+                       context_length=base.context_length, state_bytes=_state_bytes(tenant), label=label)
 
 
 def _state_bytes(tenant: Tenant) -> int:

@@ -490,6 +490,7 @@ class HttpBackend:
                              train_attn=bool(extra.get("train_attn", True)),
                              train_mlp=bool(extra.get("train_mlp", True)),
                              train_unembed=bool(extra.get("train_unembed", True)),
+                             label=extra.get("label") if isinstance(extra.get("label"), str) else None,
                              run_id=model_id,  # tinker's model_id names its checkpoints: tinker://<model_id>/...
                              arch=info["model_data"].get("arch"))
         self._lanes[model_id] = _Lane(handle)
