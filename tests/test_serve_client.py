@@ -1,5 +1,7 @@
-"""trio's own client over HTTP, `trio.ServiceClient(base_url=...)`, against a served pool on
-127.0.0.1: the same loops, clock rules, resume, sampling, order and retries as in-process."""
+"""trio's own client through every codec (conftest.py's transport: in-process, and over HTTP
+to the same pool served on 127.0.0.1): the same loops, clock rules, resume, sampling and order.
+Then what only the HTTP codec has: its sequencing of seq_ids, retries, threads and session, the
+RestClient by URL, sampler handles, and which server a key may go to."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ from served import (
     three_loops_async,
     wait_for,
 )
+from transports import KEY, checkpoint_dir, differs, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.http import wire
 
-KEY = "tml-trio-client-tests"
 CYCLE_S = 0.4  # see test_serve_tinker.py
 LOOPS_N = 3  # updates per loop shape in the clock-rule tests (see test_serve_tinker.py)
 ADAM = trio.AdamParams(learning_rate=1e-2, weight_decay=0.01)
@@ -59,13 +61,20 @@ def fast(pool):
 
 
 @pytest.fixture
-def svc(server):
-    service = trio.ServiceClient(base_url=server.url, api_key=KEY)
-    yield service
-    service.close()
+def svc(pool, transport):
+    with service(transport, pool) as s:
+        yield s
 
 
-def test_it_is_the_http_backend(svc, server, pool):
+@pytest.fixture
+def http_svc(server):
+    """trio's own HTTP client, for what only the HTTP codec has."""
+    with trio.ServiceClient(base_url=server.url, api_key=KEY) as s:
+        yield s
+
+
+def test_it_is_the_http_backend(http_svc, server, pool):
+    svc = http_svc
     from trio_widgets.http.client import HttpBackend
 
     assert isinstance(svc.backend, HttpBackend) and svc.pool is None
@@ -74,7 +83,7 @@ def test_it_is_the_http_backend(svc, server, pool):
         trio.ServiceClient(pool, base_url=server.url)
 
 
-def test_sync_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
+def test_sync_loops_have_the_clock_rules_of_local_ones(svc, pool):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     batch = [datum(0)]
     fbs: list[trio.APIFuture] = []
@@ -89,22 +98,22 @@ def test_sync_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
         return opts[-1]
 
     three_loops(fb, opt, lambda f: f.result(timeout=120), LOOPS_N)
-    check_three_loops(pool, server.clients()[tc.client_id], since=0, n=LOOPS_N)
-    # APIFuture.cycle over HTTP is the pool's cycle (X-Trio-Cycle): the same spans and periods
+    check_three_loops(pool, pool_client_id(svc, tc), since=0, n=LOOPS_N)
+    # APIFuture.cycle is the pool's cycle (over HTTP: X-Trio-Cycle): the same spans and periods
     pairs = [(f.cycle, o.cycle) for f, o in zip(fbs, opts)]
-    assert pairs == pairs_from_telemetry(pool, server.clients()[tc.client_id])
+    assert pairs == pairs_from_telemetry(pool, pool_client_id(svc, tc))
     assert spans_and_periods(pairs[2 * LOOPS_N:]) == ({1}, {1})
 
 
-def test_async_loops_have_the_clock_rules_of_local_ones(svc, server, pool):
+def test_async_loops_have_the_clock_rules_of_local_ones(svc, pool):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=1)
     batch = [datum(1)]
     asyncio.run(three_loops_async(lambda: tc.forward_backward_async(batch, "cross_entropy"),
                                   lambda: tc.optim_step_async(ADAM), LOOPS_N))
-    check_three_loops(pool, server.clients()[tc.client_id], since=0, n=LOOPS_N)
+    check_three_loops(pool, pool_client_id(svc, tc), since=0, n=LOOPS_N)
 
 
-def test_save_state_resume_continues_bitwise(svc, server, fast):
+def test_save_state_resume_continues_bitwise(svc, pool, transport, fast):
     def update(tc, i):
         fb = tc.forward_backward([datum(i)])
         tc.optim_step(ADAM).result(timeout=120)
@@ -116,23 +125,23 @@ def test_save_state_resume_continues_bitwise(svc, server, fast):
     first = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=11)
     losses = [update(first, i) for i in range(4)]
     half = first.save_state("half").result(timeout=120).path
-    assert half == f"tinker://{first.client_id}/weights/half"
+    assert half == f"tinker://{first.model_id}/weights/half"
     resumed = svc.create_training_client_from_state_with_optimizer(half)
     assert resumed.get_info().model_data.lora_rank == 8
     losses += [update(resumed, i) for i in range(4, 8)]
     end_resumed = resumed.save_state("end").result(timeout=120).path
     assert losses == losses_straight
-    assert same_tensors(adapter_file(server.checkpoint_path(end_resumed, KEY)),
-                        adapter_file(server.checkpoint_path(end_straight, KEY)))
+    assert same_tensors(adapter_file(checkpoint_dir(svc, pool, end_resumed)),
+                        adapter_file(checkpoint_dir(svc, pool, end_straight)))
     weights_only = svc.create_training_client_from_state(half)
     weights_only.forward_backward([datum(4)])
     assert weights_only.optim_step(ADAM).result(timeout=120).metrics["step:max"] == 1
-    # a file path is never a checkpoint name over HTTP
-    with pytest.raises(trio.InvalidInputError, match="tinker://"):
-        svc.create_training_client_from_state(str(server.checkpoint_path(half, KEY)))
+    if differs(transport, "filesystem-paths"):  # a file path is never a checkpoint name over HTTP
+        with pytest.raises(trio.InvalidInputError, match="tinker://"):
+            svc.create_training_client_from_state(str(checkpoint_dir(svc, pool, half)))
 
 
-def test_sampling_matches_an_in_process_sampler(svc, server, pool, fast):
+def test_sampling_matches_an_in_process_sampler(svc, pool, fast):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=3)
     for i in range(3):
         tc.forward_backward([datum(i)])
@@ -141,9 +150,9 @@ def test_sampling_matches_an_in_process_sampler(svc, server, pool, fast):
     prompt = trio.ModelInput.from_ints([3 + b for b in b"It was the"])
     params = trio.SamplingParams(max_tokens=8, seed=7)
     remote = sampler.sample(prompt, 3, params, include_prompt_logprobs=True).result(timeout=120)
-    assert sampler.model_path == f"tinker://{tc.client_id}/sampler_weights/snap"
+    assert sampler.model_path == f"tinker://{tc.model_id}/sampler_weights/snap"
     local = trio.ServiceClient(pool).create_sampling_client(
-        model_path=str(server.checkpoint_path(sampler.model_path, KEY)))
+        model_path=str(checkpoint_dir(svc, pool, sampler.model_path)))
     mine = local.sample(prompt, 3, params, include_prompt_logprobs=True).result(timeout=120)
     assert [s.tokens for s in remote.sequences] == [s.tokens for s in mine.sequences]
     assert [s.logprobs for s in remote.sequences] == [s.logprobs for s in mine.sequences]
@@ -155,9 +164,9 @@ def test_sampling_matches_an_in_process_sampler(svc, server, pool, fast):
         [s.tokens for s in mine.sequences]
 
 
-def test_a_custom_loss_keeps_its_place_before_a_later_optim_step(svc, server, pool, fast):
-    """The second half of forward_backward_custom is reserved on the client: the optim_step and
-    forward submitted right after it are held client-side and sent behind it, in order."""
+def test_a_custom_loss_keeps_its_place_before_a_later_optim_step(svc, pool, fast):
+    """The second half of forward_backward_custom is reserved: the optim_step and forward
+    submitted right after it run behind it, in order (over HTTP: held client-side, sent behind it)."""
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=4)
     batch = random_batch(4, n=2, length=10)
 
@@ -173,12 +182,13 @@ def test_a_custom_loss_keeps_its_place_before_a_later_optim_step(svc, server, po
     out = custom.result(timeout=120)
     assert out.loss_fn_output_type == "custom" and out.metrics["custom:sum"] == out.metrics["loss:sum"]
     after.result(timeout=120)
-    records = sorted(pool.telemetry.requests_of(server.clients()[tc.client_id]), key=lambda r: r.request_id)
+    records = sorted(pool.telemetry.requests_of(pool_client_id(svc, tc)), key=lambda r: r.request_id)
     assert [r.op for r in records] == ["forward", "forward_backward_custom", "optim_step", "forward"]
     assert records[1].cycle <= records[2].cycle < records[3].cycle
 
 
-def test_seq_ids_sent_out_of_order_run_in_order(svc, server, pool, fast):
+def test_seq_ids_sent_out_of_order_run_in_order(http_svc, server, pool, fast):
+    svc = http_svc
     """Raw protobuf POSTs for a model: seq 2 before seq 1. The server holds 2 until 1 arrives."""
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
     client = server.clients()[tc.client_id]
@@ -219,7 +229,7 @@ def test_a_retried_submit_runs_once(server, pool, fast):
     assert len(pairs_from_telemetry(pool, server.clients()[tc.client_id])) == 3
 
 
-def test_bad_input_is_refused_at_submit_naming_the_field(svc, fast):
+def test_bad_input_is_refused_at_submit_naming_the_field(svc, transport, fast):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=7)
     bad = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7]), {"target_tokens": [6, 7, 999]})]
     with pytest.raises(trio.InvalidInputError) as info:
@@ -227,10 +237,13 @@ def test_bad_input_is_refused_at_submit_naming_the_field(svc, fast):
     assert info.value.field == "data[0].loss_fn_inputs['target_tokens']" and "vocabulary" in str(info.value)
     with pytest.raises(trio.InvalidInputError, match="rank"):
         svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=100_000)
-    with pytest.raises(trio.InvalidInputError, match="unknown model .*this server serves"):
+    # a directory names a base model only in-process
+    unknown = "unknown model .*this server serves" if differs(transport, "filesystem-paths") else "could not load '/etc'"
+    with pytest.raises(trio.InvalidInputError, match=unknown):
         svc.create_lora_training_client("/etc", rank=4)
-    with pytest.raises(trio.InvalidInputError, match="inspect_adapter"):
-        tc.inspect_adapter()
+    if differs(transport, "inspect-adapter"):
+        with pytest.raises(trio.InvalidInputError, match="inspect_adapter"):
+            tc.inspect_adapter()
     with pytest.raises(trio.InvalidInputError, match="path"):
         tc.save_state("../escape")
     # nothing was queued by any of it: the next update is step 1
@@ -238,9 +251,9 @@ def test_bad_input_is_refused_at_submit_naming_the_field(svc, fast):
     assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
 
 
-def test_closing_a_client_frees_its_lane(svc, server, pool, fast):
+def test_closing_a_client_frees_its_lane(svc, pool, fast):
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=8)
-    client = server.clients()[tc.client_id]
+    client = pool_client_id(svc, tc)
     tc.forward_backward([datum(0)]).result(timeout=60)
     assert client in pool.telemetry.live_clients()
     tc.close()
@@ -284,9 +297,10 @@ def test_closing_the_service_finishes_its_session_and_stops_its_threads(server, 
     assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("trio-http")]
 
 
-def test_the_rest_client_and_new_request_fields_over_http(svc, server, fast):
+def test_the_rest_client_and_new_request_fields_over_http(http_svc, server, fast):
     """main's Backend methods (RestClient) over HTTP: this session's runs, checkpoints and
     samplers; what a served pool cannot do is refused with tinker's BadRequestError, naming it."""
+    svc = http_svc
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5, user_metadata={"name": "rest"})
     assert tc.model_id == tc.client_id  # tinker's model_id names the run's checkpoints
     tc.forward_backward([datum(0)])
@@ -382,10 +396,11 @@ def test_the_backend_does_no_io_until_used_and_takes_an_httpx_transport():
     assert sent[-1] == "/sessions/sess-0123456789abcdef/finish" and unused._link.thread.ident is None
 
 
-def test_a_sampler_handle_passes_the_sampler_to_another_process(svc, server, pool, fast):
+def test_a_sampler_handle_passes_the_sampler_to_another_process(http_svc, server, pool, fast):
     """tinker's get_sampler_handle / from_sampler_handle: a real second process samples from the
     same sampler; both number their requests from 0, and each gets its own answers (the server
     deduplicates seq_ids per session); closing the other process's client leaves the sampler."""
+    svc = http_svc
     import json as jsonlib
     import os
     import subprocess
@@ -428,10 +443,11 @@ def test_a_sampler_handle_passes_the_sampler_to_another_process(svc, server, poo
     local.close()
 
 
-def test_a_key_goes_only_to_the_server_it_was_configured_for(svc, server, monkeypatch):
+def test_a_key_goes_only_to_the_server_it_was_configured_for(http_svc, server, monkeypatch):
     """A sampler handle is data from elsewhere: one naming another server (here a second local
     server that records what reaches it) is refused before any request, so the key never leaves;
     with the configured server it works; the same server spelled another way is the same."""
+    svc = http_svc
     import base64
     import http.server
     import json as jsonlib

@@ -27,8 +27,9 @@ KEY = "tml-both-transports"
 
 #: Each entry: a difference between the transports that stays, with its reason.
 DIFFERENCES: dict[str, str] = {
-    "filesystem-paths": "over HTTP a checkpoint is named only by its tinker:// path; the server's directories "
-                        "are not the caller's to name (in-process, a directory path loads too)",
+    "filesystem-paths": "over HTTP a checkpoint is named only by its tinker:// path, a base model only by a name "
+                        "the server serves; the server's directories are not the caller's to name (in-process, "
+                        "a directory loads too)",
     "client-ids": "in-process a client's id is the pool's (its lane) and its model_id names its run; over HTTP "
                   "both are the model_id the server gave (the pool's ids are the server's business)",
     "inspect-adapter": "inspect_adapter reads the adapter in the pool's memory; over HTTP it is refused "
