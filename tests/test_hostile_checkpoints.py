@@ -4,6 +4,11 @@ checkpoint (or /dev/zero), symlinks and FIFOs, oversized files, and every value 
 Each load must fail at once with a CheckpointError naming the path and what is wrong, and
 leave everything as it was. Loads run in a thread with a deadline, so a loader that blocks
 (on a FIFO) or reads without end fails its test instead of hanging the suite.
+
+Through every transport (conftest.py's transport): in-process a forged checkpoint is a directory
+the caller names; over HTTP it is forged in the key's own run on the server's disk and named by
+its tinker:// path (the server's directories are not the caller's to name), and every error names
+that path, never the server's directory.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from transports import checkpoint_dir, differs, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -43,14 +49,16 @@ def pool(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def svc(pool):
-    return trio.ServiceClient(pool)
+def svc(pool, transport):
+    with service(transport, pool) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def saved(svc, pool):
     """A rank-4 client after 2 updates (so it has AdamW moments), with its state and sampler checkpoints,
-    as the directories on disk their tinker:// paths name (this module forges copies of their files)."""
+    as the directories on disk their tinker:// paths name (this module forges copies of their files),
+    and the paths themselves."""
     tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=2)
     datum = trio.Datum(trio.ModelInput.from_ints(TEXT[:-1]), {"target_tokens": TEXT[1:]})
     for _ in range(2):
@@ -58,7 +66,41 @@ def saved(svc, pool):
         tc.optim_step(trio.AdamParams(learning_rate=1e-2)).result(timeout=60)
     state = tc.save_state("good").result(timeout=60).path
     weights = tc.save_weights_for_sampler("good-w").result(timeout=60).path
-    return tc, str(pool.checkpoint_path(state)), str(pool.checkpoint_path(weights))
+    return tc, str(checkpoint_dir(svc, pool, state)), str(checkpoint_dir(svc, pool, weights)), state, weights
+
+
+class Place:
+    """Where a test forges checkpoint `name`, and how a caller names it: in-process a directory
+    under the test's tmp_path; over HTTP a directory in the client's own run on the server's disk,
+    named by its tinker:// path (each test's names are its own)."""
+
+    def __init__(self, svc: trio.ServiceClient, pool: trio.LocalPool, tc: Any, transport: str, tmp_path: Path):
+        self.svc, self.pool, self.tc, self.transport, self.tmp_path = svc, pool, tc, transport, tmp_path
+
+    def path(self, name: str, segment: str = "weights") -> str:
+        if differs(self.transport, "filesystem-paths"):
+            return f"tinker://{self.tc.model_id}/{segment}/{name}"
+        return str(self.tmp_path / name)
+
+    def dir(self, name: str, segment: str = "weights") -> Path:
+        return checkpoint_dir(self.svc, self.pool, self.path(name, segment))
+
+    def given(self, directory: Path) -> str:
+        """How a caller names the forged checkpoint at `directory` (made by dir())."""
+        if differs(self.transport, "filesystem-paths"):
+            return f"tinker://{self.tc.model_id}/{directory.parent.name}/{directory.name}"
+        return str(directory)
+
+
+@pytest.fixture
+def place(svc, pool, saved, transport, tmp_path, request) -> Place:
+    # (over HTTP the run's directory is shared by the module's tests: each test its own names)
+    prefix = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    place = Place(svc, pool, saved[0], transport, tmp_path)
+    if differs(transport, "filesystem-paths"):
+        base = place.path
+        place.path = lambda name, segment="weights": base(f"{prefix}-{name}"[:200], segment)  # type: ignore[method-assign]
+    return place
 
 
 class _Fifos:
@@ -150,8 +192,8 @@ def _peft(sampler_path: str, dst: Path, **edits: Any) -> Path:
     return out
 
 
-def _state_of(tc: trio.TrainingClient) -> tuple:
-    snap = tc.inspect_adapter().result(timeout=60)
+def _state_of(svc: trio.ServiceClient, pool: trio.LocalPool, tc: trio.TrainingClient) -> tuple:
+    snap = inspect(svc, pool, tc)
     flat = lambda table: [t.clone() for name in sorted(table) for t in table[name]]  # noqa: E731
     return snap.step, flat(snap.weights), flat(snap.exp_avg), flat(snap.exp_avg_sq)
 
@@ -170,9 +212,10 @@ def _loaders(svc: trio.ServiceClient, tc: trio.TrainingClient) -> list[tuple[str
 
 def _assert_rejected(svc, pool, tc, path: Path | str, match: str, fifos: _Fifos | None = None,
                      loaders: list | None = None) -> None:
-    """Every loader fails fast with a clear CheckpointError, and nothing changed anywhere."""
-    before, tenants = _state_of(tc), pool.tenant_count
-    ops = len(pool.telemetry.requests_of(tc.client_id))
+    """Every loader fails fast with a clear CheckpointError naming the path as the caller gave it,
+    and nothing changed anywhere."""
+    before, tenants = _state_of(svc, pool, tc), pool.tenant_count
+    ops = len(pool.telemetry.requests_of(pool_client_id(svc, tc)))
     for label, load in loaders or _loaders(svc, tc):
         exc = _within(lambda load=load: load(str(path)), fifos)
         assert exc is not None, f"{label} loaded the hostile checkpoint {path}"
@@ -181,9 +224,11 @@ def _assert_rejected(svc, pool, tc, path: Path | str, match: str, fifos: _Fifos 
         assert str(path) in str(exc) and exc.path == str(path), f"{label}: the error does not name the path: {exc}"
         assert re.search(match, str(exc)), f"{label}: {exc!s} does not match {match!r}"
         assert exc.__cause__ is None and (exc.__context__ is None or exc.__suppress_context__)
+        if str(path).startswith("tinker://"):
+            assert str(ckpt.checkpoint_root(pool)) not in str(exc), f"{label}: the error names the server's disk: {exc}"
     assert pool.tenant_count == tenants  # no client was created
-    assert len(pool.telemetry.requests_of(tc.client_id)) == ops  # nothing was queued
-    assert _same_state(_state_of(tc), before)  # weights, moments and step untouched
+    assert len(pool.telemetry.requests_of(pool_client_id(svc, tc))) == ops  # nothing was queued
+    assert _same_state(_state_of(svc, pool, tc), before)  # weights, moments and step untouched
 
 
 def _outside_copy_of_weights(path: str, tmp_path: Path) -> Path:
@@ -211,105 +256,107 @@ def _bad_names(ckpt_dir: Path, tmp_path: Path, state_path: str) -> list[tuple[st
     return names
 
 
-def test_manifest_file_names_cannot_leave_the_directory(svc, pool, saved, tmp_path, fifos):
-    tc, path, _ = saved
-    ckpt_dir = tmp_path / "names"
-    ckpt_dir.mkdir()
-    for i, (name, content) in enumerate(_bad_names(ckpt_dir / "c", tmp_path, path)):  # c0, c1...: same depth
+def test_manifest_file_names_cannot_leave_the_directory(svc, pool, saved, tmp_path, fifos, place):
+    tc, path, *_ = saved
+    for i, (name, content) in enumerate(_bad_names(place.dir("c"), tmp_path, path)):  # c0, c1...: same depth
         entry = {"sha256": _sha(content) if content is not None else "0" * 64,
                  "bytes": len(content) if content is not None else 0}
-        forged = _forge(path, ckpt_dir / f"c{i}",
+        forged = _forge(path, place.dir(f"c{i}"),
                         manifest=lambda m, name=name, entry=entry: m["files"].__setitem__(name, entry))
-        _assert_rejected(svc, pool, tc, forged, rf"lists the file {re.escape(repr(name)[:60])}", fifos)
+        _assert_rejected(svc, pool, tc, place.given(forged), rf"lists the file {re.escape(repr(name)[:60])}", fifos)
 
 
 # -- only regular files, never through a symlink ---------------------------------------------------
 
-def test_symlinks_fifos_and_devices_are_never_read(svc, pool, saved, tmp_path, fifos):
-    tc, path, sampler_path = saved
+def test_symlinks_fifos_and_devices_are_never_read(svc, pool, saved, tmp_path, fifos, place):
+    tc, path, sampler_path, *_ = saved
     outside = _outside_copy_of_weights(path, tmp_path)
     cases: list[tuple[Path, str]] = []
 
-    link_out = _forge(path, tmp_path / "link-out")  # the same bytes, so the checksum matches
+    link_out = _forge(path, place.dir("link-out"))  # the same bytes, so the checksum matches
     (link_out / WEIGHTS).unlink()
     (link_out / WEIGHTS).symlink_to(outside)
     cases.append((link_out, f"{WEIGHTS} is a symbolic link"))
 
-    link_in = _forge(path, tmp_path / "link-in")  # even to a file inside the directory
+    link_in = _forge(path, place.dir("link-in"))  # even to a file inside the directory
     os.rename(link_in / WEIGHTS, link_in / "real.safetensors")
     (link_in / WEIGHTS).symlink_to("real.safetensors")
     cases.append((link_in, f"{WEIGHTS} is a symbolic link"))
 
-    to_fifo = _forge(path, tmp_path / "link-fifo")  # the issue's case: blocked the loader
+    to_fifo = _forge(path, place.dir("link-fifo"))  # the issue's case: blocked the loader
     (to_fifo / WEIGHTS).unlink()
     (to_fifo / WEIGHTS).symlink_to(fifos.make(tmp_path / "pipe"))
     cases.append((to_fifo, f"{WEIGHTS} is a symbolic link"))
 
-    fifo = _forge(path, tmp_path / "fifo")
+    fifo = _forge(path, place.dir("fifo"))
     (fifo / WEIGHTS).unlink()
     fifos.make(fifo / WEIGHTS)
     cases.append((fifo, f"{WEIGHTS} is a FIFO"))
 
-    fifo_manifest = _forge(path, tmp_path / "fifo-manifest")
+    fifo_manifest = _forge(path, place.dir("fifo-manifest"))
     (fifo_manifest / MANIFEST).unlink()
     fifos.make(fifo_manifest / MANIFEST)
     cases.append((fifo_manifest, f"{MANIFEST} is a FIFO"))
 
-    zero_manifest = _forge(path, tmp_path / "zero-manifest")
+    zero_manifest = _forge(path, place.dir("zero-manifest"))
     (zero_manifest / MANIFEST).unlink()
     (zero_manifest / MANIFEST).symlink_to("/dev/zero")
     cases.append((zero_manifest, f"{MANIFEST} is a symbolic link"))
 
-    folder = _forge(path, tmp_path / "folder")
+    folder = _forge(path, place.dir("folder"))
     (folder / OPTIMIZER).unlink()
     (folder / OPTIMIZER).mkdir()
     cases.append((folder, f"{OPTIMIZER} is a directory"))
 
-    peft_zero = _peft(sampler_path, tmp_path / "peft-zero")  # PEFT layout: no manifest to check against
+    # PEFT layout: no manifest to check against
+    peft_zero = _peft(sampler_path, place.dir("peft-zero", "sampler_weights"))
     (peft_zero / CONFIG).unlink()
     (peft_zero / CONFIG).symlink_to("/dev/zero")
     cases.append((peft_zero, f"{CONFIG} is a symbolic link"))
 
-    peft_fifo = _peft(sampler_path, tmp_path / "peft-fifo")
+    peft_fifo = _peft(sampler_path, place.dir("peft-fifo", "sampler_weights"))
     (peft_fifo / WEIGHTS).unlink()
     fifos.make(peft_fifo / WEIGHTS)
     cases.append((peft_fifo, f"{WEIGHTS} is a FIFO"))
 
     for where, match in cases:
-        _assert_rejected(svc, pool, tc, where, re.escape(match), fifos)
+        _assert_rejected(svc, pool, tc, place.given(where), re.escape(match), fifos)
 
 
 # -- bounded sizes, checked before reading ---------------------------------------------------------------
 
-def test_file_sizes_are_bounded_before_anything_is_read(svc, pool, saved, tmp_path, fifos):
-    tc, path, sampler_path = saved
+def test_file_sizes_are_bounded_before_anything_is_read(svc, pool, saved, tmp_path, fifos, place):
+    tc, path, sampler_path, *_ = saved
     limits = ckpt.file_limits(pool)
     # sparse files: no disk used, but the old loader would have read all of it
-    huge = _forge(path, tmp_path / "huge-weights")
+    huge = _forge(path, place.dir("huge-weights"))
     os.truncate(huge / WEIGHTS, 64 << 30)
     meta = json.loads((huge / MANIFEST).read_text())
     meta["files"][WEIGHTS]["bytes"] = 64 << 30
     (huge / MANIFEST).write_text(json.dumps(meta))
-    _assert_rejected(svc, pool, tc, huge, rf"{WEIGHTS} is {64 << 30} bytes, more than the {limits[WEIGHTS]} bytes",
-                     fifos)
+    _assert_rejected(svc, pool, tc, place.given(huge),
+                     rf"{WEIGHTS} is {64 << 30} bytes, more than the {limits[WEIGHTS]} bytes", fifos)
 
-    huge_opt = _forge(path, tmp_path / "huge-optimizer")
+    huge_opt = _forge(path, place.dir("huge-optimizer"))
     os.truncate(huge_opt / OPTIMIZER, 64 << 30)
-    _assert_rejected(svc, pool, tc, huge_opt, rf"{OPTIMIZER} is {64 << 30} bytes, more than", fifos)
+    _assert_rejected(svc, pool, tc, place.given(huge_opt), rf"{OPTIMIZER} is {64 << 30} bytes, more than", fifos)
 
-    big_manifest = _forge(path, tmp_path / "big-manifest")
+    big_manifest = _forge(path, place.dir("big-manifest"))
     text = (big_manifest / MANIFEST).read_text()
     (big_manifest / MANIFEST).write_text(text + " " * ckpt.MAX_JSON_BYTES)  # valid JSON, just too big
-    _assert_rejected(svc, pool, tc, big_manifest, rf"{MANIFEST} is \d+ bytes, more than the {ckpt.MAX_JSON_BYTES}",
-                     fifos)
+    _assert_rejected(svc, pool, tc, place.given(big_manifest),
+                     rf"{MANIFEST} is \d+ bytes, more than the {ckpt.MAX_JSON_BYTES}", fifos)
 
-    peft_big = _peft(sampler_path, tmp_path / "peft-big-config")
+    peft_big = _peft(sampler_path, place.dir("peft-big-config", "sampler_weights"))
     os.truncate(peft_big / CONFIG, 1 << 40)
-    _assert_rejected(svc, pool, tc, peft_big, rf"{CONFIG} is {1 << 40} bytes, more than", fifos)
+    _assert_rejected(svc, pool, tc, place.given(peft_big), rf"{CONFIG} is {1 << 40} bytes, more than", fifos)
 
 
-def test_the_size_limit_follows_the_pools_max_rank_and_can_be_set(svc, saved, tmp_path):
-    tc, path, _ = saved
+def test_the_size_limit_follows_the_pools_max_rank_and_can_be_set(pool, tmp_path):
+    """(In-process: pools of their own, checkpoints named by their directories.)"""
+    svc = trio.ServiceClient(pool)
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=2)
+    path = str(pool.checkpoint_path(tc.save_state("size-limit").result(timeout=60).path))
     with trio.LocalPool(min_cycle_s=0.002, max_rank=4) as small:
         small_limit = ckpt.file_limits(small)[WEIGHTS]
         # rank x features x 4 bytes (+ the header): the largest adapter this pool could have written
@@ -437,11 +484,11 @@ STATE_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(STATE_CASES))
-def test_every_value_in_a_checkpoint_is_validated(svc, pool, saved, tmp_path, case):
-    tc, path, _ = saved
+def test_every_value_in_a_checkpoint_is_validated(svc, pool, saved, tmp_path, case, place):
+    tc, path, *_ = saved
     edits, match = STATE_CASES[case]
-    forged = _forge(path, tmp_path / case, **edits)
-    _assert_rejected(svc, pool, tc, forged, match)
+    forged = _forge(path, place.dir(case), **edits)
+    _assert_rejected(svc, pool, tc, place.given(forged), match)
 
 
 PEFT_CASES = {
@@ -460,15 +507,15 @@ PEFT_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(PEFT_CASES))
-def test_peft_adapters_from_other_tools_are_validated_too(svc, pool, saved, tmp_path, case):
-    tc, _, sampler_path = saved
+def test_peft_adapters_from_other_tools_are_validated_too(svc, pool, saved, tmp_path, case, place):
+    tc, _, sampler_path, *_ = saved
     edits, match = PEFT_CASES[case]
     edits = dict(edits)
     raw = edits.pop("raw_config", None)
-    forged = _peft(sampler_path, tmp_path / case, **edits)
+    forged = _peft(sampler_path, place.dir(case, "sampler_weights"), **edits)
     if raw is not None:
         (forged / CONFIG).write_text(raw)
-    _assert_rejected(svc, pool, tc, forged, match)
+    _assert_rejected(svc, pool, tc, place.given(forged), match)
 
 
 def test_the_adapter_itself_rejects_bad_arguments():
@@ -486,21 +533,21 @@ def test_the_adapter_itself_rejects_bad_arguments():
         LoRAAdapter.from_weights(weights, rank=0)
 
 
-def test_a_good_checkpoint_still_loads_everywhere(svc, saved):
+def test_a_good_checkpoint_still_loads_everywhere(svc, pool, saved):
     """The checks above refuse nothing a real save writes (and a load still changes the client)."""
-    tc, path, sampler_path = saved
+    tc, _, _, path, sampler_path = saved
     resumed = svc.create_training_client_from_state_with_optimizer(path)
-    assert _same_state(_state_of(resumed), _state_of(tc))
+    assert _same_state(_state_of(svc, pool, resumed), _state_of(svc, pool, tc))
     assert svc.create_sampling_client(model_path=sampler_path) is not None
     other = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=99)
     other.load_state_with_optimizer(path).result(timeout=60)
-    assert _same_state(_state_of(other), _state_of(tc))
+    assert _same_state(_state_of(svc, pool, other), _state_of(svc, pool, tc))
 
 
 # -- checkpoint names ------------------------------------------------------------------------------------
 
 def test_names_are_bounded_by_their_encoded_length(saved, pool):
-    tc, path, _ = saved
+    tc, path, *_ = saved
     parent = Path(path).parent
     before = sorted(os.listdir(parent))
     for name, message in (("é" * 200, f"must be at most {ckpt.MAX_NAME_BYTES} bytes encoded"),
@@ -567,7 +614,7 @@ def test_only_tokenizer_classes_are_loaded_as_tokenizers(tmp_path):
         assert str(forged / fname) in str(info.value) and info.value.field == "base_model"
 
 
-def test_save_and_load_accept_the_same_metadata_and_names(svc, pool, tmp_path):
+def test_save_and_load_accept_the_same_metadata_and_names(svc, pool, place):
     """What a save accepts, a load accepts (issue 36: 5 MiB of metadata saved, then never loadable):
     metadata at its limits (entries, then bytes) and the longest name save and load back; one past
     a limit is refused at save, naming the field, and nothing is written; a manifest someone else
@@ -582,17 +629,17 @@ def test_save_and_load_accept_the_same_metadata_and_names(svc, pool, tmp_path):
     for name, meta in [("entries", most_entries), ("bytes", most_bytes), (longest, {"a": "b"})]:
         path = tc.save_state(name, user_metadata=meta).result(timeout=60).path
         resumed = svc.create_training_client_from_state_with_optimizer(path)
-        assert _same_state(_state_of(resumed), _state_of(tc))
+        assert _same_state(_state_of(svc, pool, resumed), _state_of(svc, pool, tc))
         listed = {c.checkpoint_id: c for c in trio.RestClient(pool).list_checkpoints(tc.model_id).result().checkpoints}
         assert listed[f"weights/{name}"].user_metadata == meta
-    run_dir = pool.checkpoint_path(path).parent
+    run_dir = checkpoint_dir(svc, pool, path).parent
     before = sorted(os.listdir(run_dir))
     for meta in [{**most_entries, "one-more": "v"}, {"k": "x" * (MAX_USER_METADATA_BYTES - overhead + 1)}]:
         with pytest.raises(trio.InvalidInputError) as info:
             tc.save_state("over", user_metadata=meta)
         assert info.value.field == "user_metadata"
     assert sorted(os.listdir(run_dir)) == before
-    forged = _forge(pool.checkpoint_path(path), tmp_path / "forged",
+    forged = _forge(checkpoint_dir(svc, pool, path), place.dir("forged"),
                     manifest=lambda m: m.__setitem__("user_metadata", {f"k{i}": "v" for i in range(65)}))
     with pytest.raises(trio.CheckpointError, match="user_metadata"):
-        svc.create_training_client_from_state(str(forged))
+        svc.create_training_client_from_state(place.given(forged))

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 from conftest import random_batch
+from transports import queued
 
 import trio_widgets as trio
 
@@ -97,18 +98,19 @@ def test_dropped_and_closed_training_clients_are_released(pool):
     assert len(pool.queue_depths()) == 0  # no queue left behind for the boundary to visit
 
 
-def test_a_closed_client_refuses_new_requests_and_finishes_queued_ones(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+def test_a_closed_client_refuses_new_requests_and_finishes_queued_ones(pool, svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     with pool.hold():
         fb = tc.forward_backward(random_batch(1, n=1, length=8))
         opt = tc.optim_step(ADAM)
+        queued(pool, 2)
         tc.close()
         with pytest.raises(trio.ClientClosedError, match=tc.client_id):
             tc.forward_backward(random_batch(1, n=1, length=8))
     assert fb.result(timeout=60).metrics["loss:sum"] > 0 and opt.result(timeout=60).metrics["step:max"] == 1
     wait_for(lambda: pool.tenant_count == 0, "the closed client to be released")
     assert tc.closed and "closed" in repr(tc)
-    with trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0) as other:
+    with svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0) as other:
         other.forward_backward(random_batch(1, n=1, length=8)).result(timeout=60)
     assert other.closed
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import TRANSPORTS, checkpoint_dir, inspect, pool_client_id, service
+from transports import checkpoint_dir, inspect, pool_client_id, service
 
 import trio_widgets as trio
 from trio_widgets.engine.models import _build_builtin
@@ -43,10 +43,10 @@ def pool(tmp_path_factory):
         yield pool
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def sampling_service(pool, request):
-    """The clients' ServiceClient: in-process, or over HTTP to the same pool (tests/transports.py)."""
-    with service(request.param, pool) as svc:
+@pytest.fixture(scope="module")
+def sampling_service(pool, transport):
+    """The clients' ServiceClient: in-process, or over HTTP to the same pool (conftest.py's transport)."""
+    with service(transport, pool) as svc:
         yield svc
 
 
@@ -380,8 +380,8 @@ def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained, sampli
     assert pool.telemetry.clients[pool_client_id(sampling_service, sc)].kind == "sampling"
 
 
-def test_sampling_client_is_an_immutable_snapshot(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
+def test_sampling_client_is_an_immutable_snapshot(sampling_service):
+    tc = sampling_service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=5)
     _train(tc, 1)
     sc = tc.save_weights_and_get_sampling_client()
     before = sc.compute_logprobs(PROMPT).result()
@@ -391,9 +391,9 @@ def test_sampling_client_is_an_immutable_snapshot(pool):
     assert max(abs(a - b) for a, b in zip(later[1:], before[1:])) > 1e-3
 
 
-def test_dropped_sampling_client_is_forgotten_by_the_pool(pool):
-    sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
-    cid = sc.client_id
+def test_dropped_sampling_client_is_forgotten_by_the_pool(pool, sampling_service):
+    sc = sampling_service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
+    cid = pool_client_id(sampling_service, sc)
     fut = sc.compute_logprobs(PROMPT)
     del sc
     gc.collect()

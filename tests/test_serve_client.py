@@ -238,7 +238,8 @@ def test_bad_input_is_refused_at_submit_naming_the_field(svc, transport, fast):
     with pytest.raises(trio.InvalidInputError, match="rank"):
         svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=100_000)
     # a directory names a base model only in-process
-    unknown = "unknown model .*this server serves" if differs(transport, "filesystem-paths") else "could not load '/etc'"
+    unknown = "unknown model .*this server serves" if differs(transport, "filesystem-paths") \
+        else "could not load '/etc'"
     with pytest.raises(trio.InvalidInputError, match=unknown):
         svc.create_lora_training_client("/etc", rank=4)
     if differs(transport, "inspect-adapter"):

@@ -169,6 +169,8 @@ def test_refusals_raise_the_same_class_naming_the_same_field(service):
 # -- the one error table ------------------------------------------------------------------------
 
 def _instance(kind: type[BaseException]) -> BaseException:
+    if issubclass(kind, trio.CheckpointError):
+        return kind("no good", field="f", path="tinker://run/weights/x")
     if issubclass(kind, trio.InvalidInputError):
         return kind("no good", field="f")
     return kind("no good")
@@ -178,10 +180,14 @@ def _instance(kind: type[BaseException]) -> BaseException:
 def test_each_exception_travels_as_one_code_and_comes_back_as_its_class(row):
     sent = wire_error(_instance(row.kind))
     assert (sent.status, sent.code, sent.category) == (row.status, row.code, row.category)
-    back = error_from_wire(sent.code, sent.message, field=sent.field, category=sent.category)
+    body = sent.future_body()
+    back = error_from_wire(sent.code, sent.message, field=body.get("field"), path=body.get("path"),
+                           category=sent.category)
     assert type(back) is row.kind
     if isinstance(back, trio.InvalidInputError):
         assert back.field == "f" and str(back) == "f: no good"
+    if isinstance(back, trio.CheckpointError):  # the checkpoint it is about travels too
+        assert back.path == "tinker://run/weights/x"
 
 
 def test_every_exception_has_one_category():

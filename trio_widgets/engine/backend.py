@@ -128,6 +128,11 @@ def _ledger(pool: PoolLike) -> _Ledger:
         return ledger
 
 
+def _shown(path: Any) -> str:
+    """A checkpoint as the caller named it (its errors say that, not this machine's directory)."""
+    return str(getattr(path, "path", path))
+
+
 def _run_names(run_id: Any, run_dir: Any) -> tuple[str | None, str | None]:
     """A server's names for a new run: checked here, the one place runs are made."""
     if run_id is not None and (not isinstance(run_id, str) or not run_id or "/" in run_id or len(run_id) > 200):
@@ -209,7 +214,7 @@ class LocalBackend:
         listings do.)"""
         directory = self._resolve(path)
         try:
-            meta = ckpt.read_manifest(directory, self.pool)
+            meta = ckpt.read_manifest(directory, self.pool, _shown(path))
         except OSError as exc:
             raise ckpt.CheckpointError(f"cannot read checkpoint {str(path)!r:.200}: {exc.strerror or exc}",
                                        path=str(path)[:200]) from None
@@ -520,7 +525,7 @@ class LocalBackend:
     def _live_checkpoint(self, path: Any) -> Path:
         """The directory of an unexpired checkpoint (an expired one reads as absent, as listings do)."""
         directory = self._resolve(path)
-        meta = ckpt.read_manifest(directory, self.pool)
+        meta = ckpt.read_manifest(directory, self.pool, _shown(path))
         if meta and ckpt.expired(meta, str(path)):  # (named as the caller named it: not this machine's directory)
             raise CheckpointNotFoundError(f"checkpoint {str(path)!r:.200} has expired", path=str(path)[:200])
         return directory
@@ -541,7 +546,7 @@ class LocalBackend:
 
     def _on_weights_info(self, path: Any) -> WeightsInfoResponse:
         directory = self._resolve(path)
-        meta = ckpt.read_manifest(directory, self.pool)
+        meta = ckpt.read_manifest(directory, self.pool, _shown(path))
         if not meta:  # a PEFT directory from elsewhere: read it whole
             loaded = ckpt.read_checkpoint(path, self.pool, owner=self.owner)
             if loaded.base_model is None:

@@ -982,10 +982,11 @@ def is_checkpoint_dir(directory: Path) -> bool:
                                          or os.path.lexists(directory / ADAPTER_CONFIG))
 
 
-def read_manifest(directory: Path, pool: Any = None) -> dict:
+def read_manifest(directory: Path, pool: Any = None, shown: str | None = None) -> dict:
     """The checked manifest of a checkpoint directory (bounded read, no symlinks), or
-    CheckpointError; a checkpoint without one (a PEFT directory) gives {}."""
-    shown = str(directory)
+    CheckpointError naming it as `shown` (the caller's path); a checkpoint without one (a PEFT
+    directory) gives {}."""
+    shown = str(directory) if shown is None else shown
     with _CheckpointFiles(directory, shown, file_limits(pool)) as files:
         if files.lstat(MANIFEST) is None:
             return {}

@@ -135,11 +135,7 @@ class Signer:
 
 
 def error_response(error: WireError, *, close: bool = False) -> JSONResponse:
-    body: dict[str, Any] = {"detail": error.message, "code": error.code}
-    if error.field is not None:
-        body["field"] = error.field
-    if error.datum_index is not None:
-        body["datum_index"] = error.datum_index
+    body: dict[str, Any] = {"detail": error.message, "code": error.code, **error.details()}
     # a client without a valid key, or whose body was not read, keeps no connection
     return JSONResponse(body, status_code=error.status, headers={"Connection": "close"} if close else None)
 

@@ -117,6 +117,10 @@ class _Cycle:
     cycle: int | None = None
 
 
+def _json_body(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
 def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     """The exception a non-200 answer means (the server's JSON `detail` is its message)."""
     try:
@@ -129,6 +133,7 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     field_name = body.get("field") if isinstance(body.get("field"), str) else None
     if field_name and message.startswith(f"{field_name}: "):
         message = message[len(field_name) + 2:]
+    path = body["path"] if isinstance(body.get("path"), str) else path
     known = error_from_wire(body.get("code"), message, field=field_name, path=path, datum_index=body.get("datum_index"))
     if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
         return known
@@ -226,11 +231,15 @@ class _Link:
               headers: dict[str, str] | None = None, retry: bool = True, checkpoint: str | None = None) -> Any:
         deadline = time.monotonic() + self.retry_s
         delay = 0.05
+        if json is not None:  # ASCII escapes: text that is not UTF-8 (a lone surrogate in a name) reaches the
+            # server, whose check names the field it is in, as in-process (httpx's own encoding raised here)
+            content = _json_body(json)
+            headers = {**(headers or {}), "Content-Type": "application/json"}
         while True:
             if self.closed:
                 raise ClientClosedError(f"the connection to {self.base_url} was closed")
             try:
-                response = self.http.request(method, path, json=json, content=content, headers=headers)
+                response = self.http.request(method, path, content=content, headers=headers)
             except httpx.TransportError as exc:
                 if not retry or time.monotonic() + delay > deadline:
                     raise APIConnectionError(f"cannot reach the trio server at {self.base_url} ({method} {path}): "
@@ -390,7 +399,8 @@ def _future_error(body: dict, request_id: str, owner: str | None, cycle: int | N
     if code == "server_shutdown":
         message = f"the trio server at {base_url} shut down: {message}"
     field_name = body.get("field") if isinstance(body.get("field"), str) else None
-    known = error_from_wire(code, message, field=field_name, category=body.get("category"), request_id=request_id,
+    known = error_from_wire(code, message, field=field_name, path=body["path"] if isinstance(body.get("path"), str)
+                            else None, category=body.get("category"), request_id=request_id,
                             client_id=owner, cycle=cycle, datum_index=body.get("datum_index"))
     if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
         return known

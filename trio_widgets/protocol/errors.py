@@ -80,24 +80,22 @@ class WireError:
     message: str
     field: str | None = None
     datum_index: int | None = None
+    path: str | None = None  # the checkpoint it is about, as the caller named it
+
+    def details(self) -> dict[str, Any]:
+        """What rides along with the message, in every body: the field at fault, the datum, the path."""
+        return {key: value for key, value in (("field", self.field), ("datum_index", self.datum_index),
+                                              ("path", self.path)) if value is not None}
 
     def future_body(self) -> dict[str, Any]:
         """A failed future's body, as retrieve_future answers it."""
-        body: dict[str, Any] = {"error": self.message, "category": self.category, "code": self.code}
-        if self.field is not None:
-            body["field"] = self.field
-        if self.datum_index is not None:
-            body["datum_index"] = self.datum_index
-        return body
+        return {"error": self.message, "category": self.category, "code": self.code, **self.details()}
 
     def pytrio_body(self) -> dict[str, Any]:
         """The same refusal or failure in PyTRIO's shape (its control plane and actor read `code` and
         `message`; `field` and `category` ride along in its `details`)."""
-        body: dict[str, Any] = {"code": self.code, "message": self.message, "category": self.category}
-        if self.field is not None:
-            body["field"] = self.field
-        if self.datum_index is not None:
-            body["datum_index"] = self.datum_index
+        body: dict[str, Any] = {"code": self.code, "message": self.message, "category": self.category,
+                                **self.details()}
         return body
 
 
@@ -134,9 +132,9 @@ def wire_error(exc: BaseException, *, code: str | None = None) -> WireError:
         message = message[len(field) + 2:]  # the field travels apart; the client's error adds it back
     elif row is _INTERNAL:
         message = f"internal error: {type(exc).__name__}: {exc}"
-    index = getattr(exc, "datum_index", None)
+    index, path = getattr(exc, "datum_index", None), getattr(exc, "path", None)
     return WireError(row.status, code or row.code, row.category, message, field if isinstance(field, str) else None,
-                     index if isinstance(index, int) else None)
+                     index if isinstance(index, int) else None, path if isinstance(path, str) else None)
 
 
 def error_from_wire(code: Any, message: str, *, field: str | None = None, path: str | None = None,
