@@ -6,8 +6,9 @@ import copy
 
 import pytest
 import torch
-from conftest import adapter_weights, random_batch
+from conftest import random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
+from transports import adapter_of
 
 import trio_widgets as trio
 from trio_widgets.engine.compute import make_forward_job, run_forward_jobs
@@ -142,16 +143,16 @@ def test_overflowing_step_changes_nothing():
     assert adapter.adam.step == 2 and bool(torch.isfinite(adapter.flat).all())
 
 
-def test_learning_rate_change_between_steps_is_honoured(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=3)
+def test_learning_rate_change_between_steps_is_honoured(pool, svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=3)
     batch = random_batch(8, n=1, length=10)
     deltas = []
     for lr in (1e-3, 1e-2):
-        before = {k: w for k, w in adapter_weights(tc).items() if k.endswith("lora_B")}
+        before = {k: w for k, w in adapter_of(svc, pool, tc).items() if k.endswith("lora_B")}
         tc.forward_backward(batch).result(timeout=60)
         tc.optim_step(trio.AdamParams(learning_rate=lr, beta1=0.0, beta2=0.0, eps=1e-30)).result(timeout=60)
         # beta = 0: each element moves by exactly lr * sign(grad) (where the gradient is non-zero)
-        after = adapter_weights(tc)
+        after = adapter_of(svc, pool, tc)
         deltas.append(max(float((after[k] - w).abs().max()) for k, w in before.items()))
     # B starts at 0 and holds at most 1e-3 + 1e-2, so w + Δ rounds by at most ulp(0.011) ≈ 1e-9:
     # relative 1e-6 of the smaller lr; 1e-4 leaves room for the division's own rounding.

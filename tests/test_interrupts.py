@@ -8,6 +8,7 @@ import queue
 import time
 
 import pytest
+from transports import service
 
 jupyter_client = pytest.importorskip("jupyter_client")
 
@@ -76,7 +77,7 @@ def test_interrupting_a_wait_is_one_line_naming_the_request(kernel, wait):
                         "assert heard[0].state in str(heard[0]), heard[0].state")
 
 
-def test_a_training_run_reports_its_own_stop_not_each_wait():
+def test_a_training_run_reports_its_own_stop_not_each_wait(transport):
     """trio.train says "stopped at step N" itself: its waits (which never cancel a request) are not
     announced again; a wait of the user's own is."""
     import asyncio
@@ -104,8 +105,8 @@ def test_a_training_run_reports_its_own_stop_not_each_wait():
         return run
 
     try:
-        with trio.LocalPool(min_cycle_s=0.02, name="run-stops") as pool:
-            tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4)
+        with trio.LocalPool(min_cycle_s=0.02, name="run-stops") as pool, service(transport, pool) as svc:
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4)
             run = asyncio.run(main(tc))
     finally:
         stop_listening()

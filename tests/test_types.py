@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from transports import service
 
 import trio_widgets as trio
 
@@ -34,8 +35,8 @@ def test_datum_accepts_lists_numpy_and_torch():
     assert mi.to_ints() == [1, 2, 3] and mi.length == 3 and mi.append_int(4).to_ints() == [1, 2, 3, 4]
 
 
-def test_future_api_from_threads_and_loops(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_future_api_from_threads_and_loops(svc):
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     d = trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8]})
     seen = []
     fut = tc.forward([d])
@@ -53,8 +54,14 @@ def test_future_api_from_threads_and_loops(pool):
     assert a == b == out.loss  # the adapter did not change: forward has no side effects
 
 
-def test_service_client_info_and_capabilities(pool):
-    service = trio.ServiceClient(pool, api_key="ignored")
+def test_service_client_info_and_capabilities(pool, transport):
+    if transport == "in-process":  # an API key given in-process is accepted, and not needed
+        assert trio.ServiceClient(pool, api_key="ignored").get_server_capabilities().supported_models
+    with service(transport, pool) as svc:
+        _info_and_capabilities(svc)
+
+
+def _info_and_capabilities(service: trio.ServiceClient) -> None:
     names = [m.model_name for m in service.get_server_capabilities().supported_models]
     assert trio.DEFAULT_MODEL in names
     tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=3, seed=4, train_mlp=False)

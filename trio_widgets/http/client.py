@@ -112,9 +112,12 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 class _Cycle:
-    """Where the cycle a request ran in is written (from the X-Trio-Cycle header)."""
+    """Where the cycle a request ran in is written (from the X-Trio-Cycle header), and whose
+    request it is (an interrupted wait names the client, as in-process)."""
 
-    cycle: int | None = None
+    def __init__(self, client_id: str | None = None) -> None:
+        self.cycle: int | None = None
+        self.client_id = client_id
 
 
 def _json_body(value: Any) -> bytes:
@@ -613,7 +616,7 @@ class HttpBackend:
             raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
         if client_id in self._runs:
             self._runs[client_id] = (self._runs[client_id][0], _utcnow())
-        item = _Outgoing(op, request, True, PoolFuture())
+        item = _Outgoing(op, request, True, PoolFuture(), _Cycle(client_id))
         item.future._ask = lambda: self._cancel(lane, item)
         with lane.lock:
             if lane.outbox:  # behind a reservation: sent in order once it is filled
@@ -626,7 +629,7 @@ class HttpBackend:
         lane = self._lanes.get(client_id)
         if lane is None:
             raise ClientClosedError(f"client {client_id} is closed: create a new client to submit {op}")
-        item = _Outgoing(op, None, False, PoolFuture())
+        item = _Outgoing(op, None, False, PoolFuture(), _Cycle(client_id))
         item.future._ask = lambda: self._cancel(lane, item)
         with lane.lock:
             lane.outbox.append(item)
@@ -768,7 +771,7 @@ class HttpBackend:
                     else target
         submitted = self._link.call("POST", "/asample", json=body)
         ids = list(submitted.get("sample_sequence_ids") or [])
-        item = _Outgoing(op, request, True, PoolFuture())
+        item = _Outgoing(op, request, True, PoolFuture(), _Cycle(sampler_id))
         item.request_id = str(submitted["request_id"])
         item.future._ask = lambda: self._cancel_sent(item)
 
