@@ -244,9 +244,11 @@ def datum_building_batches(batches, cpu_s: float):
         yield batch
 
 
-def repeated_runs(loader, runs: int = 20, steps: int = 12):
+def repeated_runs(loader, runs: int = 20, steps: int = 8):
     """`runs` short pipelined loops, half on 20 ms cycles and half on 50 ms, lookahead 1 and 2
-    alternating: one client per run (its diagnosis reads only its own updates' cycles)."""
+    alternating: one client per run (its diagnosis reads only its own updates' cycles). `steps`
+    updates each: the advisor diagnoses from 3 (MIN_UPDATES); at lookahead 2 the last 2 run after the
+    loader's last batch, so 8 leave 6 of the loader's (a clear majority for the medians it takes)."""
     outcomes = []
     for min_cycle_s in (0.02, 0.05):
         with trio.LocalPool(min_cycle_s=min_cycle_s, name=f"gil-rep-{min_cycle_s}") as pool:
