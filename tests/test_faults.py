@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from conftest import random_batch
-from transports import adapter_of, service
+from transports import adapter_of, queued, service
 
 import trio_widgets as trio
 from trio_widgets.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
@@ -34,8 +34,9 @@ def ticks_on(pool: trio.LocalPool, cycles: int = 3) -> None:
 
 
 @pytest.mark.parametrize("escape", ESCAPES, ids=lambda e: type(e).__name__)
-def test_a_done_callback_cannot_stop_the_clock(pool, escape):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_a_done_callback_cannot_stop_the_clock(pool, svc, escape):
+    """(Over HTTP the callbacks run on the client's delivery thread: it goes on too.)"""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     fut = tc.forward_backward(BATCH)
     ran = threading.Event()
 
@@ -48,6 +49,7 @@ def test_a_done_callback_cannot_stop_the_clock(pool, escape):
     fut.result(timeout=60)
     assert ran.wait(30)
     ticks_on(pool)
+    assert tc.forward_backward(BATCH).result(timeout=60).metrics["loss:sum"] > 0  # its own client goes on
 
 
 @pytest.mark.parametrize("escape", ESCAPES, ids=lambda e: type(e).__name__)
@@ -110,12 +112,14 @@ def test_custom_metrics_that_are_not_numbers_fail_only_that_tenant(pool, svc, me
     assert pool.checkpoint_path(path).is_dir()
 
 
-def test_result_inside_a_done_callback_raises_instead_of_freezing_the_clock(pool):
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+def test_result_inside_a_done_callback_raises_instead_of_freezing_the_clock(pool, svc):
+    """(Over HTTP the thread that delivers results would wait for itself just the same.)"""
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     seen: list[BaseException] = []
     with pool.hold():
         first = tc.forward_backward(BATCH)
         later = tc.optim_step(ADAM)  # same cycle, delivered after `first`
+        queued(pool, 2)
 
         def wait_for_later(_f):
             try:

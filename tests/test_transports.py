@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from served import served
 from transports import DIFFERENCES, IN_PROCESS
+from transports import service as transport_service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -231,6 +232,11 @@ def _differs(name: str, service: trio.ServiceClient, pool: trio.LocalPool, trans
         listed = [r.training_run_id for r in service.create_rest_client().list_training_runs().result().training_runs]
         elsewhere.close()
         return tc.model_id not in listed
+    if name == "closed-pool":  # (a pool of its own, closed here)
+        with trio.LocalPool(min_cycle_s=0.0, name="closing") as other, transport_service(transport, other) as svc:
+            tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=8)
+            other.close()
+            return isinstance(outcome(lambda: tc.forward_backward([datum()], "cross_entropy")), trio.APIConnectionError)
     if name == "inspect-adapter":
         tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=7)
         return isinstance(outcome(tc.inspect_adapter), trio.InvalidInputError)

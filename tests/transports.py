@@ -34,6 +34,9 @@ DIFFERENCES: dict[str, str] = {
                   "both are the model_id the server gave (the pool's ids are the server's business)",
     "inspect-adapter": "inspect_adapter reads the adapter in the pool's memory; over HTTP it is refused "
                        "(save_state and read the checkpoint)",
+    "closed-pool": "a pool's close stops its server: what was pending fails with PoolClosedError on both, but a new "
+                   "request over HTTP cannot reach the server (APIConnectionError, as the tinker SDK raises), where "
+                   "in-process it is refused with PoolClosedError",
     "rest-catalog": "over HTTP a RestClient sees its API key's runs and checkpoints (every session of the key); "
                     "the pool's own RestClient sees every run of the pool",
 }
