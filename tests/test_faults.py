@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 from conftest import random_batch
-from transports import adapter_of, queued, service
+from transports import adapter_of, service
+from transports import queued as wait_queued
 
 import trio_widgets as trio
 from trio_widgets.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOTAL_CHARS
@@ -119,7 +120,7 @@ def test_result_inside_a_done_callback_raises_instead_of_freezing_the_clock(pool
     with pool.hold():
         first = tc.forward_backward(BATCH)
         later = tc.optim_step(ADAM)  # same cycle, delivered after `first`
-        queued(pool, 2)
+        wait_queued(pool, 2)
 
         def wait_for_later(_f):
             try:
@@ -144,12 +145,18 @@ def test_nested_holds_on_one_thread(pool):
     assert a.result(timeout=60) and b.result(timeout=60) and a.cycle == b.cycle
 
 
-def test_close_inside_hold_stops_at_once_and_fails_what_was_queued():
+def test_close_inside_hold_stops_at_once_and_fails_what_was_queued(transport):
     pool = trio.LocalPool(min_cycle_s=0.0, name="hold-close")
-    tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
+    with service(transport, pool) as svc:
+        _close_inside_hold(pool, svc)
+
+
+def _close_inside_hold(pool: trio.LocalPool, svc: trio.ServiceClient) -> None:
+    tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
     clock = pool._clock.thread
     with pool.hold():
         queued = tc.forward_backward(BATCH)
+        wait_queued(pool, 1)
         pool.close(timeout=30)  # would block on the held boundary before; now the clock sees it is closing
         assert not clock.is_alive()
     with pytest.raises(trio.PoolClosedError, match="never ran"):

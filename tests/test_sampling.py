@@ -516,11 +516,11 @@ def test_a_long_sample_goes_on_over_cycles_and_gives_the_same_samples(tmp_path):
 
 
 @pytest.mark.no_numerics
-def test_a_long_sample_does_not_hold_a_neighbours_cycles(tmp_path):
-    with trio.LocalPool(min_cycle_s=0.0, min_decode_steps=2, checkpoint_dir=str(tmp_path), name="neighbours") as pool:
-        service = trio.ServiceClient(pool)
-        neighbour = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
-        sampler = service.create_sampling_client(base_model=trio.DEFAULT_MODEL)
+def test_a_long_sample_does_not_hold_a_neighbours_cycles(tmp_path, transport):
+    with trio.LocalPool(min_cycle_s=0.0, min_decode_steps=2, checkpoint_dir=str(tmp_path), name="neighbours") as pool, \
+            service(transport, pool) as svc:
+        neighbour = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        sampler = svc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
         batch = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8]), {"target_tokens": [6, 7, 8, 9]})]
         long = sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 2, trio.SamplingParams(max_tokens=200))
         while not long.done():  # the neighbour trains meanwhile, awaiting every update
@@ -535,16 +535,21 @@ def test_a_long_sample_does_not_hold_a_neighbours_cycles(tmp_path):
         assert len(during) >= 3, f"{len(during)} updates of the neighbour while the sample decoded"
 
 
-def test_closing_the_pool_fails_a_sample_still_decoding(tmp_path):
+def test_closing_the_pool_fails_a_sample_still_decoding(tmp_path, transport):
     pool = trio.LocalPool(min_cycle_s=0.05, min_decode_steps=1, checkpoint_dir=str(tmp_path), name="closing")
-    sampler = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
-    future = sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, trio.SamplingParams(max_tokens=400))
-    start = pool.cycle_index
-    while pool.cycle_index < start + 3:
-        time.sleep(0.01)
-    pool.close()
-    with pytest.raises(trio.PoolClosedError, match="closed while it was sampling"):
-        future.result(timeout=30)
+    with service(transport, pool) as svc:
+        sampler = svc.create_sampling_client(base_model=trio.DEFAULT_MODEL)
+        future = sampler.sample(trio.ModelInput.from_ints([5, 6, 7]), 1, trio.SamplingParams(max_tokens=400))
+        deadline = time.monotonic() + 60
+        while not any(r.op == "sample" and r.cycle is not None for r in pool.telemetry.requests):
+            assert time.monotonic() < deadline, "the sample did not start within 60 s"
+            time.sleep(0.01)
+        start = pool.cycle_index
+        while pool.cycle_index < start + 3:
+            time.sleep(0.01)
+        pool.close()
+        with pytest.raises(trio.PoolClosedError, match="closed while it was sampling"):
+            future.result(timeout=30)
     with pytest.raises(ValueError, match="min_decode_steps"):
         trio.LocalPool(min_decode_steps=0)
 

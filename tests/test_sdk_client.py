@@ -510,11 +510,13 @@ def test_compute_logprobs_last_n(sc, ckpool):
 
 # -- the two tinker styles: the same cycles -----------------------------------------------------
 
-def test_tinker_038_style_has_the_cycles_of_the_two_await_style():
+def test_tinker_038_style_has_the_cycles_of_the_two_await_style(transport):
     """tinker 0.38: `fb = tc.forward_backward(...); opt = tc.optim_step(...); await fb; await opt`
     pipelined gives one update per cycle, as the seeds' `*_async` two-await style does."""
-    with trio.LocalPool(min_cycle_s=0.1, name="styles") as pool:  # long enough to react within a cycle
-        tc = trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+    # long enough to react within a cycle (over HTTP: a round trip too, as in test_serve_client.py)
+    cycle_s = 0.1 if transport == "in-process" else 0.4
+    with trio.LocalPool(min_cycle_s=cycle_s, name="styles") as pool, service(transport, pool) as svc:
+        tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         batch = random_batch(7, n=1, length=16)
 
         async def loop(today: bool) -> list[tuple[trio.APIFuture, trio.APIFuture]]:
