@@ -12,15 +12,19 @@ from transports import differs, queued, service
 
 import trio_widgets as trio
 
-# Long enough that a client always reacts within one cycle, on any machine.
+# Long enough that a client always reacts within one cycle, on any machine (over HTTP a round
+# trip and the server's share of the GIL too, as in test_serve_client.py).
 CYCLE_S = 0.1
+HTTP_CYCLE_S = 0.4
 ADAM = trio.AdamParams(learning_rate=1e-3)
 
 
 @pytest.fixture
-def clocked_pool():
-    with trio.LocalPool(min_cycle_s=CYCLE_S, name="clocked") as p:
-        yield p
+def clocked(transport):
+    """A pool on cycles a client always reacts within, and its ServiceClient through each codec."""
+    with trio.LocalPool(min_cycle_s=CYCLE_S if transport == "in-process" else HTTP_CYCLE_S, name="clocked") as p, \
+            service(transport, p) as svc:
+        yield svc
 
 
 def spans_and_periods(pairs: list[tuple[trio.APIFuture, trio.APIFuture]]) -> tuple[set[int], set[int]]:
@@ -30,8 +34,8 @@ def spans_and_periods(pairs: list[tuple[trio.APIFuture, trio.APIFuture]]) -> tup
     return spans, periods
 
 
-def test_sync_naive_together_pipelined(clocked_pool):
-    tc = trio.ServiceClient(clocked_pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+def test_sync_naive_together_pipelined(clocked):
+    tc = clocked.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     batch = random_batch(0, n=1, length=16)
 
     naive = []
@@ -64,8 +68,8 @@ def test_sync_naive_together_pipelined(clocked_pool):
     assert spans_and_periods(pipelined) == ({1}, {1})
 
 
-def test_async_two_await_boundaries(clocked_pool):
-    tc = trio.ServiceClient(clocked_pool).create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+def test_async_two_await_boundaries(clocked):
+    tc = clocked.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
     batch = random_batch(1, n=1, length=16)
 
     async def run() -> dict[str, list]:

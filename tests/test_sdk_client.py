@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import checkpoint_dir, differs, inspect, service
+from transports import checkpoint_dir, differs, inspect, queued, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -269,12 +269,14 @@ def test_service_client_constructor_forms(ckpool):
         trio.ServiceClient(3)
 
 
-def test_close_and_context_manager(ckpool):
-    with trio.ServiceClient(ckpool) as sc:
+def test_close_and_context_manager(ckpool, transport):
+    with service(transport, ckpool) as sc:
         tc = sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2, seed=0)
         with ckpool.hold():
             fb = tc.forward_backward(random_batch(2, n=1, length=8))
             opt = tc.optim_step(ADAM)
+            queued(ckpool, 2)
+        sc.close()  # (over HTTP it waits for what it sent, as in-process it runs on)
     assert tc.closed and sc.closed
     assert opt.result(timeout=60).metrics["step:max"] == 1 and fb.done()  # queued work still ran
     with pytest.raises(trio.ClientClosedError):
@@ -283,14 +285,14 @@ def test_close_and_context_manager(ckpool):
         sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2)
     again = sc.close("success")  # idempotent: a done future
     assert again.done() and again.result() is None
-    with pytest.raises(trio.InvalidInputError):
-        trio.ServiceClient(ckpool).close("finished")
+    with service(transport, ckpool) as other, pytest.raises(trio.InvalidInputError):
+        other.close("finished")
 
     async def tinker_style():
-        service = trio.ServiceClient(ckpool)
-        client = await service.create_lora_training_client(trio.DEFAULT_MODEL, rank=2)
-        await service.close("success")
-        return client
+        with service(transport, ckpool) as svc:
+            client = await svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=2)
+            await svc.close("success")
+            return client
 
     assert asyncio.run(tinker_style()).closed
 

@@ -108,6 +108,7 @@ log = logging.getLogger(__name__)
 
 _RETRYABLE = {408, 429, 500, 502, 503, 504}
 _DOWNLOAD_S = 3600.0  # a checkpoint download's time, in all (each read has the link's timeout)
+_DRAIN_S = 30.0  # close() waits at most this long for the results of what was sent
 _TOKENIZER_LOCK = threading.Lock()
 
 
@@ -356,6 +357,10 @@ class _Link:
         self.heartbeat.start()
 
     # -- closing ----------------------------------------------------------------------------
+    def delivering(self) -> bool:
+        """Whether this is the thread that settles this link's futures."""
+        return self.thread is threading.current_thread()
+
     def close(self, finish: bool = True) -> None:
         if self.closed:
             return
@@ -892,8 +897,13 @@ class HttpBackend:
         return GetSessionResponse(training_run_ids=list(self._runs), sampler_ids=list(self._sampler_ids))
 
     def close(self) -> None:
-        """Finish the session on the server, fail what is still pending, stop the poller and the
-        heartbeat threads (and a custom loss's thread). The served pool goes on for its other clients."""
+        """Wait (at most _DRAIN_S) for the results of what was sent, as in-process, where work a
+        closed client queued still runs and its futures get their results; then finish the session
+        on the server, fail what is still pending, stop the poller and the heartbeat threads (and a
+        custom loss's thread). The served pool goes on for its other clients."""
+        link = self._link
+        if not link.closed and not link.delivering():  # (on the poller, a wait would wait for itself)
+            concurrent.futures.wait([item.future for item, _d, _o in list(link.pending.values())], timeout=_DRAIN_S)
         self._finalizer()
 
     def __enter__(self) -> HttpBackend:
