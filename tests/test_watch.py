@@ -157,9 +157,7 @@ def test_a_gil_heavy_loader_is_named_gil_by_the_watcher_and_the_pool_every_time(
         for run in range(10):
             tc = watched.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=4, seed=run).result()
             previous = None
-            # 8 batches: the diagnoses read 3 updates and more; one update ahead, the last runs clean, so
-            # 7 of 8 carry the loader's Python
-            for batch in busy_loop_batches(8, cpu_s=0.15):
+            for batch in busy_loop_batches(12, cpu_s=0.15):
                 current = (tc.forward_backward(batch, "cross_entropy"), tc.optim_step(ADAM))
                 if previous is not None:
                     previous[0].result(timeout=120)
