@@ -125,6 +125,12 @@ def _json_body(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode("ascii")
 
 
+def _details(body: dict, path: str | None = None) -> tuple[str | None, str | None, Any]:
+    """The field, checkpoint path and datum index an error body names (`path` when it names none)."""
+    field_name = body.get("field") if isinstance(body.get("field"), str) else None
+    return field_name, body["path"] if isinstance(body.get("path"), str) else path, body.get("datum_index")
+
+
 def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     """The exception a non-200 answer means (the server's JSON `detail` is its message)."""
     try:
@@ -134,11 +140,10 @@ def _error(response: httpx.Response, *, path: str | None = None) -> Exception:
     body = body if isinstance(body, dict) else {}
     message = str(body.get("detail") or response.text or response.reason_phrase)
     status = response.status_code
-    field_name = body.get("field") if isinstance(body.get("field"), str) else None
+    field_name, path, datum_index = _details(body, path)
     if field_name and message.startswith(f"{field_name}: "):
         message = message[len(field_name) + 2:]
-    path = body["path"] if isinstance(body.get("path"), str) else path
-    known = error_from_wire(body.get("code"), message, field=field_name, path=path, datum_index=body.get("datum_index"))
+    known = error_from_wire(body.get("code"), message, field=field_name, path=path, datum_index=datum_index)
     if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
         return known
     if status in (400, 413, 415, 422):
@@ -406,10 +411,9 @@ def _future_error(body: dict, request_id: str, owner: str | None, cycle: int | N
     message, code = str(body.get("error")), body.get("code")
     if code == "server_shutdown":
         message = f"the trio server at {base_url} shut down: {message}"
-    field_name = body.get("field") if isinstance(body.get("field"), str) else None
-    known = error_from_wire(code, message, field=field_name, path=body["path"] if isinstance(body.get("path"), str)
-                            else None, category=body.get("category"), request_id=request_id,
-                            client_id=owner, cycle=cycle, datum_index=body.get("datum_index"))
+    field_name, path, datum_index = _details(body)
+    known = error_from_wire(code, message, field=field_name, path=path, category=body.get("category"),
+                            request_id=request_id, client_id=owner, cycle=cycle, datum_index=datum_index)
     if known is not None:  # the class the pool raised, as in-process (trio_widgets.protocol.errors)
         return known
     try:
