@@ -46,7 +46,7 @@ from ..errors import (
 )
 from ..export import PEFT_FILES, CheckpointExport, extract_tar
 from ..futures import APIFuture
-from ..protocol import names
+from ..protocol import names, shown_path
 from ..types import (
     AdamOptimizerConfig,
     Checkpoint,
@@ -126,11 +126,6 @@ def _ledger(pool: PoolLike) -> _Ledger:
         if ledger is None:
             ledger = _LEDGERS[pool] = _Ledger()
         return ledger
-
-
-def _shown(path: Any) -> str:
-    """A checkpoint as the caller named it (its errors say that, not this machine's directory)."""
-    return str(getattr(path, "path", path))
 
 
 def _run_names(run_id: Any, run_dir: Any) -> tuple[str | None, str | None]:
@@ -214,7 +209,7 @@ class LocalBackend:
         listings do.)"""
         directory = self._resolve(path)
         try:
-            meta = ckpt.read_manifest(directory, self.pool, _shown(path))
+            meta = ckpt.read_manifest(directory, self.pool, shown_path(path))
         except OSError as exc:
             raise ckpt.CheckpointError(f"cannot read checkpoint {str(path)!r:.200}: {exc.strerror or exc}",
                                        path=str(path)[:200]) from None
@@ -291,7 +286,7 @@ class LocalBackend:
         _run_names(request.run_id, request.run_dir)  # refused before the checkpoint is read
         loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=request.with_optimizer,
                                       owner=self.owner)
-        shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
+        shown = shown_path(request.path, loaded.path)
         if loaded.base_model is None:
             raise InvalidInputError(f"{shown!r} does not say which base model it adapts", field="path")
         if request.base_model is not None and loaded.kind != "peft" and loaded.base_model != request.base_model:
@@ -361,7 +356,7 @@ class LocalBackend:
                                 key=request.sampler_id)
         loaded = ckpt.read_checkpoint(request.model_path, pool, owner=self.owner)
         path = request.model_path
-        shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else loaded.path
+        shown = shown_path(path, loaded.path)
         name = request.base_model or loaded.base_model
         if name is None:
             raise InvalidInputError(f"{shown!r} does not say which base model it adapts: pass base_model",
@@ -525,7 +520,7 @@ class LocalBackend:
     def _live_checkpoint(self, path: Any) -> Path:
         """The directory of an unexpired checkpoint (an expired one reads as absent, as listings do)."""
         directory = self._resolve(path)
-        meta = ckpt.read_manifest(directory, self.pool, _shown(path))
+        meta = ckpt.read_manifest(directory, self.pool, shown_path(path))
         if meta and ckpt.expired(meta, str(path)):  # (named as the caller named it: not this machine's directory)
             raise CheckpointNotFoundError(f"checkpoint {str(path)!r:.200} has expired", path=str(path)[:200])
         return directory
@@ -546,7 +541,7 @@ class LocalBackend:
 
     def _on_weights_info(self, path: Any) -> WeightsInfoResponse:
         directory = self._resolve(path)
-        meta = ckpt.read_manifest(directory, self.pool, _shown(path))
+        meta = ckpt.read_manifest(directory, self.pool, shown_path(path))
         if not meta:  # a PEFT directory from elsewhere: read it whole
             loaded = ckpt.read_checkpoint(path, self.pool, owner=self.owner)
             if loaded.base_model is None:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointNotFoundError, InvalidInputError
-from ..protocol import names, parse_tinker_path
+from ..protocol import names, parse_tinker_path, shown_path
 from ..types import (
     TINKER_SCHEME,
     CheckpointType,
@@ -845,7 +845,7 @@ def read_checkpoint(path: Any, pool: Any = None, *, require_optimizer: bool = Fa
     range, weights and moments finite float tensors of consistent shapes.
     """
     directory = resolve_path(path, pool, owner)
-    shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(directory)
+    shown = shown_path(path, directory)
     max_rank = _pool_max_rank(pool)
     with _CheckpointFiles(directory, shown, file_limits(pool)) as files:
         base_model: str | None
@@ -986,7 +986,7 @@ def read_manifest(directory: Path, pool: Any = None, shown: str | None = None) -
     """The checked manifest of a checkpoint directory (bounded read, no symlinks), or
     CheckpointError naming it as `shown` (the caller's path); a checkpoint without one (a PEFT
     directory) gives {}."""
-    shown = str(directory) if shown is None else shown
+    shown = shown_path(shown, directory)
     with _CheckpointFiles(directory, shown, file_limits(pool)) as files:
         if files.lstat(MANIFEST) is None:
             return {}

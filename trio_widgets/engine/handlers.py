@@ -30,7 +30,7 @@ from ..backend import (
     SaveRequest,
 )
 from ..errors import CheckpointExistsError, InvalidInputError, RequestFailedError
-from ..protocol import names
+from ..protocol import names, shown_path
 from ..types import (
     AdapterSnapshot,
     LoadWeightsResponse,
@@ -212,7 +212,7 @@ def prepare_load(pool: PoolLike, tenant: Tenant, op: str, request: LoadRequest) 
     _trained(tenant, op)
     with_optimizer = op == "load_state_with_optimizer"
     loaded = ckpt.read_checkpoint(request.path, pool, require_optimizer=with_optimizer, owner=tenant.owner)
-    shown = os.fspath(request.path) if isinstance(request.path, (str, os.PathLike)) else loaded.path
+    shown = shown_path(request.path, loaded.path)
     ckpt.check_compatible(loaded, tenant, shown)
     return Prepared(LoadJob(loaded, with_optimizer, shown))
 

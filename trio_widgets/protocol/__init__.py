@@ -8,7 +8,7 @@ import it; it imports nothing of ours but `trio_widgets.errors`.
 from __future__ import annotations
 
 from .errors import ERRORS, ErrorRow, Refusal, WireError, error_from_wire, not_found, row_of, wire_error
-from .paths import SEGMENTS, TINKER_SCHEME, TinkerPath, parse_tinker_path
+from .paths import SEGMENTS, TINKER_SCHEME, TinkerPath, parse_tinker_path, shown_path
 
 #: The built-in tiny model every pool serves (trained from scratch here; no download).
 DEFAULT_MODEL = "trio/tiny-llama-byte"
@@ -19,5 +19,5 @@ Example: `trio.ServiceClient(pool).create_lora_training_client(trio.DEFAULT_MODE
 
 __all__ = [
     "DEFAULT_MODEL", "ERRORS", "SEGMENTS", "TINKER_SCHEME", "ErrorRow", "Refusal", "TinkerPath", "WireError",
-    "error_from_wire", "not_found", "parse_tinker_path", "row_of", "wire_error",
+    "error_from_wire", "not_found", "parse_tinker_path", "row_of", "shown_path", "wire_error",
 ]

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import InvalidInputError
 
-__all__ = ["SEGMENTS", "TINKER_SCHEME", "TinkerPath", "parse_checkpoint_id", "parse_tinker_path"]
+__all__ = ["SEGMENTS", "TINKER_SCHEME", "TinkerPath", "parse_checkpoint_id", "parse_tinker_path", "shown_path"]
 
 TINKER_SCHEME = "tinker://"
 #: a path's segment -> tinker's checkpoint type
@@ -57,3 +58,14 @@ def parse_checkpoint_id(checkpoint_id: Any, field: str = "checkpoint_id") -> tup
                                 f"{checkpoint_id!r:.80}",
                                 field=field)
     return segment, name
+
+
+def shown_path(path: Any, directory: Any = None) -> str:
+    """A checkpoint path as the caller named it, for messages and answers (not this machine's
+    directory): a str or os.PathLike as given; anything else (a save's response) by `directory`,
+    the directory it was found at, when given, else by the path it holds."""
+    if isinstance(path, (str, os.PathLike)):
+        return os.fspath(path)
+    if directory is not None:
+        return str(directory)
+    return str(getattr(path, "path", path))
