@@ -72,13 +72,17 @@ def saved(svc, pool):
 class Place:
     """Where a test forges checkpoint `name`, and how a caller names it: in-process a directory
     under the test's tmp_path; over HTTP a directory in the client's own run on the server's disk,
-    named by its tinker:// path (each test's names are its own)."""
+    named by its tinker:// path (each test's names are its own: over HTTP a name is `<prefix>-<name>`)."""
 
-    def __init__(self, svc: trio.ServiceClient, pool: trio.LocalPool, tc: Any, transport: str, tmp_path: Path):
+    def __init__(self, svc: trio.ServiceClient, pool: trio.LocalPool, tc: Any, transport: str, tmp_path: Path,
+                 prefix: str = ""):
         self.svc, self.pool, self.tc, self.transport, self.tmp_path = svc, pool, tc, transport, tmp_path
+        self.prefix = prefix
 
     def path(self, name: str, segment: str = "weights") -> str:
         if differs(self.transport, "filesystem-paths"):
+            if self.prefix:
+                name = f"{self.prefix}-{name}"[:200]
             return f"tinker://{self.tc.model_id}/{segment}/{name}"
         return str(self.tmp_path / name)
 
@@ -96,11 +100,7 @@ class Place:
 def place(svc, pool, saved, transport, tmp_path, request) -> Place:
     # (over HTTP the run's directory is shared by the module's tests: each test its own names)
     prefix = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
-    place = Place(svc, pool, saved[0], transport, tmp_path)
-    if differs(transport, "filesystem-paths"):
-        base = place.path
-        place.path = lambda name, segment="weights": base(f"{prefix}-{name}"[:200], segment)  # type: ignore[method-assign]
-    return place
+    return Place(svc, pool, saved[0], transport, tmp_path, prefix=prefix)
 
 
 class _Fifos:
