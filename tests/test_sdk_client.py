@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from transports import checkpoint_dir, differs, inspect, queued, service
+from transports import IN_PROCESS, checkpoint_dir, differs, inspect, queued, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -516,7 +516,7 @@ def test_tinker_038_style_has_the_cycles_of_the_two_await_style(transport):
     """tinker 0.38: `fb = tc.forward_backward(...); opt = tc.optim_step(...); await fb; await opt`
     pipelined gives one update per cycle, as the seeds' `*_async` two-await style does."""
     # long enough to react within a cycle (over HTTP: a round trip too, as in test_serve_client.py)
-    cycle_s = 0.1 if transport == "in-process" else 0.4
+    cycle_s = 0.1 if transport == IN_PROCESS else 0.4
     with trio.LocalPool(min_cycle_s=cycle_s, name="styles") as pool, service(transport, pool) as svc:
         tc = svc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
         batch = random_batch(7, n=1, length=16)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transports import service
+from transports import IN_PROCESS, service
 
 import trio_widgets as trio
 
@@ -55,7 +55,7 @@ def test_future_api_from_threads_and_loops(svc):
 
 
 def test_service_client_info_and_capabilities(pool, transport):
-    if transport == "in-process":  # an API key given in-process is accepted, and not needed
+    if transport == IN_PROCESS:  # an API key given in-process is accepted, and not needed
         assert trio.ServiceClient(pool, api_key="ignored").get_server_capabilities().supported_models
     with service(transport, pool) as svc:
         _info_and_capabilities(svc)
