@@ -4,12 +4,14 @@ written against its `rl.types` API (docs/cookbook.md).
 The environment asks for a letter; the policy answers with one byte and is rewarded 1 for a
 lowercase ASCII letter (about 10% of bytes for the random-init built-in model, ~1.0 after
 some 8 updates). `tinker_cookbook.rl.train.main` samples groups of 8, centres the rewards in
-each group and trains with its importance-sampling loss.
+each group and trains with its importance-sampling loss. At this learning rate Adam can
+overshoot: one step in a run may dip (even from 1.0, when its momentum carries on through
+zero-advantage steps) before the next steps climb back.
 
     TRIO_API_KEYS=tml-ada python -m trio_widgets serve --port 8000        # the pool
     TRIO_BASE_URL=http://127.0.0.1:8000 TRIO_API_KEY=tml-ada python -m trio_widgets pull-tokenizer
     export HF_HUB_OFFLINE=1 TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-ada
-    python examples/cookbook_rl.py runs/rl --steps 10    # env/all/reward/total per step in runs/rl/metrics.jsonl
+    python examples/cookbook_rl.py runs/rl --steps 14    # env/all/reward/total per step in runs/rl/metrics.jsonl
 
 Needs Python >= 3.11 and tinker-cookbook (`make setup` installs requirements-cookbook.txt).
 """
@@ -97,7 +99,7 @@ def config(log_path: str, steps: int) -> train.Config:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_path", help="the run's directory (metrics.jsonl, checkpoints.jsonl, logs.log)")
-    parser.add_argument("--steps", type=int, default=10, help="updates (each: 8 groups of 8 samples)")
+    parser.add_argument("--steps", type=int, default=14, help="updates (each: 8 groups of 8 samples)")
     args = parser.parse_args()
     asyncio.run(train.main(config(args.log_path, args.steps)))
 

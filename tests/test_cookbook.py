@@ -162,11 +162,16 @@ def test_the_supervised_loop_trains_deletes_rolling_saves_and_resumes(server, pa
 
 def test_the_rl_loop_raises_the_reward(server, participant, tmp_path):
     log = tmp_path / "rl"
-    console = _recipe(participant, "cookbook_rl.py", str(log), "--steps", "10")
+    """The reward climbs from the random model's ~10% to ~1.0. Adam at the recipe's lr 1e-2 can
+    overshoot: one step may dip, even from 1.0 (36 runs here: dips to 0.02-0.19 at steps 4-12, each
+    climbed back within 1-4 steps; one CI run was still at 0.14-0.34 after 10 steps). Hence
+    14 steps and the median of the last 3, which one dip cannot move."""
+    log = tmp_path / "rl"
+    console = _recipe(participant, "cookbook_rl.py", str(log), "--steps", "14")
     _clean(console, log)
     reward = _metrics(log, "env/all/reward/total")
-    assert len(reward) == 10, reward
-    assert sum(reward[:2]) / 2 < 0.35 and sum(reward[-3:]) / 3 > 0.8, reward
+    assert len(reward) == 14, reward
+    assert sum(reward[:2]) / 2 < 0.35 and sorted(reward[-3:])[1] > 0.8, reward
 
 
 def test_an_answered_result_outlasts_the_sdks_read_timeout(tmp_path, monkeypatch):
