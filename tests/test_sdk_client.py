@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
+from served import wait_for
 from transports import IN_PROCESS, checkpoint_dir, differs, inspect, queued, service
 
 import trio_widgets as trio
@@ -130,7 +131,35 @@ def test_a_dropped_pending_snapshot_is_released(sc, ckpool, look):
         tc.save_weights_and_get_sampling_client()  # dropped at once, before its cycle
     tc.optim_step(ADAM).result(timeout=60)  # the snapshot's cycle, and the one after, have run
     look(tc)
-    assert ckpool.tenant_count == before
+    # a dropped client's release is queued, not sent by its finalizer (see the next test)
+    wait_for(lambda: ckpool.tenant_count == before, "the pool to let go of the dropped snapshot")
+
+
+def test_a_dropped_client_is_let_go_of_without_waiting_for_a_lock(sc, ckpool, transport):
+    """A garbage-collected client's finalizer runs on whatever thread the collector interrupted,
+    maybe inside a lock that its release takes: over HTTP, httpcore's connection-pool lock, held by
+    a request of the same link that allocated (that thread then waited for itself forever: seen
+    under pytest-xdist); in-process, the clock's lock. With that lock held elsewhere, dropping a
+    client returns at once, and the pool lets go of it once the lock is free."""
+    import gc
+    import threading
+
+    holder = [_trained(sc, steps=1)]
+    before = ckpool.tenant_count
+    lock = (ckpool._clock.cond if transport == IN_PROCESS
+            else holder[0]._backend._link.http._transport._pool._optional_thread_lock._lock)
+
+    def drop() -> None:
+        holder.clear()  # the last reference: its finalizer runs here
+        gc.collect()
+
+    dropper = threading.Thread(target=drop, daemon=True)
+    with lock:
+        dropper.start()
+        dropper.join(timeout=30)
+        finished = not dropper.is_alive()
+    assert finished, "dropping a client waited for a lock its release took"
+    wait_for(lambda: ckpool.tenant_count == before - 1, "the pool to let go of the dropped client")
 
 
 def test_from_state_loads_weights_only_and_with_optimizer_both(sc, look):

@@ -111,9 +111,13 @@ __all__ = ["BackcompatSamplingClientFuture", "BackcompatTrainingClientFuture", "
            "TrainingClient", "configure", "configure_observability", "default_pool", "shutdown_observability"]
 
 def _release(backend_ref: weakref.ref[Backend], client_id: str) -> None:
+    """A dropped client's finalizer. The garbage collector runs it on whatever thread it
+    interrupted, maybe inside a lock that a release takes (httpcore's connection pool, under a
+    request of this very link: that thread then waited for itself forever), so the backend
+    only queues it (`dropped`)."""
     backend = backend_ref()
     if backend is not None:
-        backend.release(client_id)
+        backend.release(client_id, dropped=True)
 
 
 class _WrongTypeError(InvalidInputError, TypeError):
@@ -134,7 +138,8 @@ class _Client:
     def close(self) -> None:
         """Release this client's state in the pool (adapter, optimizer, queue, dashboard lane).
         Requests already submitted still run; new ones raise ClientClosedError."""
-        self._finalizer()
+        if self._finalizer.detach() is not None:  # (the finalizer is for dropped clients)
+            self._backend.release(self.client_id)
 
     @property
     def closed(self) -> bool:

@@ -373,9 +373,9 @@ class LocalBackend:
         return self._served(handle_of(tenant, model_path=shown, label=request.label), session_id=request.session_id,
                             key=request.sampler_id)
 
-    def release(self, client_id: str) -> None:
+    def release(self, client_id: str, *, dropped: bool = False) -> None:
         if not self.pool.closed:
-            self.pool.retire_tenant(client_id)
+            self.pool.retire_tenant(client_id, later=dropped)
 
     def _on_tokenizer(self, base_model: str) -> Any:
         return self.pool.get_base_model(base_model).tokenizer

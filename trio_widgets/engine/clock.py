@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -279,6 +280,7 @@ class _Clock:
         # the queues changed since the last boundary took them (an idle clock then does not wait)
         self.poked = False
         self.trim_at: float | None = None  # clients were dropped: give their heap back after this time
+        self.dropped: queue.SimpleQueue[str] = queue.SimpleQueue()  # garbage-collected clients, to retire
 
     def poke(self) -> None:
         """The queues changed: wake the clock. Call with `cond` held."""
@@ -573,9 +575,14 @@ class LocalPool:
                 raise ClientClosedError(f"client {client_id} is closed: create a new client")
             return tenant
 
-    def retire_tenant(self, client_id: str) -> None:
+    def retire_tenant(self, client_id: str, *, later: bool = False) -> None:
         """Forget a client once nothing of it is queued: its adapter, optimizer state, queue
-        and telemetry lane are released. It accepts no new requests from now on."""
+        and telemetry lane are released. It accepts no new requests from now on. `later` (a
+        dropped client's finalizer, which may run inside the clock's own loop over the
+        tenants): queued without a lock, taken at the next boundary (an idle clock ticks)."""
+        if later:
+            self._clock.dropped.put(client_id)  # SimpleQueue.put: safe in a finalizer
+            return
         with self._clock.cond:
             if client_id in self._tenants:
                 self._retired.add(client_id)
@@ -701,6 +708,10 @@ class LocalPool:
                 self.decode_budget = StepBudget(self.min_decode_steps, now, self.min_cycle_s)
                 self._decode_credit = 0.0
             taken = self._take_queues(decoding)
+            while not self._clock.dropped.empty():
+                gone = self._clock.dropped.get()
+                if gone in self._tenants:
+                    self._retired.add(gone)
             dropped = [c for c in self._retired if not self._queues[c] and c not in taken and c not in decoding]
             for cid in dropped:
                 del self._tenants[cid], self._queues[cid]

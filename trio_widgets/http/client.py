@@ -261,6 +261,25 @@ class _Link:
             time.sleep(delay)
             delay = min(2.0, delay * 2)
 
+    def release_later(self, client_id: str) -> None:
+        """POST /trio/release from the poller's loop: no lock taken and no I/O on this thread
+        (a garbage-collected client's finalizer); nothing to do once the link is closed."""
+        if self.closed:  # (its session is closed with what it held)
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._release(client_id), self.loop)
+        except RuntimeError:  # the loop is closed: so is the session, and what it held
+            pass
+
+    async def _release(self, client_id: str) -> None:
+        if self.closed or self.aclient is None:
+            return
+        try:
+            await self.aclient.post("/trio/release", content=_json_body({"id": client_id}),
+                                    headers={"Content-Type": "application/json"})
+        except httpx.HTTPError:
+            pass  # the server or the session is gone: nothing is held for it there
+
     # -- the poller -------------------------------------------------------------------------
     def _run_poller(self) -> None:
         mark_delivery_thread()  # a done-callback that waits on another result here would wait forever
@@ -579,13 +598,15 @@ class HttpBackend:
         self._attached.add(sampler_id)
         return handle
 
-    def release(self, client_id: str) -> None:
+    def release(self, client_id: str, *, dropped: bool = False) -> None:
         self._lanes.pop(client_id, None)
         self._samplers.pop(client_id, None)
         if client_id in self._attached:  # another's sampler: its maker releases it
             self._attached.discard(client_id)
             return
-        if not self._link.closed:
+        if dropped:  # a finalizer: maybe inside httpcore's pool lock on this thread (a request here would hang)
+            self._link.release_later(client_id)
+        elif not self._link.closed:
             try:
                 self._link.call("POST", "/trio/release", json={"id": client_id}, retry=False)
             except (APIConnectionError, APIStatusError, PoolClosedError, ClientClosedError):
