@@ -67,10 +67,14 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 # -rfE: each failure's message again in the summary at the end (CI shows a run's tail; on CI pytest
-# prints it whole). build/test-times.xml: every test's seconds (JUnit XML), to see where the run's
-# time goes (issue 31: make test in <= 35 minutes).
+# prints it whole). build/test-times*.xml: every test's seconds (JUnit XML), to see where the run's
+# time goes (issue 31: make test in <= 35 minutes). The tests run at one torch thread, so two
+# pytest-xdist workers use both cores (each worker runs whole modules: tests/conftest.py's groups);
+# the tests that measure time, CPU or memory (marked `alone`) then run with nothing beside them.
 test: setup browser-deps lint
-	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rfEs --durations=15 --junitxml=build/test-times.xml tests
+	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rfEs --durations=15 -n 2 -m "not alone" \
+	  --junitxml=build/test-times.xml tests
+	TRIO_TORCH_THREADS=1 $(PY) -m pytest -q -rfEs --durations=10 -m alone --junitxml=build/test-times-alone.xml tests
 	TRIO_TORCH_THREADS=2 $(PY) -m pytest -q -rfEs -m "not no_numerics" -k "not tinker-http" $(NUMERIC_TESTS)
 	$(MAKE) docs
 

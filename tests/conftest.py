@@ -111,13 +111,54 @@ def fleet(tmp_path_factory):
     return _FLEET.get(tmp_path_factory)
 
 
+def _uses_fleet(item) -> bool:
+    return "fleet" in getattr(item, "fixturenames", ())
+
+
+#: Under pytest-xdist (`make test` runs the tests not marked `alone` on 2 workers), this process
+#: runs whole groups of tests (`_group`), each in order, and nothing of the others.
+_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+
+
+def _group(nodeid: str) -> str:
+    """The tests one xdist worker runs together, in order: a module's (its module fixtures are
+    built once); every module named test_fleet* (the shared Ray fleet: a second local Ray
+    instance beside it would cost ~40 s of both cores); the other browser modules (one
+    JupyterLab, one Chromium: tests/browser/conftest.py)."""
+    module = nodeid.split("::")[0]
+    name = module.rsplit("/", 1)[-1]
+    return "fleet" if name.startswith("test_fleet") else "browser" if "/browser/" in module else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`_group` as pytest-xdist's scope. (Its own `--dist loadgroup` renames items' node ids,
+    which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return _Groups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _uses_fleet(item) and not item.path.name.startswith("test_fleet"):
+            raise pytest.UsageError(f"{item.nodeid} uses the shared `fleet`: its module's name must start with "
+                                    "test_fleet, so that one xdist worker runs every such module (conftest._group)")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After the last test that uses `fleet` (its own fixtures torn down): the fleet stops, cleanly."""
+    """After the last test that uses `fleet` (its own fixtures torn down): the fleet stops, cleanly.
+    An xdist worker runs its group's tests one after another, and no other's."""
     result = yield
-    if "fleet" in getattr(item, "fixturenames", ()):
+    if _uses_fleet(item):
         later = item.session.items[item.session.items.index(item) + 1:] if nextitem is not None else []
-        if not any("fleet" in getattr(other, "fixturenames", ()) for other in later):
+        if _WORKER:
+            later = [other for other in later if _group(other.nodeid) == _group(item.nodeid)]
+        if not any(_uses_fleet(other) for other in later):
             _FLEET.stop()
     return result
 

@@ -28,6 +28,9 @@ from trio_widgets.gil import cpu_count
 from trio_widgets.telemetry import CoreSample, RequestRecord
 from trio_widgets.watch import diagnose_watched
 
+# `make test` runs it alone, with no test beside it: it names a loop's cause from the CPU and waits it measures
+pytestmark = pytest.mark.alone
+
 RUNS = 10
 #: updates per run: the advisor diagnoses from 3 (MIN_UPDATES); at lookahead 2 the last 2 run after the
 #: loader's last batch, so 8 leave 6 of the loader's (a clear majority for the medians it takes)

@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 
+import pytest
 from conftest import random_batch
 
 import trio_widgets as trio
@@ -24,6 +25,9 @@ from trio_widgets.advisor import gil_held, gil_where
 from trio_widgets.gil import GilWatchdog, RunMeter, is_user_file, user_frames
 from trio_widgets.telemetry import GC_FILE, GilStall, Telemetry, UserFrame
 from trio_widgets.trace import chrome_trace, metrics_rows
+
+# `make test` runs it alone, with no test beside it: it measures how long threads wait for the GIL
+pytestmark = pytest.mark.alone
 
 
 def hog(cpu_s: float) -> int:

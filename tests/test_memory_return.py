@@ -17,7 +17,8 @@ from served import free_port
 
 import trio_widgets as trio
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status"),
+              pytest.mark.alone]  # (`make test` runs it with no test beside it: it measures a process's memory)
 
 BIG = [trio.Datum(trio.ModelInput.from_ints([(i * 7 + j) % 200 + 3 for j in range(500)]),
                   {"target_tokens": [(i * 7 + j) % 200 + 4 for j in range(500)]}) for i in range(8)]

@@ -35,6 +35,10 @@ import psutil
 import pytest
 from numerics import fp32_tolerance, model_terms, tiny_config
 
+# `make test` runs it alone, with no test beside it: each notebook has a time bound, and
+# notebook 04's advisor measures the CPU
+pytestmark = pytest.mark.alone
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))

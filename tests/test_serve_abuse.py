@@ -17,6 +17,9 @@ from served import served, wait_for
 
 import trio_widgets as trio
 
+# `make test` runs it alone, with no test beside it: it compares a neighbour's update times, quiet and under attack
+pytestmark = pytest.mark.alone
+
 ALICE, MALLORY = "tml-alice-key-0001", "tml-mallory-key-02"
 ADAM = trio.AdamParams(learning_rate=1e-3)
 BATCH = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8]), {"target_tokens": [6, 7, 8, 9]})]

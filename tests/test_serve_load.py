@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs it alone, with no test beside it: it compares update times over HTTP and in-process
+pytestmark = pytest.mark.alone
+
 REPO = Path(__file__).resolve().parents[1]
 
 

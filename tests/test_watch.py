@@ -40,6 +40,9 @@ import test_serve_tinker as serve_tests  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types as tt  # noqa: E402
 
+# `make test` runs it alone, with no test beside it: the watcher names a loop's cause from the CPU and waits it measures
+pytestmark = pytest.mark.alone
+
 # The served pool (0.4 s cycles: a client's HTTP round trip fits in one on a loaded 2-core machine),
 # its server, the SDK's ServiceClient and short cycles on demand: test_serve_tinker's fixtures.
 pool, server, sdk, fast = serve_tests.pool, serve_tests.server, serve_tests.sdk, serve_tests.fast
