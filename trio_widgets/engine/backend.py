@@ -375,7 +375,7 @@ class LocalBackend:
 
     def release(self, client_id: str, *, dropped: bool = False) -> None:
         if not self.pool.closed:
-            self.pool.retire_tenant(client_id, later=dropped)
+            self.pool.retire_tenant(client_id, dropped=dropped)
 
     def _on_tokenizer(self, base_model: str) -> Any:
         return self.pool.get_base_model(base_model).tokenizer

@@ -986,7 +986,7 @@ def read_manifest(directory: Path, pool: Any = None, shown: str | None = None) -
     """The checked manifest of a checkpoint directory (bounded read, no symlinks), or
     CheckpointError naming it as `shown` (the caller's path); a checkpoint without one (a PEFT
     directory) gives {}."""
-    shown = shown_path(shown, directory)
+    shown = str(directory) if shown is None else shown
     with _CheckpointFiles(directory, shown, file_limits(pool)) as files:
         if files.lstat(MANIFEST) is None:
             return {}

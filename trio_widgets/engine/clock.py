@@ -575,12 +575,12 @@ class LocalPool:
                 raise ClientClosedError(f"client {client_id} is closed: create a new client")
             return tenant
 
-    def retire_tenant(self, client_id: str, *, later: bool = False) -> None:
+    def retire_tenant(self, client_id: str, *, dropped: bool = False) -> None:
         """Forget a client once nothing of it is queued: its adapter, optimizer state, queue
-        and telemetry lane are released. It accepts no new requests from now on. `later` (a
+        and telemetry lane are released. It accepts no new requests from now on. `dropped` (a
         dropped client's finalizer, which may run inside the clock's own loop over the
         tenants): queued without a lock, taken at the next boundary (an idle clock ticks)."""
-        if later:
+        if dropped:
             self._clock.dropped.put(client_id)  # SimpleQueue.put: safe in a finalizer
             return
         with self._clock.cond:
