@@ -298,6 +298,38 @@ def test_closing_the_service_finishes_its_session_and_stops_its_threads(server, 
     assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("trio-http")]
 
 
+def test_a_dropped_service_is_closed_without_waiting_for_a_lock(server, pool, fast):
+    """A garbage-collected backend's finalizer runs on whatever thread the collector interrupted,
+    maybe inside httpx's connection-pool lock of the same link (its heartbeat's request), which a
+    close on that thread would wait for forever. With that lock held elsewhere, dropping a service
+    returns at once; once the lock is free its session is finished and its threads stop."""
+    import gc
+
+    service = trio.ServiceClient(base_url=server.url, api_key=KEY)
+    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=10)
+    assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
+    backend = service.backend
+    link, session_id = backend._link, backend.session_id
+    assert len(threads_of(backend)) == 2 and session_state(server, session_id) == "live"
+    lock = link.http._transport._pool._optional_thread_lock._lock
+    holder = [backend]
+    del service, tc, backend
+
+    def drop() -> None:
+        holder.clear()  # the last reference: its finalizer runs here
+        gc.collect()
+
+    dropper = threading.Thread(target=drop, daemon=True)
+    with lock:
+        dropper.start()
+        dropper.join(timeout=30)
+        finished = not dropper.is_alive()
+    assert finished, "dropping a service waited for a lock its close took"
+    wait_for(lambda: session_state(server, session_id) == "finished", "the dropped service's session to finish")
+    wait_for(lambda: link.closed and not link.thread.is_alive() and not link.heartbeat.is_alive(),
+             "the dropped service's threads to stop")
+
+
 def test_the_rest_client_and_new_request_fields_over_http(http_svc, server, fast):
     """main's Backend methods (RestClient) over HTTP: this session's runs, checkpoints and
     samplers; what a served pool cannot do is refused with tinker's BadRequestError, naming it."""

@@ -381,6 +381,34 @@ class _Link:
         self.heartbeat.start()
 
     # -- closing ----------------------------------------------------------------------------
+    def close_later(self, worker: BackgroundWorker) -> None:
+        """close() from the poller's loop: no lock taken and no I/O on this thread (a dropped
+        backend's finalizer). A link never opened has no session, thread or connection to end."""
+        if self.closed:
+            return
+        if self.thread.ident is None:
+            self.closed = True
+            self.stop.set()
+            worker.close()
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_on_loop(worker), self.loop)
+        except RuntimeError:  # the loop is closed: so is the link
+            pass
+
+    async def _close_on_loop(self, worker: BackgroundWorker) -> None:
+        if self.closed:
+            return
+        if self.session_id is not None and self.aclient is not None:
+            try:
+                await self.aclient.post(f"/sessions/{self.session_id}/finish", timeout=5.0,
+                                        content=_json_body({"reason": {"type": "success"}, "detail": None}),
+                                        headers={"Content-Type": "application/json"})
+            except httpx.HTTPError:
+                pass  # the server is gone: nothing to finish
+        worker.close()
+        self.close(finish=False)  # on this thread: it stops the loop after this task, and joins the heartbeat
+
     def delivering(self) -> bool:
         """Whether this is the thread that settles this link's futures."""
         return self.thread is threading.current_thread()
@@ -409,9 +437,16 @@ class _Link:
 
 
 def _close(link: _Link, worker: BackgroundWorker) -> None:
-    """close() and the finalizer of a dropped backend: nothing of it keeps running."""
+    """close(): nothing of the backend keeps running."""
     worker.close()
     link.close()
+
+
+def _dropped(link: _Link, worker: BackgroundWorker) -> None:
+    """The finalizer of a dropped backend. The collector runs it on whatever thread it
+    interrupted, maybe inside a lock that close() takes (httpx's connection-pool lock, held by a
+    heartbeat's request of this link): here it only hands the close to the poller's loop."""
+    link.close_later(worker)
 
 
 def _settle(future: concurrent.futures.Future, value: Any = None, exc: BaseException | None = None) -> None:
@@ -468,7 +503,7 @@ class HttpBackend:
         # requests serves the long-polls too)
         self._link = _Link(self.base_url, api_key, timeout_s, retry_s, long_poll_s, transport, label, heartbeat_s)
         self._worker = BackgroundWorker("trio-client-http")  # custom losses: started on first use
-        self._finalizer = weakref.finalize(self, _close, self._link, self._worker)
+        self._finalizer = weakref.finalize(self, _dropped, self._link, self._worker)
         self._model_seq = itertools.count()
         self._sampler_seq = itertools.count()
         self._lanes: dict[str, _Lane] = {}
@@ -929,7 +964,8 @@ class HttpBackend:
         link = self._link
         if not link.closed and not link.delivering():  # (on the poller, a wait would wait for itself)
             concurrent.futures.wait([item.future for item, _d, _o in list(link.pending.values())], timeout=_DRAIN_S)
-        self._finalizer()
+        if self._finalizer.detach() is not None:  # (closed once; a dropped backend's close is _dropped's)
+            _close(link, self._worker)
 
     def __enter__(self) -> HttpBackend:
         return self
