@@ -93,6 +93,24 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 60.0) ->
         time.sleep(0.02)
 
 
+def drop_while_held(holder: list, lock: Any, what: str, timeout: float = 30.0) -> None:
+    """Drop the last reference, in `holder`, on another thread while this one holds `lock`, and
+    collect: the object's finalizer runs there, as when the collector interrupts code that holds
+    the lock. The drop must return within `timeout` (a finalizer that takes the lock never does)."""
+    import gc
+
+    def drop() -> None:
+        holder.clear()
+        gc.collect()
+
+    dropper = threading.Thread(target=drop, daemon=True)
+    with lock:
+        dropper.start()
+        dropper.join(timeout=timeout)
+        finished = not dropper.is_alive()
+    assert finished, f"dropping {what} waited for a lock its finalizer took"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

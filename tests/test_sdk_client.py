@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
-from served import wait_for
+from served import drop_while_held, wait_for
 from transports import IN_PROCESS, checkpoint_dir, differs, inspect, queued, service
 
 import trio_widgets as trio
@@ -141,24 +141,11 @@ def test_a_dropped_client_is_let_go_of_without_waiting_for_a_lock(sc, ckpool, tr
     a request of the same link that allocated (that thread then waited for itself forever: seen
     under pytest-xdist); in-process, the clock's lock. With that lock held elsewhere, dropping a
     client returns at once, and the pool lets go of it once the lock is free."""
-    import gc
-    import threading
-
     holder = [_trained(sc, steps=1)]
     before = ckpool.tenant_count
     lock = (ckpool._clock.cond if transport == IN_PROCESS
             else holder[0]._backend._link.http._transport._pool._optional_thread_lock._lock)
-
-    def drop() -> None:
-        holder.clear()  # the last reference: its finalizer runs here
-        gc.collect()
-
-    dropper = threading.Thread(target=drop, daemon=True)
-    with lock:
-        dropper.start()
-        dropper.join(timeout=30)
-        finished = not dropper.is_alive()
-    assert finished, "dropping a client waited for a lock its release took"
+    drop_while_held(holder, lock, "a client")
     wait_for(lambda: ckpool.tenant_count == before - 1, "the pool to let go of the dropped client")
 
 

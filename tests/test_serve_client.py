@@ -16,6 +16,7 @@ from served import (
     LossyProxy,
     adapter_file,
     check_three_loops,
+    drop_while_held,
     pairs_from_telemetry,
     same_tensors,
     served,
@@ -303,28 +304,15 @@ def test_a_dropped_service_is_closed_without_waiting_for_a_lock(server, pool, fa
     maybe inside httpx's connection-pool lock of the same link (its heartbeat's request), which a
     close on that thread would wait for forever. With that lock held elsewhere, dropping a service
     returns at once; once the lock is free its session is finished and its threads stop."""
-    import gc
-
     service = trio.ServiceClient(base_url=server.url, api_key=KEY)
     tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=10)
     assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
     backend = service.backend
     link, session_id = backend._link, backend.session_id
     assert len(threads_of(backend)) == 2 and session_state(server, session_id) == "live"
-    lock = link.http._transport._pool._optional_thread_lock._lock
     holder = [backend]
     del service, tc, backend
-
-    def drop() -> None:
-        holder.clear()  # the last reference: its finalizer runs here
-        gc.collect()
-
-    dropper = threading.Thread(target=drop, daemon=True)
-    with lock:
-        dropper.start()
-        dropper.join(timeout=30)
-        finished = not dropper.is_alive()
-    assert finished, "dropping a service waited for a lock its close took"
+    drop_while_held(holder, link.http._transport._pool._optional_thread_lock._lock, "a service")
     wait_for(lambda: session_state(server, session_id) == "finished", "the dropped service's session to finish")
     wait_for(lambda: link.closed and not link.thread.is_alive() and not link.heartbeat.is_alive(),
              "the dropped service's threads to stop")
