@@ -18,7 +18,7 @@ import torch
 from conftest import make_datum, random_batch
 from numerics import assert_fp32_close, model_terms, tiny_config
 from served import drop_while_held, wait_for
-from transports import IN_PROCESS, checkpoint_dir, differs, inspect, queued, service
+from transports import IN_PROCESS, KEY, checkpoint_dir, differs, inspect, queued, service
 
 import trio_widgets as trio
 from trio_widgets.engine import checkpoints as ckpt
@@ -147,6 +147,31 @@ def test_a_dropped_client_is_let_go_of_without_waiting_for_a_lock(sc, ckpool, tr
             else holder[0]._backend._link.http._transport._pool._optional_thread_lock._lock)
     drop_while_held(holder, lock, "a client")
     wait_for(lambda: ckpool.tenant_count == before - 1, "the pool to let go of the dropped client")
+
+
+def test_a_dropped_service_lets_go_of_its_clients_without_waiting_for_a_lock(sc, ckpool, transport):
+    """The same for a garbage-collected ServiceClient. Over HTTP its backend's finalizer ends the
+    session, which a close on the collector's thread did with a request of its own: inside
+    httpcore's pool lock (a heartbeat's request of the same link) it waited forever. With that lock
+    (in-process, the clock's) held elsewhere, dropping a service and its client returns at once;
+    then the pool lets go of the client, and over HTTP the session is finished and its threads stop."""
+    server = getattr(sc, "_server", None)
+    service = trio.ServiceClient(ckpool) if server is None else trio.ServiceClient(base_url=server.url, api_key=KEY)
+    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=10)
+    assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
+    before = ckpool.tenant_count
+    link = getattr(service.backend, "_link", None)
+    lock = ckpool._clock.cond if link is None else link.http._transport._pool._optional_thread_lock._lock
+    session_id = service.backend.session_id
+    holder = [service]
+    del service, tc
+    drop_while_held(holder, lock, "a service")
+    wait_for(lambda: ckpool.tenant_count == before - 1, "the pool to let go of the dropped service's client")
+    if server is not None:
+        wait_for(lambda: next(s["state"] for s in server.sessions() if s["session_id"] == session_id) == "finished",
+                 "the dropped service's session to finish")
+        wait_for(lambda: link.closed and not link.thread.is_alive() and not link.heartbeat.is_alive(),
+                 "the dropped service's threads to stop")
 
 
 def test_from_state_loads_weights_only_and_with_optimizer_both(sc, look):

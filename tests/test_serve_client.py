@@ -16,7 +16,6 @@ from served import (
     LossyProxy,
     adapter_file,
     check_three_loops,
-    drop_while_held,
     pairs_from_telemetry,
     same_tensors,
     served,
@@ -298,24 +297,6 @@ def test_closing_the_service_finishes_its_session_and_stops_its_threads(server, 
     rest.close()  # a second close does nothing
     assert not [t.name for t in set(threading.enumerate()) - before if t.name.startswith("trio-http")]
 
-
-def test_a_dropped_service_is_closed_without_waiting_for_a_lock(server, pool, fast):
-    """A garbage-collected backend's finalizer runs on whatever thread the collector interrupted,
-    maybe inside httpx's connection-pool lock of the same link (its heartbeat's request), which a
-    close on that thread would wait for forever. With that lock held elsewhere, dropping a service
-    returns at once; once the lock is free its session is finished and its threads stop."""
-    service = trio.ServiceClient(base_url=server.url, api_key=KEY)
-    tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=10)
-    assert tc.optim_step(ADAM).result(timeout=60).metrics["step:max"] == 1
-    backend = service.backend
-    link, session_id = backend._link, backend.session_id
-    assert len(threads_of(backend)) == 2 and session_state(server, session_id) == "live"
-    holder = [backend]
-    del service, tc, backend
-    drop_while_held(holder, link.http._transport._pool._optional_thread_lock._lock, "a service")
-    wait_for(lambda: session_state(server, session_id) == "finished", "the dropped service's session to finish")
-    wait_for(lambda: link.closed and not link.thread.is_alive() and not link.heartbeat.is_alive(),
-             "the dropped service's threads to stop")
 
 
 def test_the_rest_client_and_new_request_fields_over_http(http_svc, server, fast):
