@@ -122,9 +122,10 @@ _WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 def _group(nodeid: str) -> str:
     """The tests one xdist worker runs together, in order: a module's (its module fixtures are
-    built once); every module named test_fleet* (the shared Ray fleet: a second local Ray
-    instance beside it would cost ~40 s of both cores); the other browser modules (one
-    JupyterLab, one Chromium: tests/browser/conftest.py)."""
+    built once); every module named test_fleet* (each starts Ray: a second local Ray instance
+    beside one would cost ~40 s of both cores; those of the shared `fleet` are `alone`, run
+    serially after the others); the other browser modules (one JupyterLab, one Chromium:
+    tests/browser/conftest.py)."""
     module = nodeid.split("::")[0]
     name = module.rsplit("/", 1)[-1]
     return "fleet" if name.startswith("test_fleet") else "browser" if "/browser/" in module else module
@@ -147,6 +148,10 @@ def pytest_collection_modifyitems(config, items):
         if _uses_fleet(item) and not item.path.name.startswith("test_fleet"):
             raise pytest.UsageError(f"{item.nodeid} uses the shared `fleet`: its module's name must start with "
                                     "test_fleet, so that one xdist worker runs every such module (conftest._group)")
+        if _uses_fleet(item) and item.get_closest_marker("alone") is None:
+            raise pytest.UsageError(f"{item.nodeid} uses the shared `fleet`: mark its module `alone`, as every "
+                                    "such module, so that the fleet starts once and its cycles are read with "
+                                    "nothing beside them")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -43,6 +43,9 @@ from trio_widgets.http.remote import RemotePool  # noqa: E402
 # SharedFleet: two pools of FLEET_CYCLE_S, a round trip through the front door, Serve and the ingress
 # in a cycle), stopped with SIGINT after the last test that uses it.
 KEY, OBSERVER, SESSION_TIMEOUT_S = FLEET_KEY, FLEET_OBSERVER, FLEET_SESSION_TIMEOUT_S
+# `make test` runs it alone, with no test beside it: it reads the cycles each loop took, and a
+# client's round trip through Ray on a CPU another test keeps busy can miss a cycle's boundary
+pytestmark = pytest.mark.alone
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]
 _TAG = re.compile(r"^sess-p(\d)r([0-9a-f]{6})-([0-9a-f]{16})")
 
@@ -98,42 +101,46 @@ def test_sessions_are_spread_and_each_runs_on_its_pool_as_on_one(fleet, monkeypa
     placed = info["placements"]  # (0, 0 when this test is the fleet's first)
     sdk = [tinker.ServiceClient(base_url=fleet.url, api_key=KEY) for _ in range(2)]
     ours = [trio.ServiceClient(base_url=fleet.url, api_key=KEY) for _ in range(2)]
-    sdk_tcs = [sc.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=8, seed=i).result()
-               for i, sc in enumerate(sdk)]
-    our_tcs = [sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=2 + i) for i, sc in enumerate(ours)]
-    ids = [tc.model_id for tc in [*sdk_tcs, *our_tcs]]
-    assert sorted(pool_of(m) for m in ids) == [0, 0, 1, 1], ids  # 2/2, by headroom at creation (none live before)
-    adam_sdk, adam = tt.AdamParams(learning_rate=1e-2), trio.AdamParams(learning_rate=1e-2)
-    n = 3
-    loops = {}
-    for k, tc in enumerate(sdk_tcs):
-        loops[f"sdk{k}"] = (lambda tc=tc: three_loops(lambda: tc.forward_backward([sdk_datum(1)], "cross_entropy"),
-                                                      lambda: tc.optim_step(adam_sdk), lambda f: f.result(), n))
-    for k, tc in enumerate(our_tcs):
-        loops[f"trio{k}"] = (lambda tc=tc: three_loops(lambda: tc.forward_backward([trio_datum(2)], "cross_entropy"),
-                                                       lambda: tc.optim_step(adam), lambda f: f.result(), n))
-    in_threads(loops, timeout=600)
-    views = [pool_view(fleet, k) for k in range(2)]
     try:
-        for model_id in ids:
-            home, label = pool_of(model_id), lane_label(model_id)
-            view = views[home]
-            wait_for(lambda view=view, label=label: (cid := client_of(view, label)) is not None and
-                     sum(r.op == "optim_step" for r in view.telemetry.requests_of(cid)) >= 3 * n + 1,
-                     f"{label}'s requests in pool-{home}'s telemetry", timeout=60)
-            # every request of the session ran on its pool, in the cycles a single pool gives
-            check_three_loops(view, client_of(view, label), since=0, n=n)
-            assert client_of(views[1 - home], label) is None
-    finally:
-        for view in views:
-            view.close()
-    info = fleet_info(fleet)
-    assert [n - before for n, before in zip(info["placements"], placed)] == [2, 2], info
-    assert [p["alive"] for p in info["pools"]] == [True, True], info
-    for sc in sdk:
-        sc.close("success").result(timeout=60)
-    for sc in ours:
-        sc.close()
+        sdk_tcs = [sc.create_lora_training_client(base_model=trio.DEFAULT_MODEL, rank=8, seed=i).result()
+                   for i, sc in enumerate(sdk)]
+        our_tcs = [sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=8, seed=2 + i) for i, sc in enumerate(ours)]
+        ids = [tc.model_id for tc in [*sdk_tcs, *our_tcs]]
+        assert sorted(pool_of(m) for m in ids) == [0, 0, 1, 1], ids  # 2/2, by headroom at creation (none live before)
+        adam_sdk, adam = tt.AdamParams(learning_rate=1e-2), trio.AdamParams(learning_rate=1e-2)
+        n = 3
+        loops = {}
+        for k, tc in enumerate(sdk_tcs):
+            loops[f"sdk{k}"] = (lambda tc=tc: three_loops(
+                lambda: tc.forward_backward([sdk_datum(1)], "cross_entropy"),
+                lambda: tc.optim_step(adam_sdk), lambda f: f.result(), n))
+        for k, tc in enumerate(our_tcs):
+            loops[f"trio{k}"] = (lambda tc=tc: three_loops(
+                lambda: tc.forward_backward([trio_datum(2)], "cross_entropy"),
+                lambda: tc.optim_step(adam), lambda f: f.result(), n))
+        in_threads(loops, timeout=600)
+        views = [pool_view(fleet, k) for k in range(2)]
+        try:
+            for model_id in ids:
+                home, label = pool_of(model_id), lane_label(model_id)
+                view = views[home]
+                wait_for(lambda view=view, label=label: (cid := client_of(view, label)) is not None and
+                         sum(r.op == "optim_step" for r in view.telemetry.requests_of(cid)) >= 3 * n + 1,
+                         f"{label}'s requests in pool-{home}'s telemetry", timeout=60)
+                # every request of the session ran on its pool, in the cycles a single pool gives
+                check_three_loops(view, client_of(view, label), since=0, n=n)
+                assert client_of(views[1 - home], label) is None
+        finally:
+            for view in views:
+                view.close()
+        info = fleet_info(fleet)
+        assert [n - before for n, before in zip(info["placements"], placed)] == [2, 2], info
+        assert [p["alive"] for p in info["pools"]] == [True, True], info
+    finally:  # (a failure here must not leave sessions that the next test's placement would count)
+        for sc in sdk:
+            sc.close("success").result(timeout=60)
+        for sc in ours:
+            sc.close()
 
 
 def _on_pool(fleet, k: int) -> tuple[trio.ServiceClient, trio.TrainingClient, list[trio.ServiceClient]]:

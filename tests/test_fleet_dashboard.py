@@ -21,6 +21,10 @@ from trio_widgets.http.remote import RemotePool  # noqa: E402
 from trio_widgets.widgets.dashboard import Dashboard  # noqa: E402
 from trio_widgets.widgets.fleet import FleetDashboard, pool_label  # noqa: E402
 
+# `make test` runs it alone, as every module that uses the shared `fleet` (conftest.py): one fleet,
+# started once, in the phase where nothing runs beside it
+pytestmark = pytest.mark.alone
+
 # The fleet: conftest.py's `fleet`, shared with tests/test_fleet.py (tests/served.py's SharedFleet).
 KEY, OBSERVER = FLEET_KEY, FLEET_OBSERVER
 TEXT = [3 + b for b in b"It was the best of times, it was the worst of times, it was the age of wisdom"]

@@ -19,6 +19,10 @@ from served import FLEET_USER_KEYS
 pytest.importorskip("pytrio")
 pytest.importorskip("ray.serve", reason="the cluster extra (Ray Serve) is not installed")
 
+# `make test` runs it alone, as every module that uses the shared `fleet` (conftest.py): one fleet,
+# started once, in the phase where nothing runs beside it
+pytestmark = pytest.mark.alone
+
 KEYS = FLEET_USER_KEYS  # two users of conftest.py's `fleet`, shared with tests/test_fleet*.py (served.py)
 HERE = Path(__file__).parent
 MODEL = "trio/tiny-llama-byte"
