@@ -131,6 +131,27 @@ def test_a_seeded_sample_repeats_exactly(setup):
     assert len({tuple(r) for r in rows}) == len(rows)  # rows of one request differ too
 
 
+def test_weights_floored_below_exp_minus_87_change_no_sample(setup, monkeypatch):
+    """The decode floors exp's input at -87 (CPU exp is ~100x slower where its result is
+    subnormal): at a low temperature most of the vocabulary lies below it, and every token and
+    logprob is as without the floor."""
+    from trio_widgets.engine import sampling
+
+    base, plain, adapters = setup
+    items = _items(setup, temperature=0.05)
+    floored = run_sample_batch(base, items, 4096)
+    monkeypatch.setattr(sampling, "_EXP_FLOOR", float("-inf"))
+    exact = run_sample_batch(base, items, 4096)
+    below = 0.0
+    for i, (a, b) in enumerate(zip(floored, exact)):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences], f"tenant {i}"
+        assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences], f"tenant {i}"
+        seq, prompt = a.sequences[0], items[i][1].prompt
+        ref = _ref_logprobs(_merged(plain, adapters[i]), prompt + seq.tokens)[len(prompt) - 1:-1]
+        below = max(below, float(((ref - ref.amax(-1, keepdim=True)) / 0.05 < -87).float().mean()))
+    assert below > 0.5, below  # (the floor was reached: most of some step's vocabulary was under it)
+
+
 def test_a_tenants_samples_do_not_change_with_what_others_ask(setup):
     base = setup[0]
     items = _items(setup, temperature=1.0)

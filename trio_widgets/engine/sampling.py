@@ -307,6 +307,17 @@ def _topk_lists(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
 
 _BLOCK = 256  # tokens per block of the two-level inverse CDF
 
+# torch's float32 exp on CPU takes ~100x longer where its result is subnormal or zero (inputs below
+# about -87.3): most of a 32,000-token vocabulary once a distribution is peaked or its temperature
+# low. Weights below e^-87 (1.6e-38) are taken as e^-87: such a token is drawn with probability
+# under 1e-33, and a sum that is at least 1 does not change in float32.
+_EXP_FLOOR = -87.0
+
+
+def _exp_floored(z: torch.Tensor) -> torch.Tensor:
+    """exp(z) for logits less their max (z <= 0), at least e^_EXP_FLOOR."""
+    return z.clamp_min(_EXP_FLOOR).exp_()
+
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of `weights` [rows, vocab] (unnormalised probabilities, float32), the first token
@@ -530,7 +541,7 @@ class _Decoding:
         # the model's log-probabilities, of the chosen tokens only (no [rows, vocab] log-softmax):
         # log_softmax's own terms, whose exponentials are also the temperature-1 rows' weights
         shifted = logits - logits.amax(dim=-1, keepdim=True)
-        weights = shifted.exp()
+        weights = _exp_floored(shifted)
         log_total = weights.sum(dim=-1).log()
         if self.stochastic is None:
             chosen = logits.argmax(dim=-1)
@@ -541,7 +552,7 @@ class _Decoding:
             mine = (lambda t: t) if everyone else (lambda t: t.index_select(0, self.stochastic))
             temps = self.temps.index_select(0, rows)
             # each row's weights at its temperature, unnormalised (the largest is 1)
-            weighted = mine(weights) if self.unit_temps else torch.exp(mine(shifted) / temps.float()[:, None])
+            weighted = mine(weights) if self.unit_temps else _exp_floored(mine(shifted) / temps.float()[:, None])
             picked = _pick(mine(shifted), weighted, u, temps, self.top_k.index_select(0, rows),
                            self.top_p.index_select(0, rows), self.filtered_now)
             chosen = picked if everyone else logits.argmax(dim=-1).index_copy(0, self.stochastic, picked)
