@@ -29,6 +29,9 @@ from transports import KEY, checkpoint_dir, differs, pool_client_id, service
 import trio_widgets as trio
 from trio_widgets.http import wire
 
+# `make test` runs it alone, with no test beside it: it counts the cycles each loop shape takes, and
+# a round trip on a CPU another test keeps busy can miss a cycle's boundary
+pytestmark = pytest.mark.alone
 CYCLE_S = 0.4  # see test_serve_tinker.py
 LOOPS_N = 3  # updates per loop shape in the clock-rule tests (see test_serve_tinker.py)
 ADAM = trio.AdamParams(learning_rate=1e-2, weight_decay=0.01)

@@ -40,6 +40,9 @@ pytrio = pytest.importorskip("pytrio", reason="pytrio==0.2.9 is not installed: p
 sys.excepthook = _hook  # importing pytrio installs its own hook; leave the test process as it was
 import pytrio.types as pt  # noqa: E402
 
+# `make test` runs it alone, with no test beside it: it counts the cycles each loop shape takes, and
+# a round trip on a CPU another test keeps busy can miss a cycle's boundary
+pytestmark = pytest.mark.alone
 ADAM = trio.AdamParams(learning_rate=1e-3)
 BATCH = random_batch(0, n=1, length=8)
 PROMPT = trio.ModelInput.from_ints([3 + b for b in b"The cat "])

@@ -19,6 +19,9 @@ import trio_widgets as trio
 from trio_widgets.advisor import diagnose_telemetry
 from trio_widgets.watch import Watcher, _track, in_flight_depth, unwatch, watch, watcher_of
 
+# `make test` runs it alone, with no test beside it: it counts the cycles each loop shape takes, and
+# a round trip on a CPU another test keeps busy can miss a cycle's boundary
+pytestmark = pytest.mark.alone
 ADAM = trio.AdamParams(learning_rate=1e-3)
 BATCH = random_batch(0, n=1, length=8)
 
