@@ -24,6 +24,10 @@ from served import fleet_process  # noqa: E402
 
 import trio_widgets as trio  # noqa: E402
 
+# `make test` runs it alone, with no test beside it: a fleet of Ray processes, JupyterLab and Chromium
+# on a CPU another test keeps busy drew a timeline row seconds ahead of its view once
+pytestmark = pytest.mark.alone
+
 KEY = "tml-fleet-page"
 OBSERVER = "tml-fleet-page-observer"
 MAIN_PLOTS = ["Cycle timeline", "Queue depth", "Loss per token"]
