@@ -122,10 +122,9 @@ _WORKER = "PYTEST_XDIST_WORKER" in os.environ
 
 def _group(nodeid: str) -> str:
     """The tests one xdist worker runs together, in order: a module's (its module fixtures are
-    built once); every module named test_fleet* (each starts Ray: a second local Ray instance
-    beside one would cost ~40 s of both cores; those of the shared `fleet` are `alone`, run
-    serially after the others); the other browser modules (one JupyterLab, one Chromium:
-    tests/browser/conftest.py)."""
+    built once); every module named test_fleet* (a local Ray instance beside another would cost
+    ~40 s of both cores; those that start Ray are `alone` under `make test`, run serially after
+    the others); the other browser modules (one JupyterLab, one Chromium: tests/browser/conftest.py)."""
     module = nodeid.split("::")[0]
     name = module.rsplit("/", 1)[-1]
     return "fleet" if name.startswith("test_fleet") else "browser" if "/browser/" in module else module
