@@ -12,11 +12,12 @@ from transports import differs, queued, service
 
 import trio_widgets as trio
 
-# Long enough that a client always reacts within one cycle, on any machine (over HTTP a round
-# trip and the server's share of the GIL too, as in test_serve_client.py).
 # `make test` runs it alone, with no test beside it: it counts the cycles each loop shape takes, and
 # a round trip on a CPU another test keeps busy can miss a cycle's boundary
 pytestmark = pytest.mark.alone
+
+# Long enough that a client always reacts within one cycle, on any machine (over HTTP a round
+# trip and the server's share of the GIL too, as in test_serve_client.py).
 CYCLE_S = 0.1
 HTTP_CYCLE_S = 0.4
 ADAM = trio.AdamParams(learning_rate=1e-3)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from numerics import assert_fp32_close, model_terms
 
+from trio_widgets.engine import sampling
 from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model
 from trio_widgets.engine.sampling import StepBudget, _Decoding, run_sample_batch
@@ -135,8 +136,6 @@ def test_weights_floored_below_exp_minus_87_change_no_sample(setup, monkeypatch)
     """The decode floors exp's input at -87 (CPU exp is ~100x slower where its result is
     subnormal): at a low temperature most of the vocabulary lies below it, and every token and
     logprob is as without the floor."""
-    from trio_widgets.engine import sampling
-
     base, plain, adapters = setup
     items = _items(setup, temperature=0.05)
     floored = run_sample_batch(base, items, 4096)

@@ -15,11 +15,12 @@ from transports import IN_PROCESS, inspect, pool_client_id, queued, service
 
 import trio_widgets as trio
 
-# long enough that a client always reacts within one cycle (over HTTP: a request's round trip
-# and the server's GIL share too, as in test_serve_client.py)
 # `make test` runs it alone, with no test beside it: it counts the cycles each loop shape takes, and
 # a round trip on a CPU another test keeps busy can miss a cycle's boundary
 pytestmark = pytest.mark.alone
+
+# long enough that a client always reacts within one cycle (over HTTP: a request's round trip
+# and the server's GIL share too, as in test_serve_client.py)
 CYCLE_S = {IN_PROCESS: 0.1}
 HTTP_CYCLE_S = 0.4
 

@@ -33,11 +33,12 @@ import tinker  # noqa: E402
 from tinker import types as tt  # noqa: E402
 
 KEY = "tml-serve-tests"
-# Long enough that a client's HTTP round trip (result, then its next submit) fits in one
-# cycle on a loaded 2-core machine: the clock rules are what is tested, not the speed.
 # `make test` runs it alone, with no test beside it: it counts the cycles each loop shape takes, and
 # a round trip on a CPU another test keeps busy can miss a cycle's boundary
 pytestmark = pytest.mark.alone
+
+# Long enough that a client's HTTP round trip (result, then its next submit) fits in one
+# cycle on a loaded 2-core machine: the clock rules are what is tested, not the speed.
 CYCLE_S = 0.4
 # Updates per loop shape in the clock-rule tests: each shape's steady period shows from its third
 # update (as tests/test_fleet.py's loops); the loops take 3*4 + 3*2 + 4 cycles of 0.4 s.
