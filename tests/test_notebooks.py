@@ -201,10 +201,20 @@ def check_07(text: str) -> None:
     for loop, trips, depth in (("naive", 2, 1), ("pipelined", 0.5, 4)):
         got = _floats(rf"\n{loop}\s+([\d.]+)\s+(\d+)\s+\d+\n", text)
         assert got == (trips, depth), f"{loop}: round trips per update, in flight {got}; want {trips}, {depth}"
-    # the GIL-heavy loader, named from the watcher's own watchdog: function and cell line
-    m = re.search(r"advisor on loader: gil: (.*)", text)
-    assert m and "in `busy_batches`, cell In[" in m.group(1), text
-    assert "this run shows it: your Python held the interpreter while the SDK's thread waited (gil)" in text
+    # the GIL-heavy loader, named from the watcher's own watchdog: function and cell line. The share
+    # of the loop's time the watchdog sees held is a sample: in this kernel (IOPub, the dashboard,
+    # the served pool's threads on 2 cores) it ranged 8-54% over runs, against the advisor's 20%, so
+    # a run may say only what the client's records show, a stall of about the loader's 150 ms; the
+    # notebook then says it did not show the lesson. test_watch's ten runs check the attribution.
+    m = re.search(r"advisor on loader: (gil|stall): (.*)", text)
+    assert m, text
+    if m.group(1) == "gil":
+        assert "in `busy_batches`, cell In[" in m.group(2), text
+        assert "this run shows it: your Python held the interpreter while the SDK's thread waited (gil)" in text
+    else:
+        (stall_ms,) = _floats(r"your next request came (\d+) ms later", m.group(2))
+        assert stall_ms >= 75, f"the loader's 150 ms per batch, not seen as a stall: {stall_ms} ms; {text}"
+        assert "this run does not show the expected lesson (gil)" in text, text
     # the time per update, as measured in this run: the notebook says whether pipelining paid off
     naive_ms, pipelined_ms = (_floats(rf"\n{loop}\s+[\d.]+\s+\d+\s+(\d+)\n", text)[0]
                               for loop in ("naive", "pipelined"))
