@@ -201,8 +201,14 @@ def test_samplers_listings_and_unknown_pools_across_the_fleet(fleet):
         rest = sc_a.create_rest_client()
         runs = [r.training_run_id for r in rest.list_training_runs(limit=1000).result(timeout=60).training_runs]
         assert a.model_id in runs and b.model_id in runs and len(runs) == len(set(runs)), runs
-        paths = [c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result(timeout=60).checkpoints]
-        assert saved in paths and len(paths) == len(set(paths)), paths
+        saved_b = b.save_weights_for_sampler("fleet-sampler-b").result(timeout=120).path
+        # a key's checkpoints, listed by one pool in turn (the directory is shared): both pools' saves,
+        # once each, whichever pool answers
+        listings = [[c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result(timeout=60).checkpoints]
+                    for _ in range(2)]
+        assert listings[0] == listings[1], listings
+        paths = listings[0]
+        assert saved in paths and saved_b in paths and len(paths) == len(set(paths)), paths
     finally:
         for sc in [sc_a, sc_b, *spare_a, *spare_b]:
             sc.close()

@@ -16,8 +16,9 @@ ingress routes every request by the id it names, with no table to lose:
   ``pool_failed``), anything else is a 410. Checkpoints live in one shared directory, so a
   new session (on a live pool) resumes from them.
 * Capabilities are the union of the pools' models (a session's models must be its pool's: the
-  refusal names the pools that serve one); the REST listings (``training_runs``,
-  ``checkpoints``) merge every pool's; ``/api/v1/trio/info`` sums them; ``/api/v1/trio/fleet``
+  refusal names the pools that serve one); the REST listing of runs (``training_runs``)
+  merges every pool's (off the event loop), a key's ``checkpoints`` (one shared directory) are
+  listed by one pool in turn; ``/api/v1/trio/info`` sums them; ``/api/v1/trio/fleet``
   lists the pools; ``/trio/pools/<k>/…`` is pool k itself (a dashboard of one pool:
   ``trio.Dashboard(url + "/trio/pools/1")``). URLs a pool signs (exports) are rewritten to
   that prefix.
@@ -73,12 +74,13 @@ _PYTRIO_SESSIONS = "/api/openapi/v1/service-sessions"
 # the listings merged from every pool: their key, an item's id, the sort, the cursor's total
 _LISTINGS = {
     "/training_runs": ("training_runs", "training_run_id", ("last_request_time", "training_run_id"), "total_count"),
-    "/checkpoints": ("checkpoints", "tinker_path", ("time", "tinker_path"), "total_count"),
     "/api/openapi/v1/training-runs": ("training_runs", "training_run_cuid", ("updated_at", "training_run_cuid"),
                                       "total"),
-    "/api/openapi/v1/checkpoints": ("checkpoints", "checkpoint_uri", ("created_at", "checkpoint_uri"), "total"),
     _PYTRIO_SESSIONS: ("service_sessions", "service_session_cuid", ("created_at", "service_session_cuid"), "total"),
 }
+# a key's checkpoints: every pool lists the same ones, from the one shared directory, so one pool
+# (in turn) answers, not each (2 x the work, merged here, for a listing of thousands)
+_ON_SHARED_DISK = frozenset({"/checkpoints", "/api/openapi/v1/checkpoints"})
 _ROUTING_FIELDS = ("session_id", "model_id", "sampling_session_id", "request_id", "tinker_path", "path",
                    "model_path")
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
@@ -140,6 +142,7 @@ class Ingress:
         self._states: dict[int, tuple[float, PoolState | None]] = {}
         self._placing = asyncio.Lock()
         self.placements = [0] * members.size  # sessions placed on each pool since start (for tests, logs)
+        self._turn = 0  # which live pool answers the next listing any pool answers alike
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -179,6 +182,8 @@ class Ingress:
                 return await self._place(request, body)
             if op == "/get_server_capabilities":
                 return await self._capabilities(request)
+            if op in _ON_SHARED_DISK and request.method == "GET":
+                return await self._one_of(request, op, body)
             if op in _LISTINGS and request.method == "GET":
                 return await self._merged(request, op)
             if op == "/trio/info":
@@ -307,9 +312,17 @@ class Ingress:
                 models.setdefault(model.get("model_name"), model)
         return JSONResponse({"supported_models": list(models.values())})
 
+    async def _one_of(self, request: Request, op: str, body: bytes) -> Response:
+        """A listing any pool answers alike: the next live pool's, in turn."""
+        live = await self.states()
+        if not live:
+            return _refusal(503, "no pool of this fleet is answering now: try again in a moment", code="pool_closed")
+        self._turn += 1
+        return await self._forward(request, live[self._turn % len(live)], body, op=op)
+
     async def _merged(self, request: Request, op: str) -> Response:
-        """A REST listing of every pool's (runs live on one pool; checkpoints on the shared disk
-        are listed by each: one entry each), newest first, then paged here."""
+        """A REST listing of every pool's (a run lives on one pool; one another pool lists too is
+        taken from its own), newest first, then paged here."""
         try:
             limit = int(request.query_params.get("limit", "100"))
             offset = int(request.query_params.get("offset", "0"))
@@ -319,19 +332,13 @@ class Ingress:
             return _refusal(400, "limit and offset must be integers from 0 to 10000", code="invalid_input")
         answers = await self._each(request, op if op.startswith("/api/") else API + op,
                                    query=f"limit={min(10_000, offset + limit)}&offset=0")
-        key, ident_of, sort, total = _LISTINGS[op]
-        merged: dict[str, dict] = {}
         for state, answer in answers:
             if answer.status_code != 200:
                 return _relay(answer, state, str(request.base_url))
-            for item in answer.json().get(key, []):
-                ident = item.get(ident_of)
-                mine = isinstance(ident, str) and _owner_index(ident) == state.index
-                if ident not in merged or mine:  # the run's own pool knows it best (it is live there)
-                    merged[ident] = item
-        items = sorted(merged.values(), key=lambda r: tuple(str(r.get(k)) for k in sort), reverse=True)
-        return JSONResponse({key: items[offset:offset + limit],
-                             "cursor": {"offset": offset, "limit": limit, total: len(items)}})
+        # parse, merge, sort and encode in a worker thread: 2 x 1,000 items take ~10 ms, which on the
+        # loop would hold up every other caller's request (a neighbour's heartbeat) meanwhile
+        body = await asyncio.to_thread(_merge, op, [(s.index, a.content) for s, a in answers], offset, limit)
+        return Response(body, media_type="application/json")
 
     async def _info(self, request: Request) -> Response:
         answers = await self._each(request, API + "/trio/info")
@@ -439,6 +446,23 @@ def _relay(answer: httpx.Response, state: PoolState | None, base_url: str) -> Re
             content = content.replace(inner, f"{base_url.rstrip('/')}/trio/pools/{state.index}".encode())
     headers = {k: v for k, v in answer.headers.items() if k.lower().startswith("x-trio-")}
     return Response(content, status_code=answer.status_code, media_type=media or None, headers=headers)
+
+
+def _merge(op: str, listings: list[tuple[int, bytes]], offset: int, limit: int) -> bytes:
+    """Every pool's listing of `op` (pool index, its JSON answer) as one page: each item once (the
+    run's own pool's copy where several list it), newest first."""
+    key, ident_of, sort, total = _LISTINGS[op]
+    merged: dict[str, dict] = {}
+    for index, content in listings:
+        for item in json.loads(content).get(key, []):
+            ident = item.get(ident_of)
+            mine = isinstance(ident, str) and _owner_index(ident) == index
+            if ident not in merged or mine:  # the run's own pool knows it best (it is live there)
+                merged[ident] = item
+    items = sorted(merged.values(), key=lambda r: tuple(str(r.get(k)) for k in sort), reverse=True)
+    return json.dumps({key: items[offset:offset + limit], "cursor": {"offset": offset, "limit": limit,
+                                                                     total: len(items)}},
+                      ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _owner_index(ident: str) -> int | None:
