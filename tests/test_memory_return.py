@@ -1,8 +1,9 @@
 """A served pool gives memory back when its clients close (issue 36 point 8: RSS stayed +108 MB
 after clients closed, +132 MB after two rounds): the pool returns the heap dropped clients freed
 to the OS (engine/clock.py _return_memory). The server is a real `python -m trio_widgets serve`
-process whose RSS is read from /proc; the bound is generous (the target, 50 MB, is
-benchmarks/serve_abuse.py's memory row)."""
+process whose RSS is read from /proc; the bound is the issue's target, 50 MB, generous for these
+lighter rounds (3 x 30 forwards, not benchmarks/serve_abuse.py's 3 x 60): +5 to +11 MB here since
+TensorData keeps a forward's outputs as arrays (they were +35 MB a round as Python floats)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_memory_returns_after_clients_close_over_three_rounds(tmp_path):
             time.sleep(4.0)  # released at the next boundaries; the heap given back a second later
             growth.append(_rss_mb(proc.pid) - start)
         print(f"the server's RSS after each round, over its start: {[round(g, 1) for g in growth]} MB")
-        assert max(growth) <= 80, f"the server's RSS after each round, over its start: {growth} MB"
+        assert max(growth) <= 50, f"the server's RSS after each round, over its start: {growth} MB"
     finally:
         proc.terminate()
         proc.wait(60)

@@ -26,6 +26,32 @@ def test_tensor_data_round_trips():
         trio.TensorData.from_numpy(np.array(["a"]))
 
 
+def test_tensor_data_is_a_snapshot_whose_list_is_made_when_read():
+    """TensorData keeps its values as an array until `data` is read (a served pool never reads
+    them as Python numbers: issue 36's memory); it behaves as the list it was before."""
+    import copy
+    import pickle
+
+    source = torch.tensor([[0.5, 1.5], [2.5, 3.5]])
+    td = trio.TensorData.from_torch(source)
+    source[0, 0] = 9.0  # a snapshot: the tensor it came from may change after
+    view = td.to_numpy()
+    view[0, 0] = 7.0  # a copy: changing it changes no TensorData
+    assert "data" not in vars(td) and len(td) == 4  # nothing made yet
+    assert td.to_numpy().tolist() == [[0.5, 1.5], [2.5, 3.5]] and td.tolist() == [[0.5, 1.5], [2.5, 3.5]]
+    twin = pickle.loads(pickle.dumps(td))
+    deep = copy.deepcopy(td)
+    assert td.data == [0.5, 1.5, 2.5, 3.5] and "data" in vars(td)  # read: the list from now on
+    td.data[3] = 4.5  # as a list: a change shows in everything after
+    assert len(td) == 4 and td.to_numpy().tolist() == [[0.5, 1.5], [2.5, 4.5]]
+    td.data = [1.0, 2.0, 3.0, 4.0]  # a list given replaces the values
+    assert td.to_numpy().tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert twin == deep == trio.TensorData([0.5, 1.5, 2.5, 3.5], "float32", [2, 2]) != td
+    assert repr(twin) == "TensorData(data=[0.5, 1.5, 2.5, 3.5], dtype='float32', shape=[2, 2])"
+    with pytest.raises(AttributeError, match="no attribute 'values'"):
+        twin.values  # noqa: B018
+
+
 def test_datum_accepts_lists_numpy_and_torch():
     d = trio.Datum(model_input=trio.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={
         "target_tokens": np.array([6, 7, 8]), "weights": torch.tensor([1.0, 0.5, 0.0]), "advantages": [1, 2, 3]})

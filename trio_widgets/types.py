@@ -198,15 +198,20 @@ class _SDKInterop:
         return to_sdk(self, "pytrio")
 
     def __getattr__(self, name: str) -> Any:  # only reached for an attribute this object lacks
-        caller = str(sys._getframe(1).f_globals.get("__name__", ""))
+        raise self._missing(name)
+
+    def _missing(self, name: str) -> AttributeError:
+        """The error for reading `name`, which this object lacks (from a `__getattr__`, whose caller
+        is two frames up)."""
+        caller = str(sys._getframe(2).f_globals.get("__name__", ""))
         sdk = caller.split(".", 1)[0]
         cls = type(self).__name__
         if sdk in _SDK_PACKAGES:
-            raise SDKTypeError(
+            return SDKTypeError(
                 f"{sdk}'s SDK read {name!r} of a trio_widgets.{cls}, which only its own {sdk}.types.{cls} has: hand "
                 f"{sdk} its own types; trio's Datum, ModelInput, TensorData, AdamParams and SamplingParams convert "
                 f"with .to_{sdk}() (a batch: [d.to_{sdk}() for d in data])")
-        raise AttributeError(f"{cls!r} object has no attribute {name!r}")
+        return AttributeError(f"{cls!r} object has no attribute {name!r}")
 
 
 def from_sdk(value: Any) -> Any:
@@ -282,7 +287,23 @@ class TensorData(_SDKInterop):
             if any(d < 0 for d in shape) or math.prod(shape) != array.size:
                 raise ValueError(f"shape {shape} does not fit {array.size} values")
         self.shape = list(array.shape) if shape is None else shape
-        self.data = array.reshape(-1).tolist()
+        # `data` is made from this copy when first read: a served pool hands thousands of values per
+        # forward from torch to the wire and never reads them as Python numbers, which would cost
+        # ~32 bytes each, freed in an order that leaves the heap fragmented (issue 36, memory)
+        self._array = array.reshape(-1).copy()
+
+    def __getattr__(self, name: str) -> Any:  # only reached for an attribute this object lacks
+        if name == "data":
+            array = self.__dict__.pop("_array", None)
+            if array is not None:
+                self.__dict__["data"] = data = array.tolist()
+                return data
+        raise self._missing(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "data":  # the list given is the data from now on
+            self.__dict__.pop("_array", None)
+        super().__setattr__(name, value)
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> TensorData:
@@ -303,7 +324,10 @@ class TensorData(_SDKInterop):
         return value if isinstance(value, TensorData) else cls(value)
 
     def to_numpy(self) -> np.ndarray:
-        """The data as a numpy array of its shape and dtype."""
+        """The data as a numpy array of its shape and dtype (a copy: changing it changes no TensorData)."""
+        array = self.__dict__.get("_array")
+        if array is not None:
+            return array.astype(_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
         return np.asarray(self.data, dtype=_NUMPY_DTYPES[self.dtype]).reshape(self.shape)
 
     def to_torch(self) -> torch.Tensor:
@@ -317,7 +341,8 @@ class TensorData(_SDKInterop):
         return self.to_numpy().tolist()
 
     def __len__(self) -> int:
-        return len(self.data)
+        array = self.__dict__.get("_array")
+        return int(array.size) if array is not None else len(self.data)
 
 
 # -- model input -------------------------------------------------------------------------
