@@ -294,9 +294,11 @@ class TensorData(_SDKInterop):
 
     def __getattr__(self, name: str) -> Any:  # only reached for an attribute this object lacks
         if name == "data":
-            array = self.__dict__.pop("_array", None)
+            array = self.__dict__.get("_array")
             if array is not None:
-                self.__dict__["data"] = data = array.tolist()
+                # (setdefault, then pop: a thread reading it meanwhile gets the same list, never an error)
+                data = self.__dict__.setdefault("data", array.tolist())
+                self.__dict__.pop("_array", None)
                 return data
         raise self._missing(name)
 
