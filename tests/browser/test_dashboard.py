@@ -59,6 +59,16 @@ def _wait_status(page: Any, predicate_js: str, timeout_s: float) -> str:
     return page.evaluate(STATUS_JS)
 
 
+def _disabled_saying(button: Any, title: str, timeout_s: float = 10.0) -> None:
+    """Wait until `button` is disabled with the tooltip `title`: the status line and the buttons are
+    separate widgets, synced one after the other (CI once read a status "paused" a moment before the
+    Pause button it had pressed was disabled)."""
+    deadline = time.monotonic() + timeout_s
+    while not (button.is_disabled() and button.get_attribute("title") == title):
+        assert time.monotonic() < deadline, (button.is_disabled(), button.get_attribute("title"), title)
+        time.sleep(0.1)
+
+
 def _canvas_pixels(out: Any, rgb: tuple[int, int, int], tol: int = 40) -> int:
     """Pixels close to `rgb` over all the bokeh canvases (Playwright pierces the shadow DOM)."""
     return out.locator("canvas").evaluate_all(
@@ -112,14 +122,11 @@ def test_dashboard_start_pause_resume_stop(lab: LabServer, browser: Any, subshel
         text = _wait_status(page, "t => +(t.match(/updates (\\d+)/) || [0, 0])[1] >= 30", 90)
         assert "running" in text.lower(), text
         # a disabled button says why on the page (its tooltip, issue 34 point 6)
-        assert button("Start").is_disabled(), "Start while its runs run"
-        assert button("Start").get_attribute("title") == \
-            "disabled: the runs of the last Start are running: Stop them first", button("Start").get_attribute("title")
+        _disabled_saying(button("Start"), "disabled: the runs of the last Start are running: Stop them first")
 
         button("Pause").click()
         text = _wait_status(page, "t => /paused/i.test(t)", 30)
-        assert button("Pause").is_disabled() and button("Pause").get_attribute("title") == \
-            "disabled: no Start run is running", button("Pause").get_attribute("title")
+        _disabled_saying(button("Pause"), "disabled: no Start run is running")
         paused_updates = _number(text, "updates")
         # no update is made; once the last ones and the first idle second are drawn (and the
         # tokens/s has come down), the page is sent nothing: the status and timeline stand still
