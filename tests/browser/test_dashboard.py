@@ -164,7 +164,10 @@ def test_dashboard_start_pause_resume_stop(lab: LabServer, browser: Any, subshel
         assert "pipelined, nothing wasted" in advisor, advisor
 
         button("Stop").click()
-        text = _wait_status(page, "t => /stopped/i.test(t)", 30)
+        # every run says it stopped once its last update has landed (the Start line says "stopped" as
+        # soon as Stop is pressed: CI once read one more update after it)
+        every_run = " && ".join(f"/run 'run{k}' stopped at step \\d+/.test(t)" for k in (1, 2, 3))
+        text = _wait_status(page, f"t => {every_run}", 30)
         stopped = _number(text, "updates")
         text = _wait_status(page, f"t => +(t.match(/cycle (\\d+)/) || [0, 0])[1] >= {_number(text, 'cycle') + 10}",
                             30)
