@@ -230,12 +230,15 @@ def test_samplers_listings_and_unknown_pools_across_the_fleet(fleet):
     assert assert_no_secret_in_arguments([KEY, OBSERVER]) >= 3
 
 
-def test_each_pool_keeps_its_startup_heap_out_of_the_collectors_passes(fleet):
-    """A replica's process serves its pool alone: once started, what it holds for good (torch, the
-    models, the app) is frozen, as `trio serve`'s is, so no full collection there walks it with the
-    GIL held while its event loop waits (issue 36)."""
-    pools = fleet_info(fleet)["pools"]
+def test_each_pool_and_the_door_keep_their_startup_heap_out_of_the_collectors_passes(fleet):
+    """A replica's process serves its pool alone, the door's process the door: once started, what
+    each holds for good (torch, the models, Ray, the app) is frozen, as `trio serve`'s is, so no full
+    collection there walks it with the GIL held while its event loop waits (issue 36)."""
+    info = fleet_info(fleet)
+    pools = info["pools"]
     assert len(pools) == 2 and all(p["alive"] and p["frozen_objects"] > 100_000 for p in pools), pools
+    # and the front door's process (Ray's heap: a full pass there held every request through the door)
+    assert info["door"]["frozen_objects"] > 100_000, info["door"]
 
 
 def test_a_killed_pool_fails_its_sessions_futures_naming_it_and_the_other_loses_nothing(fleet):

@@ -5,16 +5,18 @@ Ray's handles would be (tests/test_fleet.py runs the whole fleet on Ray)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
+from collections import Counter
 
 import httpx
 import pytest
 from served import wait_for
 
 import trio_widgets as trio
-from trio_widgets.http.fleet import FrontDoor, Members, PoolState, describe, pool_tag
+from trio_widgets.http.fleet import STATE_TTL_S, FrontDoor, Members, PoolState, describe, pool_tag
 
 ALICE, MALLORY = "tml-door-alice-01", "tml-door-mallory-2"
 BATCH = [trio.Datum(trio.ModelInput.from_ints([5, 6, 7, 8]), {"target_tokens": [6, 7, 8, 9]})]
@@ -146,3 +148,44 @@ def test_a_door_request_reaches_the_pool_it_names(pools):
             tc.forward_backward(BATCH).result(timeout=60)
         service.close()
         time.sleep(0.1)
+
+
+class _Stalled(_Local):
+    """Asked as a busy Ray cluster may answer: once `stalled`, an ask does not come back for a minute."""
+
+    def __init__(self, servers: list, epochs: list[str]):
+        super().__init__(servers, epochs)
+        self.stalled, self.asked_while_stalled = False, Counter[int]()
+
+    async def ask(self, index: int) -> PoolState | None:
+        if self.stalled:
+            self.asked_while_stalled[index] += 1
+            await asyncio.sleep(60.0)
+        return await super().ask(index)
+
+
+def test_a_pools_stale_state_is_asked_again_behind_the_requests_not_before_them(pools):
+    """Each request once a pool's state was STATE_TTL_S old waited for the ask (a Ray round trip,
+    120-220 ms on a busy machine: a neighbour's heartbeat every 2 s, issue 36). Now the live pool's
+    last state answers, one ask per pool goes on behind, and stopping the door ends it."""
+    members = _Stalled(pools.servers, pools.epochs)
+    with door(members) as front:
+        service = trio.ServiceClient(base_url=front.url, api_key=ALICE)
+        tc = service.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=0)
+        tc.forward_backward(BATCH).result(timeout=60)
+        session = httpx.post(f"{front.url}/api/v1/create_session", headers={"X-API-Key": ALICE}, timeout=60,
+                             json={"type": "create_session", "tags": [], "user_metadata": {},
+                                   "sdk_version": "test"}).json()["session_id"]
+        members.stalled = True
+        time.sleep(STATE_TTL_S + 0.2)
+        for _ in range(5):  # each would wait the minute for the stalled ask (the read timeout: 10 s)
+            answer = httpx.post(f"{front.url}/api/v1/session_heartbeat", timeout=10,
+                                headers={"X-API-Key": ALICE},
+                                json={"session_id": session, "type": "session_heartbeat"})
+            assert answer.status_code == 200, answer.text
+        tc.forward_backward(BATCH).result(timeout=10)
+        # each pool asked once, however many requests (the heartbeats' pool, and the trainer's)
+        assert set(members.asked_while_stalled.values()) == {1}, members.asked_while_stalled
+        service.close()
+        stopped = time.monotonic()
+    assert time.monotonic() - stopped < 30  # the stalled ask was cancelled with the door

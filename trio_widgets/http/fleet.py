@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import re
@@ -140,20 +141,43 @@ class Ingress:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=5.0),
                                        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
         self._states: dict[int, tuple[float, PoolState | None]] = {}
+        self._asking: dict[int, asyncio.Future[PoolState | None]] = {}  # a pool's state being asked
         self._placing = asyncio.Lock()
         self.placements = [0] * members.size  # sessions placed on each pool since start (for tests, logs)
         self._turn = 0  # which live pool answers the next listing any pool answers alike
 
     async def aclose(self) -> None:
+        for task in self._asking.values():
+            task.cancel()
+        await asyncio.gather(*self._asking.values(), return_exceptions=True)
+        self._asking.clear()
         await self._http.aclose()
 
     # -- the pools' states ------------------------------------------------------------------
     async def state(self, index: int, *, fresh: bool = False) -> PoolState | None:
+        """Pool `index`'s state: a live pool's last answer at once, asked again behind the request once
+        it is STATE_TTL_S old (a Ray round trip, 100-200 ms on a busy machine: every request that found
+        the state stale waited for it, and a neighbour's heartbeat every 2 s took 120-220 ms, issue 36);
+        awaited when `fresh`, never asked, or last found dead. One ask per pool at a time."""
         if not 0 <= index < self.members.size:
             return None
         cached = self._states.get(index)
-        if cached is not None and not fresh and time.monotonic() - cached[0] < STATE_TTL_S:
-            return cached[1]
+        if cached is not None and not fresh:
+            at, found = cached
+            if time.monotonic() - at < STATE_TTL_S:
+                return found
+            if found is not None:
+                self._asking_of(index)
+                return found
+        return await asyncio.shield(self._asking_of(index))  # (a caller that goes away leaves the ask)
+
+    def _asking_of(self, index: int) -> asyncio.Future[PoolState | None]:
+        task = self._asking.get(index)
+        if task is None or task.done():
+            task = self._asking[index] = asyncio.ensure_future(self._ask(index))
+        return task
+
+    async def _ask(self, index: int) -> PoolState | None:
         try:
             found = await asyncio.wait_for(self.members.ask(index), 10.0)
         except Exception:  # (asyncio.TimeoutError included) dead, restarting, unreachable
@@ -299,7 +323,7 @@ class Ingress:
             answer = await self._forward(request, best, body, op="/create_session")
             if answer.status_code == 200:
                 self.placements[best.index] += 1
-                self._states.pop(best.index, None)
+                self._states[best.index] = (float("-inf"), best)  # stale: asked again behind the next request
             return answer
 
     async def _capabilities(self, request: Request) -> Response:
@@ -372,7 +396,8 @@ class Ingress:
         totals = {k: sum(int(p.get(k) or 0) for p in pools)
                   for k in ("sessions", "clients", "total_updates", "total_tokens")}
         return JSONResponse({"pools": pools, "totals": {**totals, "pools": len(pools), "alive": len(up)},
-                             "placements": list(self.placements)})
+                             "placements": list(self.placements),
+                             "door": {"frozen_objects": gc.get_freeze_count()}})  # (server.freeze_heap)
 
     async def _each(self, request: Request, path: str, query: str | None = None
                     ) -> list[tuple[PoolState, httpx.Response]]:
@@ -494,7 +519,6 @@ def _tag_of(op: str, body: bytes, content_type: str) -> tuple[int, str] | None:
 
 def describe(index: int, epoch: str, server: Any, node: str) -> PoolState:
     """The PoolState of a running `Server` (what a pool replica answers)."""
-    import gc
     import os
 
     pool = server.pool

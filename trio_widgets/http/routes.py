@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..backend import (
@@ -154,39 +154,41 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         return s.get_info(owner, body, local=is_local(request))
 
     # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop, paced per key
-    async def tokenizer(s: Service, owner: str, request: Request) -> dict:
+    # and encoded there too: JSONResponse renders when made, and a listing of 1,000 checkpoints is
+    # ~10 ms of json.dumps that on the loop held up every other key's requests (issue 36)
+    async def tokenizer(s: Service, owner: str, request: Request) -> Response:
         model = request.query_params.get("base_model")
-        return await s.catalog(owner, lambda: s.state.tokenizer_files(owner, model))
+        return await s.catalog(owner, lambda: JSONResponse(s.state.tokenizer_files(owner, model)))
 
-    async def catalog(s: Service, owner: str, call: Any, encode: Callable[[Any], dict] = lambda _r: {}) -> dict:
-        return await s.catalog(owner, lambda: encode(s.of(owner).call(call)))
+    async def catalog(s: Service, owner: str, call: Any, encode: Callable[[Any], dict] = lambda _r: {}) -> Response:
+        return await s.catalog(owner, lambda: JSONResponse(encode(s.of(owner).call(call))))
 
-    async def checkpoints(s: Service, owner: str, request: Request) -> dict:
+    async def checkpoints(s: Service, owner: str, request: Request) -> Response:
         return await catalog(s, owner, ListCheckpoints(request.path_params["model_id"]),
                              lambda found: {"checkpoints": [_plain(c) for c in found[:1000]]})  # bounded
 
-    async def training_runs(s: Service, owner: str, request: Request) -> dict:
+    async def training_runs(s: Service, owner: str, request: Request) -> Response:
         limit, offset = page(request, TINKER_PAGE)
         return await catalog(s, owner, ListTrainingRuns(), lambda runs: _paged("training_runs", runs, limit, offset))
 
-    async def training_run(s: Service, owner: str, request: Request) -> dict:
+    async def training_run(s: Service, owner: str, request: Request) -> Response:
         return await catalog(s, owner, GetTrainingRun(request.path_params["model_id"]), _plain)
 
-    async def user_checkpoints(s: Service, owner: str, request: Request) -> dict:
+    async def user_checkpoints(s: Service, owner: str, request: Request) -> Response:
         limit, offset = page(request, TINKER_PAGE)  # newest first, as in-process
         return await catalog(s, owner, ListCheckpoints(None), lambda found: _paged("checkpoints", found[::-1], limit,
                                                                                   offset))
 
-    async def delete_checkpoint(s: Service, owner: str, request: Request) -> dict:
+    async def delete_checkpoint(s: Service, owner: str, request: Request) -> Response:
         p = request.path_params
         return await catalog(s, owner, DeleteCheckpoint(p["model_id"], p["checkpoint_id"]))
 
-    async def set_ttl(s: Service, owner: str, request: Request) -> dict:
+    async def set_ttl(s: Service, owner: str, request: Request) -> Response:
         body = json_body(await read_body(request, s, owner))
         p = request.path_params
         return await catalog(s, owner, SetCheckpointTtl(p["model_id"], p["checkpoint_id"], body.get("ttl_seconds")))
 
-    async def weights_info(s: Service, owner: str, request: Request) -> dict:
+    async def weights_info(s: Service, owner: str, request: Request) -> Response:
         body = json_body(await read_body(request, s, owner))
         return await catalog(s, owner, WeightsInfo(body.get("tinker_path")), _plain)
 
