@@ -317,8 +317,7 @@ class Ingress:
         async with self._placing:
             live = await self.states(fresh=True)
             if not live:
-                return _refusal(503, "no pool of this fleet is answering now: try again in a moment",
-                                code="pool_closed")
+                return _no_pool()
             best = min(live, key=lambda s: (s.sessions, s.clients, s.tokens_per_cycle, s.index))
             answer = await self._forward(request, best, body, op="/create_session")
             if answer.status_code == 200:
@@ -336,11 +335,12 @@ class Ingress:
                 models.setdefault(model.get("model_name"), model)
         return JSONResponse({"supported_models": list(models.values())})
 
-    async def _one_of(self, request: Request, op: str, body: bytes) -> Response:
-        """A listing any pool answers alike: the next live pool's, in turn."""
-        live = await self.states()
+    async def _one_of(self, request: Request, op: str, body: bytes, states: list[PoolState] | None = None
+                      ) -> Response:
+        """A request any of `states` (default: the live pools) answers alike: the next one's, in turn."""
+        live = await self.states() if states is None else states
         if not live:
-            return _refusal(503, "no pool of this fleet is answering now: try again in a moment", code="pool_closed")
+            return _no_pool()
         self._turn += 1
         return await self._forward(request, live[self._turn % len(live)], body, op=op)
 
@@ -404,8 +404,7 @@ class Ingress:
         """`request` (bodiless) asked of every live pool; a pool that fails meanwhile is left out."""
         live = await self.states()
         if not live:
-            raise _Refused(_refusal(503, "no pool of this fleet is answering now: try again in a moment",
-                                    code="pool_closed"))
+            raise _Refused(_no_pool())
         query = request.url.query if query is None else query
 
         async def one(state: PoolState) -> tuple[PoolState, httpx.Response] | None:
@@ -424,13 +423,10 @@ class Ingress:
 
     async def _anywhere(self, request: Request, op: str, body: bytes) -> Response:
         """A request of no pool's in particular (config, health, the SDK's telemetry, a tokenizer):
-        a live pool that serves the model it names, if it names one."""
+        the live pools that serve the model it names, if it names one, in turn."""
         live = await self.states()
         model = request.query_params.get("base_model")
-        serving = [s for s in live if model is None or model in s.models] or live
-        if not serving:
-            return _refusal(503, "no pool of this fleet is answering now: try again in a moment", code="pool_closed")
-        return await self._forward(request, min(serving, key=lambda s: s.index), body, op=op)
+        return await self._one_of(request, op, body, [s for s in live if model is None or model in s.models] or live)
 
 
 class _Refused(Exception):
@@ -441,6 +437,10 @@ class _Refused(Exception):
 def _refusal(status: int, message: str, *, code: str = "not_found", close: bool = False) -> JSONResponse:
     return JSONResponse({"detail": message, "code": code}, status_code=status,
                         headers={"Connection": "close"} if close else None)
+
+
+def _no_pool() -> JSONResponse:
+    return _refusal(503, "no pool of this fleet is answering now: try again in a moment", code="pool_closed")
 
 
 def _subject(op: str) -> str:
