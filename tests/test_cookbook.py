@@ -212,6 +212,7 @@ def test_an_answered_result_outlasts_the_sdks_read_timeout(tmp_path, monkeypatch
         while request_id in entries and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ask() == 404  # and then it is let go
+        service.close("success").result(timeout=60)  # (else its heartbeats go on, to a stopped server)
 
 
 def test_the_cookbook_is_installed_with_all_it_needs_but_tml_renderers():

@@ -153,9 +153,7 @@ def build_app(service: Service, more: list[Route] | None = None) -> Starlette:
         request.state.client = body.get("model_id")
         return s.get_info(owner, body, local=is_local(request))
 
-    # tokenizer files and the catalog (the key's backend answers): disk work, off the event loop, paced per key
-    # and encoded there too: JSONResponse renders when made, and a listing of 1,000 checkpoints is
-    # ~10 ms of json.dumps that on the loop held up every other key's requests (issue 36)
+    # tokenizer files and the catalog: disk work and JSON (1,000 checkpoints ~10 ms), off the event loop, paced per key
     async def tokenizer(s: Service, owner: str, request: Request) -> Response:
         model = request.query_params.get("base_model")
         return await s.catalog(owner, lambda: JSONResponse(s.state.tokenizer_files(owner, model)))
