@@ -63,10 +63,10 @@ def _disabled_saying(button: Any, title: str, timeout_s: float = 10.0) -> None:
     """Wait until `button` is disabled with the tooltip `title`: the status line and the buttons are
     separate widgets, synced one after the other (CI once read a status "paused" a moment before the
     Pause button it had pressed was disabled)."""
-    deadline = time.monotonic() + timeout_s
-    while not (button.is_disabled() and button.get_attribute("title") == title):
-        assert time.monotonic() < deadline, (button.is_disabled(), button.get_attribute("title"), title)
-        time.sleep(0.1)
+    from playwright.sync_api import expect
+
+    expect(button).to_be_disabled(timeout=timeout_s * 1000)
+    expect(button).to_have_attribute("title", title, timeout=timeout_s * 1000)
 
 
 def _canvas_pixels(out: Any, rgb: tuple[int, int, int], tol: int = 40) -> int:
