@@ -9,8 +9,10 @@ of interleaved repetitions, all at the pool's torch thread count:
   fused       PEFT `generate` of all 32 rows through one adapter: the ceiling a user could
               reach by hand with one batched call (it serves only one tenant's adapter)
   limit       the machine's matmul rate for this shape: the base's linears of one decode
-              step (32 rows x every projection and the head), timed in the same run, as
-              tokens/s (what a decode that did nothing but those matmuls would reach)
+              step (32 rows x every projection and the head), timed in the same run, each
+              through the faster of F.linear (MKL) and oneDNN with its weight packed (what the
+              pool uses for large weights, engine/kernels.py), as tokens/s (what a decode that
+              did nothing but those matmuls would reach)
 
 Targets (issue 33): pool >= 1.5x fused on both shapes; pool >= 40% of the limit on the Llama
 shape. Also: the pool's peak RSS while it samples (the KV cache is freed when it finishes).
@@ -37,6 +39,7 @@ from engine_throughput import side_by_side  # noqa: E402
 from vs_peft import TARGET_MODULES, plain_model, save_random_llama  # noqa: E402
 
 import trio_widgets as trio  # noqa: E402
+from trio_widgets.engine.kernels import onednn_works  # noqa: E402
 from trio_widgets.engine.lora import LORA_ALPHA  # noqa: E402
 from trio_widgets.engine.models import DEFAULT_MODEL, auto_torch_threads, resolve_device, usable_cpus  # noqa: E402
 
@@ -55,6 +58,7 @@ class Result:
     seconds: dict[str, float]
     tokens: int
     rss: tuple[float, float, float]  # MiB: before, peak during, after one pool sample
+    packed: int  # bytes of the base's weights packed for the decode (engine/kernels.py)
 
 
 def _rss_mib(field: str) -> float:
@@ -162,28 +166,34 @@ def measure(shape: str, name: str, device: torch.device, args) -> Result:
                 assert out.shape[1] == ids.shape[1] + new
                 sync()
 
-        best = [float("inf")]
+        kernels = [[lambda x=x, w=w: F.linear(x, w)] for x, w in matmuls]
+        if device.type == "cpu" and onednn_works():
+            for options, (x, w) in zip(kernels, matmuls):
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+                options.append(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        best = [[float("inf")] * len(options) for options in kernels]
 
-        def limit() -> None:  # a limit is a best case: the fastest of 5 tries, kept over the reps
+        def limit() -> None:  # a limit is a best case: each kernel's fastest of 5 tries, kept over the reps
             with pool.hold(), torch.no_grad():
                 for _ in range(5):
-                    start = time.perf_counter()
-                    for x, w in matmuls:
-                        F.linear(x, w)
-                    sync()
-                    best[0] = min(best[0], time.perf_counter() - start)
+                    for options, times in zip(kernels, best):
+                        for i, run in enumerate(options):
+                            start = time.perf_counter()
+                            run()
+                            sync()
+                            times[i] = min(times[i], time.perf_counter() - start)
 
         arms = {"pool": ours, "sequential": sequential, "fused": fused, "limit": limit}
         threads = {"PEFT": torch.get_num_threads()}  # the arms' torch threads: the same, or the run is unfair
         seconds = side_by_side(arms, args.reps)
         print(f"    torch threads: pool {threads.get('pool')} (its clock thread), PEFT and limit {threads['PEFT']}"
               + ("" if threads.get("pool") == threads["PEFT"] else " (UNFAIR: they differ)"))
-        seconds["limit"] = best[0] * new  # one step's matmuls -> a whole sample's
+        seconds["limit"] = sum(min(times) for times in best) * new  # one step's matmuls -> a whole sample's
         rss_ok = _reset_peak_rss()
         before = _rss_mib("VmRSS")
         ours()
         peak, after = _rss_mib("VmHWM") if rss_ok else float("nan"), _rss_mib("VmRSS")
-        return Result(seconds, TENANTS * SAMPLES * new, (before, peak, after))
+        return Result(seconds, TENANTS * SAMPLES * new, (before, peak, after), base.linears.nbytes)
     finally:
         pool.close()
 
@@ -201,7 +211,8 @@ def report(shape: str, result: Result) -> None:
           + f" | PEFT fused batch at {rate['fused'] / rate['limit']:.0%} of it")
     before, peak, after = result.rss
     print(f"    RSS of the process around one pool sample: {before:,.0f} MiB before, peak {peak:,.0f} MiB "
-          f"(+{peak - before:,.0f}), {after:,.0f} MiB after")
+          f"(+{peak - before:,.0f}), {after:,.0f} MiB after; the base's packed weights: "
+          f"{result.packed / 2**20:,.0f} MiB (kept with the model)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,18 +1,21 @@
 """The many-tenant decode path (engine/sampling.py, packing.RowLoRA), checked against
 transformers' own `generate` on independent models with each tenant's adapter merged:
 a mixed batch (ranks, alphas, prompt lengths, samples, lengths, a base-only row), on the
-built-in model and on a grouped-query-attention Llama saved as a local HF model."""
+built-in model and on a grouped-query-attention Llama saved as a local HF model, that one
+also with every linear of the decode step packed for oneDNN (engine/kernels.py: at full size
+only a large model's MLP and head are)."""
 
 from __future__ import annotations
 
 import copy
+import gc
 from dataclasses import replace
 
 import pytest
 import torch
 from numerics import assert_fp32_close, model_terms
 
-from trio_widgets.engine import sampling
+from trio_widgets.engine import kernels, sampling
 from trio_widgets.engine.lora import LoRAAdapter
 from trio_widgets.engine.models import DEFAULT_MODEL, _build_builtin, load_base_model
 from trio_widgets.engine.sampling import StepBudget, _Decoding, run_sample_batch
@@ -25,10 +28,17 @@ SAMPLES = [2, 1, 3, 2, 1]
 MAX_TOKENS = [12, 8, 10, 6, 9]
 
 
-@pytest.fixture(scope="module", params=["builtin", "gqa"])
+@pytest.fixture(scope="module", params=["builtin", "gqa", "gqa-packed"])
 def setup(request, tmp_path_factory):
     """(engine base, a plain transformers model of the same weights, adapters by tenant)."""
-    if request.param == "builtin":
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "gqa-packed":
+            patch.setattr(kernels, "MIN_ELEMENTS", 0)
+        yield _setup(request.param, tmp_path_factory)
+
+
+def _setup(kind: str, tmp_path_factory):
+    if kind == "builtin":
         base = load_base_model(DEFAULT_MODEL, torch.device("cpu"))
         plain, _ = _build_builtin(DEFAULT_MODEL, torch.float32)
     else:
@@ -56,6 +66,41 @@ def setup(request, tmp_path_factory):
         adapters.append(adapter)
     plain.eval()
     return base, plain, adapters
+
+
+def test_the_decode_packs_the_weights_it_is_asked_to(setup, request):
+    """Every float32 linear of the decode step once MIN_ELEMENTS allows it (the 'gqa-packed'
+    runs of this module's checks go through oneDNN); none of these small models' by default."""
+    base = setup[0]
+    run_sample_batch(base, _items(setup, temperature=0.0), 4096)
+    if "packed" in request.node.callspec.id:
+        assert kernels.onednn_works(), "this torch has no working oneDNN linear: the packed path is untested"
+        config = base.model.config
+        assert base.linears.nbytes >= config.num_hidden_layers * 7 * 4 * 64 * 32  # (o_proj alone is 64 x 64)
+        assert kernels.packed_bytes() >= base.linears.nbytes
+    else:
+        assert base.linears.nbytes == 0
+
+
+def test_packed_weights_go_with_their_base_model_and_stay_within_the_budget(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    before = kernels.packed_bytes()
+    base = load_base_model(DEFAULT_MODEL, torch.device("cpu"))
+    item = (None, SampleSpec(prompt=[5, 6, 7], num_samples=2, max_tokens=4, seed=1, temperature=0.0))
+    alone = run_sample_batch(base, [item], 4096)[0]
+    if not kernels.onednn_works():
+        pytest.skip("this torch has no working oneDNN linear")
+    held = base.linears.nbytes
+    assert held > 0 and kernels.packed_bytes() == before + held
+    del base
+    gc.collect()
+    assert kernels.packed_bytes() == before  # released with the model
+    # a budget too small for any weight: nothing is packed, and the tokens are the same
+    monkeypatch.setattr(kernels, "budget_bytes", lambda: before + 1)
+    base = load_base_model(DEFAULT_MODEL, torch.device("cpu"))
+    again = run_sample_batch(base, [item], 4096)[0]
+    assert base.linears.nbytes == 0 and kernels.packed_bytes() == before
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in alone.sequences]
 
 
 def _merged(plain: torch.nn.Module, adapter: LoRAAdapter | None) -> torch.nn.Module:

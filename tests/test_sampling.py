@@ -15,6 +15,7 @@ from numerics import assert_fp32_close, model_terms, tiny_config
 from transports import checkpoint_dir, inspect, pool_client_id, service
 
 import trio_widgets as trio
+from trio_widgets.engine import sampling
 from trio_widgets.engine.models import _build_builtin
 from trio_widgets.engine.sampling import _BLOCK, _inverse_cdf, _Row, _stopped
 from trio_widgets.tokenizers import byte_tokenizer
@@ -349,15 +350,17 @@ def test_target_prompt_logprobs_and_alternative_tokens(trained, reference):
     assert_fp32_close(best, ref[:n - 1].max(-1).values, terms, "greedy alternatives are the argmax")
 
 
-def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained, sampling_service):
+def test_sample_requests_batch_across_clients_in_one_cycle(pool, trained, sampling_service, monkeypatch):
     tc, sc = trained
     base_sc = trio.ServiceClient(pool).create_sampling_client(base_model=trio.DEFAULT_MODEL)
     params = trio.SamplingParams(max_tokens=6, temperature=1.0, seed=99)
     solo = [c.sample(PROMPT, 2, params).result() for c in (sc, base_sc)]
     model = pool.get_base_model(trio.DEFAULT_MODEL).model
     calls = []
-    # the head runs once per pass, through the model's forward or the decode's own Llama step
-    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    # one pass of the model per prefill (its forward) and per decode step (the decode's own Llama step)
+    hook = model.model.register_forward_hook(lambda *_: calls.append(1))
+    step = sampling._llama_step
+    monkeypatch.setattr(sampling, "_llama_step", lambda *a: calls.append(1) or step(*a))
     try:
         with pool.hold():  # no boundary while both are submitted
             futures = [c.sample(PROMPT, 2, params) for c in (sc, base_sc)]

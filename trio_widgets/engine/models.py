@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from ..connect import DEFAULT_MODEL
 from ..errors import DownloadFailedError, DownloadNotAllowedError, ModelDownloadError, UnknownModelError
 from ..tokenizers import byte_tokenizer, load_tokenizer
 from ..validation import ModelLimits
+from .kernels import PackedLinears
 from .packing import ATTN_IMPLEMENTATION, MultiLoRALinear, register_attention
 
 LoRAKind = Literal["attn", "mlp", "unembed"]
@@ -63,6 +64,8 @@ class BaseModel:
     # Wrapped linear name -> (kind, in_features, out_features)
     lora_targets: dict[str, tuple[LoRAKind, int, int]]
     source: str  # "builtin" or a local path
+    # its large linears packed for the decode step (engine/kernels.py), made on first use
+    linears: PackedLinears = field(default_factory=PackedLinears, compare=False, repr=False)
 
     @property
     def limits(self) -> ModelLimits:

@@ -133,18 +133,19 @@ def _is_llama(model: Any) -> bool:
 
 class _DecodeLoRA(RowLoRA):
     """`RowLoRA` for the decode steps: a group of layers fed the same input (q/k/v, gate/up)
-    shares one batched matmul for its A side (side by side), and each member's B goes through
-    a batched matmul of its own over its slice of the rank-sized activations. (A block-diagonal
-    B costs as much as its zero blocks: the gate/up B of 8 rank-32 adapters took 4x the time
-    of the two B's apart, on the built-in model and on a Llama 8 x 512.)"""
+    shares one batched matmul for its A side (side by side, each adapter's alpha/rank folded in
+    once), and each member's B goes through a batched matmul of its own over its slice of the
+    rank-sized activations, added into the base output as it is made where the rows are in
+    adapter order. (A block-diagonal B costs as much as its zero blocks: the gate/up B of 8
+    rank-32 adapters took 4x the time of the two B's apart, on the built-in model and on a
+    Llama 8 x 512.)"""
 
     def __init__(self, adapters: list[LoRAAdapter | None], device: torch.device):
         super().__init__(adapters, device)
-        self._parts: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, int, int] | None]]
-                          | None] = {}
+        self._parts: dict[tuple[str, ...], tuple[torch.Tensor, list[tuple[torch.Tensor, int, int] | None]] | None] = {}
 
     def _split_group(self, names: tuple[str, ...]):
-        """(A^T side by side [adapters, in, sum of ranks], scale [adapters, 1, 1], per member
+        """(A^T side by side times each adapter's scale [adapters, in, sum of ranks], per member
         (B^T [adapters, rank, out], first and last rank column) or None), None without LoRA."""
         if names not in self._parts:
             parts = [self._weights(name) for name in names]
@@ -164,20 +165,19 @@ class _DecodeLoRA(RowLoRA):
                     members.append((b_t, at, at + a_t.shape[-1]))
                     at += a_t.shape[-1]
                 a_cat = present[0][0] if len(present) == 1 else torch.cat([p[0] for p in present], dim=-1)
-                self._parts[names] = (a_cat, scale, members)
+                self._parts[names] = (a_cat * scale, members)
         return self._parts[names]
 
     def apply_group(self, names: tuple[str, ...], x: torch.Tensor, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         group = self._split_group(names)
         if group is None:
             return outs
-        a_cat, scale, members = group
+        a_scaled, members = group
         assert self._slots is not None
-        flat = x.reshape(-1, x.shape[-1]).to(a_cat.dtype)
+        flat = x.reshape(-1, x.shape[-1]).to(a_scaled.dtype)
         if not self._in_place:
             flat = flat.new_zeros(self.count * self._width, flat.shape[-1]).index_copy_(0, self._slots, flat)
-        # alpha/rank applied to the rank-sized activations, as `lora_delta` does
-        hidden = torch.bmm(flat.view(self.count, self._width, -1), a_cat).mul_(scale)
+        hidden = torch.bmm(flat.view(self.count, self._width, -1), a_scaled)
         results = []
         for out, member in zip(outs, members):
             if member is None:
@@ -185,6 +185,10 @@ class _DecodeLoRA(RowLoRA):
                 continue
             b_t, start, end = member
             part = hidden if end - start == hidden.shape[-1] else hidden[:, :, start:end]
+            if self._in_place and out.dtype == b_t.dtype and out.is_contiguous():
+                results.append(out)
+                out.view(self.count, self._width, -1).baddbmm_(part, b_t)  # out += part @ B^T, one op
+                continue
             delta = torch.bmm(part, b_t).view(-1, b_t.shape[-1])
             if not self._in_place:
                 delta = delta.index_select(0, self._slots)
@@ -195,38 +199,32 @@ class _DecodeLoRA(RowLoRA):
         return results
 
 
-def _linear(layer: Any, x: torch.Tensor, lora: RowLoRA | None = None) -> torch.Tensor:
+Linear = Callable[..., torch.Tensor]  # F.linear's signature: (x, weight, bias)
+
+
+def _linear(layer: Any, x: torch.Tensor, lora: RowLoRA | None = None, linear: Linear = F.linear) -> torch.Tensor:
     """`layer(x)` without the module call: its base linear, plus each row's LoRA delta."""
     if isinstance(layer, MultiLoRALinear):
-        out = F.linear(x, layer.base.weight, layer.base.bias)
+        out = linear(x, layer.base.weight, layer.base.bias)
         return out if lora is None else lora.apply_group((layer.name,), x, [out])[0]
-    return F.linear(x, layer.weight, layer.bias)
+    return linear(x, layer.weight, layer.bias)
 
 
-def _grouped(lora: RowLoRA, layers: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
+def _grouped(lora: RowLoRA, layers: tuple[Any, ...], x: torch.Tensor, linear: Linear = F.linear) -> list[torch.Tensor]:
     """The outputs of `layers` (all fed `x`): each base layer, then their LoRA deltas together.
     (One matmul over the layers' weights side by side was no faster, built-in model or Llama 8 x 512.)"""
     if not all(isinstance(layer, MultiLoRALinear) for layer in layers):
-        return [_linear(layer, x, lora) for layer in layers]
+        return [_linear(layer, x, lora, linear) for layer in layers]
     return lora.apply_group(tuple(layer.name for layer in layers), x,
-                            [F.linear(x, layer.base.weight, layer.base.bias) for layer in layers])
-
-
-def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' Llama `apply_rotary_pos_emb` (its ops per element: x cos + rotate_half(x) sin)
-    on q and k at once, [rows, heads, 1, dim] each: half the ops, and no module call (transformers
-    wraps it in one, for its kernel hub)."""
-    heads = q.shape[1]
-    both = torch.cat((q, k), dim=1)
-    half = both.shape[-1] // 2
-    rotated = torch.cat((-both[..., half:], both[..., :half]), dim=-1)
-    out = (both * cos.unsqueeze(1)) + (rotated * sin.unsqueeze(1))
-    return out[:, :heads], out[:, heads:]
+                            [linear(x, layer.base.weight, layer.base.bias) for layer in layers])
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm's forward, its ops in its order, without the module call."""
+    """LlamaRMSNorm's forward without the module call: in float32 torch's own `rms_norm` (its
+    ops, one call), otherwise LlamaRMSNorm's ops in its order (it rounds to the input's dtype
+    before the weight)."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
@@ -235,54 +233,65 @@ def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
             ) -> torch.Tensor:
-    """softmax(q k^T * scale + bias) v for one new token per row: q [rows, heads, 1, dim], keys and
+    """softmax(q k^T * scale + bias) v for one new token per row: q [rows, heads, dim], keys and
     values [rows, kv heads, length, dim] (views of the cache), bias [rows, 1, 1, length] (0 or
-    -inf); [rows, 1, heads * dim] out. The query heads of one kv head share its keys (GQA) as one
+    -inf); [rows, heads * dim] out. The query heads of one kv head share its keys (GQA) as one
     [group, dim] x [dim, length] product: SDPA's CPU kernel cost 2x this at one query row."""
-    n, heads, _, dim = q.shape
+    n, heads, dim = q.shape
     kv = keys.shape[1]
     scores = torch.matmul(q.reshape(n, kv, heads // kv, dim), keys.transpose(-1, -2))
     scores = torch.add(bias, scores, alpha=scale).softmax(dim=-1)
-    return torch.matmul(scores, values).reshape(n, 1, heads * dim)
+    return torch.matmul(scores, values).reshape(n, heads * dim)
 
 
-def _llama_step(model: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+def _llama_step(base: BaseModel, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], at: int, lora: RowLoRA) -> torch.Tensor:
     """One decode step of a Llama: next-token logits [rows, vocab] for `ids` [rows, 1] at
     `positions`, its keys and values written at cache index `at` of `kv` ([layers, rows, kv heads,
     length, head dim] each) and attending to [0, at] where `mask` [rows, 1, 1, at + 1] allows
     (bool, or a float bias of 0 and -inf).
 
-    The same modules, weights and ops as transformers' LlamaForCausalLM.forward, called directly:
-    its per-call machinery (cache objects growing by concatenation, mask building, output
-    records) costs more than a small model's whole step, and a preallocated cache is bounded up
-    front. In float32 the attention of the one new token is two batched matmuls (`_attend`)."""
+    The same modules, weights and ops as transformers' LlamaForCausalLM.forward, called directly
+    on [rows, hidden] activations: its per-call machinery (cache objects growing by
+    concatenation, mask building, output records) costs more than a small model's whole step,
+    and a preallocated cache is bounded up front. The large linears go through the base's packed
+    weights (engine/kernels.py); in float32 the attention of the one new token is two batched
+    matmuls (`_attend`)."""
+    model, linear = base.model, base.linears.linear
     inner = model.model
     keys, values = kv
     n = ids.shape[0]
-    hidden = F.embedding(ids, inner.embed_tokens.weight)
+    hidden = F.embedding(ids.view(n), inner.embed_tokens.weight)
     cos, sin = inner.rotary_emb(hidden, positions)
+    half = cos.shape[-1] // 2
+    # rotary embedding as transformers applies it, x cos + rotate_half(x) sin, with rotate_half's
+    # sign moved onto sin (exact): x cos + roll(x) sin', for q and k of every layer in one pass
+    cos = cos.view(n, 1, -1)
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(n, 1, -1)
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        x = _rms_norm(layer.input_layernorm, hidden)
-        q, k, v = (t.view(n, 1, -1, attn.head_dim).transpose(1, 2)
-                   for t in _grouped(lora, (attn.q_proj, attn.k_proj, attn.v_proj), x))
-        q, k = _rope(q, k, cos, sin)
-        keys[i, :, :, at] = k[:, :, 0]
-        values[i, :, :, at] = v[:, :, 0]
-        if mask.dtype == torch.bool or q.dtype != torch.float32:
-            out = F.scaled_dot_product_attention(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1],
-                                                 attn_mask=mask if mask.dtype == torch.bool else mask.to(q.dtype),
-                                                 scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1])
-            out = out.transpose(1, 2).reshape(n, 1, -1)
+        q, k, v = _grouped(lora, (attn.q_proj, attn.k_proj, attn.v_proj), _rms_norm(layer.input_layernorm, hidden),
+                           linear)
+        dim = attn.head_dim
+        heads, kv_heads = q.shape[-1] // dim, k.shape[-1] // dim
+        both = torch.cat((q, k), dim=-1).view(n, heads + kv_heads, dim)
+        both = both * cos + both.roll(half, -1) * sin
+        keys[i, :, :, at] = both[:, heads:]
+        values[i, :, :, at] = v.view(n, kv_heads, dim)
+        if mask.dtype == torch.bool or both.dtype != torch.float32:
+            out = F.scaled_dot_product_attention(both[:, :heads, None], keys[i, :, :, :at + 1],
+                                                 values[i, :, :, :at + 1],
+                                                 attn_mask=mask if mask.dtype == torch.bool else mask.to(both.dtype),
+                                                 scale=attn.scaling, enable_gqa=heads != kv_heads)
+            out = out.reshape(n, heads * dim)
         else:
-            out = _attend(q, keys[i, :, :, :at + 1], values[i, :, :, :at + 1], mask, attn.scaling)
-        hidden = hidden + _linear(attn.o_proj, out, lora)
+            out = _attend(both[:, :heads], keys[i, :, :, :at + 1], values[i, :, :, :at + 1], mask, attn.scaling)
+        hidden = hidden + _linear(attn.o_proj, out, lora, linear)
         mlp = layer.mlp
-        x = _rms_norm(layer.post_attention_layernorm, hidden)
-        gate, up = _grouped(lora, (mlp.gate_proj, mlp.up_proj), x)
-        hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(gate) * up, lora)
-    return model.lm_head(_rms_norm(inner.norm, hidden))[:, -1]  # a module call: its hooks run, once a step
+        gate, up = _grouped(lora, (mlp.gate_proj, mlp.up_proj), _rms_norm(layer.post_attention_layernorm, hidden),
+                            linear)
+        hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(gate) * up, lora, linear)
+    return _linear(model.lm_head, _rms_norm(inner.norm, hidden), lora, linear)
 
 
 # -- choosing tokens ------------------------------------------------------------------------
@@ -608,7 +617,7 @@ class _Decoding:
         positions = (self.pos0 + step)[:, None]
         with torch.no_grad(), active_plan(PackPlan(segments=[], seq_lens=None, rows=self.lora)):
             if self.kv is not None:
-                self.step_logits = _llama_step(self.base.model, chosen[:, None], positions, mask, self.kv,
+                self.step_logits = _llama_step(self.base, chosen[:, None], positions, mask, self.kv,
                                                self.prompt_len + step, self.lora)
             else:
                 kwargs: dict[str, Any] = dict(input_ids=chosen[:, None], attention_mask=mask,
