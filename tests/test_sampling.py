@@ -557,9 +557,10 @@ def test_closing_the_pool_fails_a_sample_still_decoding(tmp_path, transport):
         trio.LocalPool(min_decode_steps=0)
 
 
-@pytest.mark.parametrize("vocab", [1, 259, 256, 1000, 32000])
+@pytest.mark.parametrize("vocab", [1, 259, 256, 1000, 1500, 32000])
 def test_inverse_cdf_picks_the_token_whose_interval_holds_the_draw(vocab):
-    """The two-level CDF (float32 weights, block sums cumulated in float64) against the float64
+    """The CDF (one level up to 4 x _BLOCK ids; beyond, two: float32 weights, block sums
+    cumulated in float64) against the float64
     CDF over the whole vocabulary: the picked token's interval holds the draw, up to the float32
     rounding of the weights (a few ulp each) and of a block's sum (at most _BLOCK - 1 additions),
     relative to the total; and a token of zero weight is never picked."""

@@ -342,12 +342,16 @@ def _exp_floored(z: torch.Tensor) -> torch.Tensor:
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of `weights` [rows, vocab] (unnormalised probabilities, float32), the first token
-    id whose cumulative weight, in id order, passes `u` (float64, [rows]) of the total. The CDF
+    id whose cumulative weight, in id order, passes `u` (float64, [rows]) of the total. Up to
+    4 x `_BLOCK` ids, one float64 cumulative sum; a larger vocabulary's CDF
     is taken in two levels: the weights' sums per block of `_BLOCK` ids, cumulated in float64,
     then the cumulative sum (float64) within the one block that holds the draw, searched at the
     draw's fraction of that block. (A float64 softmax and cumsum over a 32,000-token vocabulary
     cost 5% of a Llama 8 x 512 step.) Each row's pick depends only on its own weights and uniform."""
     rows, vocab = weights.shape
+    if vocab <= 4 * _BLOCK:  # a small vocabulary: one float64 cumulative sum is cheaper than two levels
+        cdf = weights.double().cumsum(dim=-1)
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1).squeeze(1)
     pad = -vocab % _BLOCK
     blocks = (F.pad(weights, (0, pad)) if pad else weights).view(rows, -1, _BLOCK)
     ends = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, blocks]
@@ -360,16 +364,18 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (block * _BLOCK + at).clamp(max=vocab - 1).squeeze(1)
 
 
-def _pick(shifted: torch.Tensor, weights: torch.Tensor, u: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor,
-          top_p: torch.Tensor, filtered: torch.Tensor | None) -> torch.Tensor:
+def _pick(shifted: torch.Tensor, weights: torch.Tensor, u: torch.Tensor, temps: torch.Tensor,
+          cut: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """One token per row by inverse CDF at uniform `u` (float64): over the vocabulary in id
     order when the row keeps the whole distribution (`_inverse_cdf` of `weights`, each row's
     exp(`shifted` / temperature), `shifted` its logits less their max), over the tokens by
-    descending probability (stable, float64) once top-k / top-p cut it (`filtered`: those rows'
-    positions). Each row's pick depends only on its own logits and uniform."""
+    descending probability (stable, float64) once top-k / top-p cut it (`cut`: those rows'
+    positions, and every row's top-k and top-p). Each row's pick depends only on its own logits
+    and uniform."""
     vocab = shifted.shape[-1]
     out = _inverse_cdf(weights, u)
-    if filtered is not None:
+    if cut is not None:
+        filtered, top_k, top_p = cut
         zf = shifted.index_select(0, filtered).double() / temps.index_select(0, filtered)[:, None]
         z_sorted, order = torch.sort(zf, dim=-1, descending=True, stable=True)
         ps = torch.softmax(z_sorted, dim=-1)
@@ -519,16 +525,27 @@ class _Decoding:
         self._select(torch.arange(n, device=device))
 
     def _select(self, active: torch.Tensor) -> None:
-        """The rows that go on (indices into `rows`), and what each step needs about them."""
+        """The rows that go on (indices into `rows`), and what each step needs about them, taken
+        once per change of rows rather than once a step."""
         self.active = active
         self.lora.select(active)
         self.text_rows = [a for a, i in enumerate(self.active_rows) if self.rows[i].spec.stop_strings]
+        self.max_now = self.max_tokens.index_select(0, active)
+        self.stop_now = None if self.stop_ids is None else self.stop_ids.index_select(0, active)
+        # rows that end only at their max_tokens end at steps known here: no check, no sync, until one does
+        self.length_only = self.stop_now is None and not self.text_rows
+        self.ending_at = {self.rows[i].spec.max_tokens for i in self.active_rows}
         stochastic = (~self.greedy.index_select(0, active)).nonzero().squeeze(1)
         self.stochastic = stochastic if len(stochastic) else None
         if self.stochastic is not None:
-            filtered = self.filtered.index_select(0, active.index_select(0, stochastic)).nonzero().squeeze(1)
+            rows = active.index_select(0, stochastic)
+            self.uniforms_now = self.uniforms.index_select(0, rows)
+            self.temps_now = self.temps.index_select(0, rows)
+            filtered = self.filtered.index_select(0, rows).nonzero().squeeze(1)
             self.filtered_now = filtered if len(filtered) else None
-            self.unit_temps = bool((self.temps.index_select(0, active.index_select(0, stochastic)) == 1).all())
+            if self.filtered_now is not None:
+                self.top_k_now, self.top_p_now = self.top_k.index_select(0, rows), self.top_p.index_select(0, rows)
+            self.unit_temps = bool((self.temps_now == 1).all())
 
     @property
     def done(self) -> bool:
@@ -554,6 +571,7 @@ class _Decoding:
         self.active_rows = []
         if hasattr(self, "lora"):
             del self.lora, self.valid, self.uniforms
+        self.__dict__.pop("uniforms_now", None)
 
     def _step(self) -> None:
         assert self.step_logits is not None
@@ -567,15 +585,13 @@ class _Decoding:
         if self.stochastic is None:
             chosen = logits.argmax(dim=-1)
         else:
-            rows = active.index_select(0, self.stochastic)
-            u = self.uniforms.index_select(0, rows)[:, step]
+            u, temps = self.uniforms_now[:, step], self.temps_now
             everyone = len(self.stochastic) == len(active)  # (then no argmax over the vocabulary)
             mine = (lambda t: t) if everyone else (lambda t: t.index_select(0, self.stochastic))
-            temps = self.temps.index_select(0, rows)
             # each row's weights at its temperature, unnormalised (the largest is 1)
             weighted = mine(weights) if self.unit_temps else _exp_floored(mine(shifted) / temps.float()[:, None])
-            picked = _pick(mine(shifted), weighted, u, temps, self.top_k.index_select(0, rows),
-                           self.top_p.index_select(0, rows), self.filtered_now)
+            filtered = None if self.filtered_now is None else (self.filtered_now, self.top_k_now, self.top_p_now)
+            picked = _pick(mine(shifted), weighted, u, temps, filtered)
             chosen = picked if everyone else logits.argmax(dim=-1).index_copy(0, self.stochastic, picked)
         token_lp = shifted.gather(1, chosen[:, None]).squeeze(1) - log_total
         self.tokens[active, step] = chosen
@@ -584,18 +600,25 @@ class _Decoding:
             values, ids = shifted.topk(self.topk_width, dim=-1)
             self.topk_ids[active, step] = ids
             self.topk_values[active, step] = values - log_total[:, None]
-        stop = torch.zeros_like(chosen, dtype=torch.bool)
-        if self.stop_ids is not None:
-            stop = (self.stop_ids.index_select(0, active) == chosen[:, None]).any(dim=1)
-        if self.text_rows:  # stop strings: the text each token adds, row by row (only these rows)
-            where = torch.tensor(self.text_rows, device=chosen.device)
-            text_stop = [_stopped(self.rows[self.active_rows[a]], tok, self.base.tokenizer)
-                         for a, tok in zip(self.text_rows, chosen.index_select(0, where).tolist())]
-            stop = stop.index_copy(0, where, torch.tensor(text_stop, device=chosen.device))
-        length = self.max_tokens.index_select(0, active) <= step + 1
-        ended = stop | length
         self.step = step + 1
-        if bool(ended.any()):  # one sync a step: which rows, if any, finished
+        ended: torch.Tensor | None = None
+        if self.length_only:
+            if step + 1 in self.ending_at:  # else no row ends now, and nothing is checked
+                ended = self.max_now <= step + 1
+                stop = torch.zeros_like(ended)
+        else:
+            stop = torch.zeros_like(chosen, dtype=torch.bool)
+            if self.stop_now is not None:
+                stop = (self.stop_now == chosen[:, None]).any(dim=1)
+            if self.text_rows:  # stop strings: the text each token adds, row by row (only these rows)
+                where = torch.tensor(self.text_rows, device=chosen.device)
+                text_stop = [_stopped(self.rows[self.active_rows[a]], tok, self.base.tokenizer)
+                             for a, tok in zip(self.text_rows, chosen.index_select(0, where).tolist())]
+                stop = stop.index_copy(0, where, torch.tensor(text_stop, device=chosen.device))
+            ended = stop | (self.max_now <= step + 1)
+            if not bool(ended.any()):  # one sync a step where a row may stop at any token
+                ended = None
+        if ended is not None:  # which rows finished
             for a, is_stop in zip(ended.nonzero().squeeze(1).tolist(), stop[ended].tolist()):
                 i = self.active_rows[a]
                 self.rows[i].stop_reason = "stop" if is_stop else "length"
