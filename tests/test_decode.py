@@ -103,6 +103,23 @@ def test_packed_weights_go_with_their_base_model_and_stay_within_the_budget(monk
     assert [s.tokens for s in again.sequences] == [s.tokens for s in alone.sequences]
 
 
+def test_a_weight_onednn_will_not_pack_goes_through_f_linear(monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
+    before = kernels.packed_bytes()
+    item = (None, SampleSpec(prompt=[5, 6, 7], num_samples=2, max_tokens=4, seed=1, temperature=0.0))
+    plain = run_sample_batch(load_base_model(DEFAULT_MODEL, torch.device("cpu")), [item], 4096)[0]
+
+    def refuse(weight):
+        raise RuntimeError("a layout oneDNN does not take")
+
+    monkeypatch.setattr(kernels, "_reorder", refuse)
+    base = load_base_model(DEFAULT_MODEL, torch.device("cpu"))
+    refused = run_sample_batch(base, [item], 4096)[0]
+    gc.collect()  # (the first base, and its packed copies, are gone)
+    assert [s.tokens for s in refused.sequences] == [s.tokens for s in plain.sequences]
+    assert base.linears.nbytes == 0 and kernels.packed_bytes() == before  # no bytes counted for it
+
+
 def _merged(plain: torch.nn.Module, adapter: LoRAAdapter | None) -> torch.nn.Module:
     model = copy.deepcopy(plain)
     head = model.get_output_embeddings()

@@ -53,6 +53,15 @@ def _release(nbytes: int) -> None:
         _held -= nbytes
 
 
+def _reorder(weight: torch.Tensor) -> Any:
+    """`weight` [out, in] in oneDNN's layout for products of about 32 rows (any row count works)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+
+
+def _product(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def onednn_works() -> bool:
     """Whether this torch packs and multiplies through oneDNN, agreeing with F.linear within
     float32 rounding (checked once, on a small product)."""
@@ -61,8 +70,7 @@ def onednn_works() -> bool:
         try:
             g = torch.Generator().manual_seed(0)
             x, w, b = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
-            out = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 3), b,
-                                                     "none", [], "")
+            out = _product(x, _reorder(w), b)
             # each output sums 64 products and a bias: a few float32 roundings of their magnitude each
             bound = 66 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T + b.abs())
             _works = bool(((out - F.linear(x, w, b)).abs() <= bound).all())
@@ -89,7 +97,7 @@ class PackedLinears:
         packed = entry[1]
         if packed is None or x.dtype != torch.float32 or x.dim() != 2:
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return _product(x.contiguous(), packed, bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
         global _held
@@ -101,7 +109,12 @@ class PackedLinears:
             if _held + nbytes > budget_bytes():
                 return None
             _held += nbytes
+        try:
+            packed = _reorder(weight.detach())
+        except Exception:  # a weight oneDNN will not take (a layout the check product did not have)
+            _release(nbytes)
+            return None
         self.nbytes += nbytes
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _release, self.nbytes)
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        return packed
