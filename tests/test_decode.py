@@ -103,6 +103,13 @@ def test_packed_weights_go_with_their_base_model_and_stay_within_the_budget(monk
     assert [s.tokens for s in again.sequences] == [s.tokens for s in alone.sequences]
 
 
+def test_the_budget_is_an_eighth_of_memory_and_known_without_sysconf(monkeypatch):
+    budget = kernels.budget_bytes()
+    assert 0 < budget <= 1 << 30
+    monkeypatch.delattr(kernels.os, "sysconf")  # as on Windows
+    assert 0 < kernels.budget_bytes() <= 128 << 20
+
+
 def test_a_weight_onednn_will_not_pack_goes_through_f_linear(monkeypatch):
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
     before = kernels.packed_bytes()

@@ -32,8 +32,12 @@ _works: bool | None = None
 
 def budget_bytes() -> int:
     """What packed copies may hold in all: an eighth of the memory this process may use (the
-    machine's, or its cgroup's limit when lower), at most 1 GiB."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    machine's, or its cgroup's limit when lower), at most 1 GiB; 128 MiB where neither can be
+    read."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        total = 8 * (128 << 20)
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
             total = min(total, int(f.read()))
