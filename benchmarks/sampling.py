@@ -39,7 +39,7 @@ from engine_throughput import side_by_side  # noqa: E402
 from vs_peft import TARGET_MODULES, plain_model, save_random_llama  # noqa: E402
 
 import trio_widgets as trio  # noqa: E402
-from trio_widgets.engine.kernels import onednn_works  # noqa: E402
+from trio_widgets.engine.kernels import onednn_works, pack_weight, packed_product  # noqa: E402
 from trio_widgets.engine.lora import LORA_ALPHA  # noqa: E402
 from trio_widgets.engine.models import DEFAULT_MODEL, auto_torch_threads, resolve_device, usable_cpus  # noqa: E402
 
@@ -169,8 +169,7 @@ def measure(shape: str, name: str, device: torch.device, args) -> Result:
         kernels = [[lambda x=x, w=w: F.linear(x, w)] for x, w in matmuls]
         if device.type == "cpu" and onednn_works():
             for options, (x, w) in zip(kernels, matmuls):
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
-                options.append(lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+                options.append(lambda x=x, p=pack_weight(w): packed_product(x, p))
         best = [[float("inf")] * len(options) for options in kernels]
 
         def limit() -> None:  # a limit is a best case: each kernel's fastest of 5 tries, kept over the reps

@@ -82,11 +82,14 @@ def test_the_decode_packs_the_weights_it_is_asked_to(setup, request):
         assert base.linears.nbytes == 0
 
 
+_ONE_ROW = (None, SampleSpec(prompt=[5, 6, 7], num_samples=2, max_tokens=4, seed=1, temperature=0.0))
+
+
 def test_packed_weights_go_with_their_base_model_and_stay_within_the_budget(monkeypatch):
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
     before = kernels.packed_bytes()
     base = load_base_model(DEFAULT_MODEL, torch.device("cpu"))
-    item = (None, SampleSpec(prompt=[5, 6, 7], num_samples=2, max_tokens=4, seed=1, temperature=0.0))
+    item = _ONE_ROW
     alone = run_sample_batch(base, [item], 4096)[0]
     if not kernels.onednn_works():
         pytest.skip("this torch has no working oneDNN linear")
@@ -113,13 +116,13 @@ def test_the_budget_is_an_eighth_of_memory_and_known_without_sysconf(monkeypatch
 def test_a_weight_onednn_will_not_pack_goes_through_f_linear(monkeypatch):
     monkeypatch.setattr(kernels, "MIN_ELEMENTS", 0)
     before = kernels.packed_bytes()
-    item = (None, SampleSpec(prompt=[5, 6, 7], num_samples=2, max_tokens=4, seed=1, temperature=0.0))
+    item = _ONE_ROW
     plain = run_sample_batch(load_base_model(DEFAULT_MODEL, torch.device("cpu")), [item], 4096)[0]
 
     def refuse(weight):
         raise RuntimeError("a layout oneDNN does not take")
 
-    monkeypatch.setattr(kernels, "_reorder", refuse)
+    monkeypatch.setattr(kernels, "pack_weight", refuse)
     base = load_base_model(DEFAULT_MODEL, torch.device("cpu"))
     refused = run_sample_batch(base, [item], 4096)[0]
     gc.collect()  # (the first base, and its packed copies, are gone)

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MIN_ELEMENTS", "PackedLinears", "budget_bytes", "onednn_works", "packed_bytes"]
+__all__ = ["MIN_ELEMENTS", "PackedLinears", "budget_bytes", "onednn_works", "pack_weight", "packed_bytes",
+           "packed_product"]
 
 MIN_ELEMENTS = 1 << 20  # 512 x 2048: a Llama 8 x 512's MLP and head, not its attention
 _MAX_BUDGET = 1 << 30
@@ -57,12 +58,13 @@ def _release(nbytes: int) -> None:
         _held -= nbytes
 
 
-def _reorder(weight: torch.Tensor) -> Any:
+def pack_weight(weight: torch.Tensor) -> Any:
     """`weight` [out, in] in oneDNN's layout for products of about 32 rows (any row count works)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
-def _product(x: torch.Tensor, packed: Any, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(x: torch.Tensor, packed: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through `pack_weight(weight)`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -74,7 +76,7 @@ def onednn_works() -> bool:
         try:
             g = torch.Generator().manual_seed(0)
             x, w, b = torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
-            out = _product(x, _reorder(w), b)
+            out = packed_product(x, pack_weight(w), b)
             # each output sums 64 products and a bias: a few float32 roundings of their magnitude each
             bound = 66 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T + b.abs())
             _works = bool(((out - F.linear(x, w, b)).abs() <= bound).all())
@@ -101,20 +103,20 @@ class PackedLinears:
         packed = entry[1]
         if packed is None or x.dtype != torch.float32 or x.dim() != 2:
             return F.linear(x, weight, bias)
-        return _product(x.contiguous(), packed, bias)
+        return packed_product(x.contiguous(), packed, bias)
 
     def _pack(self, weight: torch.Tensor) -> Any:
         global _held
         if (weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2
                 or weight.numel() < MIN_ELEMENTS or not onednn_works()):
             return None
-        nbytes = weight.numel() * weight.element_size()
+        nbytes, budget = weight.numel() * weight.element_size(), budget_bytes()
         with _lock:
-            if _held + nbytes > budget_bytes():
+            if _held + nbytes > budget:
                 return None
             _held += nbytes
         try:
-            packed = _reorder(weight.detach())
+            packed = pack_weight(weight.detach())
         except Exception:  # a weight oneDNN will not take (a layout the check product did not have)
             _release(nbytes)
             return None

@@ -542,9 +542,9 @@ class _Decoding:
             self.uniforms_now = self.uniforms.index_select(0, rows)
             self.temps_now = self.temps.index_select(0, rows)
             filtered = self.filtered.index_select(0, rows).nonzero().squeeze(1)
-            self.filtered_now = filtered if len(filtered) else None
-            if self.filtered_now is not None:
-                self.top_k_now, self.top_p_now = self.top_k.index_select(0, rows), self.top_p.index_select(0, rows)
+            # the rows top-k / top-p cut, with every row's top-k and top-p (`_pick`'s `cut`)
+            self.cut = (filtered, self.top_k.index_select(0, rows), self.top_p.index_select(0, rows)) \
+                if len(filtered) else None
             self.unit_temps = bool((self.temps_now == 1).all())
 
     @property
@@ -590,8 +590,7 @@ class _Decoding:
             mine = (lambda t: t) if everyone else (lambda t: t.index_select(0, self.stochastic))
             # each row's weights at its temperature, unnormalised (the largest is 1)
             weighted = mine(weights) if self.unit_temps else _exp_floored(mine(shifted) / temps.float()[:, None])
-            filtered = None if self.filtered_now is None else (self.filtered_now, self.top_k_now, self.top_p_now)
-            picked = _pick(mine(shifted), weighted, u, temps, filtered)
+            picked = _pick(mine(shifted), weighted, u, temps, self.cut)
             chosen = picked if everyone else logits.argmax(dim=-1).index_copy(0, self.stochastic, picked)
         token_lp = shifted.gather(1, chosen[:, None]).squeeze(1) - log_total
         self.tokens[active, step] = chosen
