@@ -7,6 +7,7 @@ modules (q/k/v/o, gate/up/down, lm_head) of the same base weights, a summed cros
 in one cycle, each update awaited before the next.
 
 (a) one tenant's update (forward_backward + optim_step) vs PEFT's     CPU target: <= 0.9x the time
+    (--single-updates in a row per sample, as a training loop runs them)
                                                                       GPU target: >= 1.0x PEFT's tokens/s
 (b) 8 tenants' updates packed in one cycle vs PEFT training the 8 adapters one after another
                                                                       CPU target: >= 3x faster, GPU: >= 4x
@@ -159,11 +160,12 @@ def measure(name: str, device: torch.device, threads: int | None, args) -> Arms:
         fused = (torch.cat([ids for ids, _ in tensors]), torch.cat([t for _, t in tensors]))
 
         def ours_single():
-            with pool.hold():
-                fb = single.forward_backward(single_data, "cross_entropy")
-                opt = single.optim_step(ADAM)
-            fb.result()
-            opt.result()
+            for _ in range(args.single_updates):
+                with pool.hold():
+                    fb = single.forward_backward(single_data, "cross_entropy")
+                    opt = single.optim_step(ADAM)
+                fb.result()
+                opt.result()
 
         def ours_packed():
             with pool.hold():  # every tenant's update in one cycle
@@ -178,7 +180,8 @@ def measure(name: str, device: torch.device, threads: int | None, args) -> Arms:
         # (31.3 vs 28.4 ms). A PEFT user has no pool running; hold() parks our clock on a lock.
         def peft_single():
             with pool.hold():
-                trainer.update(trainer.names[0], *single_tensors)
+                for _ in range(args.single_updates):
+                    trainer.update(trainer.names[0], *single_tensors)
 
         def peft_sequential():
             with pool.hold():
@@ -194,6 +197,8 @@ def measure(name: str, device: torch.device, threads: int | None, args) -> Arms:
         if device.type == "cuda":  # the clock's results come back synced; PEFT's kernels may still run
             fns = {k: _synced(fn) for k, fn in fns.items()}
         seconds = side_by_side(fns, args.reps)
+        for arm in ("ours_single", "peft_single"):  # per update
+            seconds[arm] /= args.single_updates
         per_tenant = rows * length
         tokens = {"ours_single": single_rows * single_length, "peft_single": single_rows * single_length,
                   "ours_packed": tenants * per_tenant, "peft_sequential": tenants * per_tenant,
@@ -288,6 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=rows_by_length, default=(2, 64), help="each tenant's batch, ROWSxLENGTH")
     parser.add_argument("--single-batch", type=rows_by_length, default=None,
                         help="(a)'s batch, ROWSxLENGTH (default: --batch; on a GPU, one that saturates it)")
+    parser.add_argument("--single-updates", type=int, default=4,
+                        help="(a)'s updates in a row per sample (its time is per update): one ~25 ms update "
+                             "alone between the packed arms measured mostly this VM's noise and cold caches")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args(argv)
     args.single_batch = args.single_batch or args.batch

@@ -46,13 +46,14 @@ def _peft_grads(model, adapter: LoRAAdapter, batch: list[trio.Datum]) -> dict[st
                    named[f"base_model.model.{name}.lora_B.default.weight"].grad) for name in adapter.weights}
 
 
-def test_packed_multi_adapter_gradients_match_peft():
+@pytest.mark.parametrize("ranks", [[4, 8, 2], [8]], ids=["three tenants", "one tenant"])
+def test_packed_multi_adapter_gradients_match_peft(ranks):
     device = torch.device("cpu")
     base = load_base_model(DEFAULT_MODEL, device)
     plain, _ = _build_builtin(DEFAULT_MODEL, torch.float32)  # the same weights, unwrapped
     targets = base.targets_for(True, True, True)
     adapters, batches = [], []
-    for t, rank in enumerate([4, 8, 2]):
+    for t, rank in enumerate(ranks):
         adapter = LoRAAdapter(targets, rank, seed=100 + t, device=device)
         with torch.no_grad():  # non-zero B so that every A and B gets a gradient
             g = torch.Generator().manual_seed(t)

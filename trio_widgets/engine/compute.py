@@ -19,6 +19,7 @@ from ..errors import RequestErrorCategory, RequestFailedError
 from ..protocol.losses import forward_metrics, tokens_read
 from ..types import ForwardBackwardOutput, TensorData
 from ..validation import RequestLimits, check_batch
+from .llama import is_llama, packed_logits
 from .lora import LoRAAdapter, finite_flags
 from .losses import IGNORE_TARGET, datum_loss
 from .models import BaseModel
@@ -116,7 +117,10 @@ def _target_logprobs(base: BaseModel, jobs: list[_Work],
         start += n
     plan = PackPlan(segments=segments, seq_lens=lengths)
     with active_plan(plan):
-        logits = base.model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
+        if is_llama(base.model):
+            logits = packed_logits(base, ids, positions, plan)
+        else:
+            logits = base.model(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0]
     targets = torch.cat([x.target_tokens for x in data]).to(base.device)
     # one op for the whole row; a target of -100 (IGNORE_TARGET) gets logp 0 and no gradient
     logp = -F.cross_entropy(logits.float(), targets, reduction="none", ignore_index=IGNORE_TARGET)

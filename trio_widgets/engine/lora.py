@@ -162,14 +162,15 @@ class LoRAAdapter:
         """
         step = self.adam.step + 1
         with torch.no_grad():
-            w, m, v, g = _scratch_vectors(self.flat, 4)
+            scratch = _scratch_vectors(self.flat, 4)
+            w, m, v, g = scratch
             if self._grad is None:
                 g.zero_()
-            else:
-                g.copy_(self._grad)
+            else:  # the step only reads it; a clipped copy keeps the pending gradient as it was
+                g = self._grad
             norm = float(torch.linalg.vector_norm(g))
             if params.grad_clip_norm > 0 and norm > params.grad_clip_norm:
-                g.mul_(params.grad_clip_norm / (norm + 1e-6))
+                g = torch.mul(g, params.grad_clip_norm / (norm + 1e-6), out=scratch[3])
             if self.adam.flat is not None:
                 m.copy_(self.adam.flat[0])
                 v.copy_(self.adam.flat[1])
@@ -187,12 +188,12 @@ class LoRAAdapter:
             if not all_finite(w):
                 raise FloatingPointError("optim_step produced non-finite weights")
             self.flat.copy_(w)
-            if self.adam.flat is None:
-                self.adam.flat = (m.clone(), v.clone())
-                self.adam.exp_avg, self.adam.exp_avg_sq = self.views(self.adam.flat[0]), self.views(self.adam.flat[1])
-            else:  # in place: exp_avg / exp_avg_sq stay views of them
-                self.adam.flat[0].copy_(m)
-                self.adam.flat[1].copy_(v)
+            # the new moments are kept as they are and the old ones become the scratch: no copy back
+            # (the weights are copied: every A and B the engine holds is a view of `flat`)
+            old = self.adam.flat
+            scratch[1], scratch[2] = (old if old is not None else (torch.empty_like(m), torch.empty_like(v)))
+            self.adam.flat = (m, v)
+            self.adam.exp_avg, self.adam.exp_avg_sq = self.views(m), self.views(v)
         self.adam.step = step
         self._spare_grad, self._grad = self._grad, None
         return {"grad_norm:mean": norm, "learning_rate:mean": params.learning_rate, "step:max": float(step)}

@@ -47,7 +47,8 @@ class PackPlan:
     seq_lens: list[int] | None = None
     _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
     _cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
-    # (a stacked A or B leaf of one layer's segment group, the adapters' gradient views it feeds)
+    # (an autograd leaf of this pass: a stacked A or B of one layer's segment group [S, ...], or one
+    # tenant's A or B, or its A's of layers fed the same input stacked by rows; the gradient views it feeds)
     grad_leaves: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
     # Decoding: one token per row, each row through its own adapter (then `segments` is unused)
     rows: RowLoRA | None = None
@@ -57,8 +58,13 @@ class PackPlan:
         pass buffer. Done after the backward, not inside it, so that the backward runs
         entirely in C++ and never waits for the GIL (a notebook's kernel thread holds it)."""
         for leaf, sinks in self.grad_leaves:
-            if leaf.grad is not None:
-                torch._foreach_add_(sinks, list(leaf.grad.unbind(0)))
+            if leaf.grad is None:
+                continue
+            if leaf.dim() == 3:  # stacked segments [S, ...]: one sink each
+                parts = list(leaf.grad.unbind(0))
+            else:  # one tenant's weight, or its layers' A sides stacked by rows: split by layer
+                parts = [leaf.grad] if len(sinks) == 1 else list(leaf.grad.split([s.shape[0] for s in sinks]))
+            torch._foreach_add_(sinks, parts)
         self.grad_leaves.clear()
 
     def cumulative_lengths(self, device: torch.device) -> torch.Tensor:
@@ -377,6 +383,8 @@ class MultiLoRALinear(nn.Module):
             segs = [seg for _, seg, _ in group]
             adapters = [adapter for _, _, adapter in group]
             pairs = [adapter.weights[self.name] for adapter in adapters]
+            if len(plan.segments) == 1:  # one tenant, the whole row: plain matmuls (bmm of one is slower)
+                return _single_delta(plan, self.name, out, flat, adapters[0])
             if len(segs) == 1:
                 lora_a, lora_b = pairs[0][0][None], pairs[0][1][None]
             else:
@@ -406,3 +414,15 @@ class MultiLoRALinear(nn.Module):
         filled = [p if p is not None else out.new_zeros(seg.end - seg.start, out.shape[-1], dtype=lora_dtype)
                   for p, seg in zip(pieces, plan.segments)]
         return (out.to(lora_dtype) + torch.cat(filled, dim=0).view_as(out)).to(out.dtype)
+
+
+def _single_delta(plan: PackPlan, name: str, out: torch.Tensor, flat: torch.Tensor,
+                  adapter: LoRAAdapter) -> torch.Tensor:
+    lora_a, lora_b = adapter.weights[name]
+    if torch.is_grad_enabled() and adapter.pass_grad is not None:
+        ga, gb = adapter.pass_grad[name]
+        lora_a, lora_b = lora_a.detach().requires_grad_(), lora_b.detach().requires_grad_()
+        plan.grad_leaves += [(lora_a, [ga]), (lora_b, [gb])]
+    hidden = F.linear(flat.to(lora_a.dtype), lora_a)
+    fused = torch.addmm(out.reshape(-1, out.shape[-1]).to(lora_a.dtype), hidden, lora_b.t(), alpha=adapter.scale)
+    return fused.view(out.shape).to(out.dtype)

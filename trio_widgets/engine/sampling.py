@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from ..errors import RequestErrorCategory, RequestFailedError
 from ..types import PromptAltTokens, SampledSequence, SampleResponse, TensorData
 from ..validation import SampleSpec
+from .llama import is_llama as _is_llama
+from .llama import rms_norm, rotary, rotate
 from .lora import LoRAAdapter
 from .models import BaseModel
 from .packing import MultiLoRALinear, PackPlan, RowLoRA, Segment, active_plan
@@ -125,12 +127,6 @@ def forward_logits(base: BaseModel, adapter: LoRAAdapter | None, prompts: Sequen
     return [logits[i, length - len(p):].float().cpu() for i, p in enumerate(prompts)]
 
 
-def _is_llama(model: Any) -> bool:
-    """Whether `_llama_step` runs this model: transformers' own Llama (whose layers it calls
-    directly; other architectures decode through their own forward and a DynamicCache)."""
-    return type(model).__name__ == "LlamaForCausalLM" and type(model).__module__.startswith("transformers.")
-
-
 class _DecodeLoRA(RowLoRA):
     """`RowLoRA` for the decode steps: a group of layers fed the same input (q/k/v, gate/up)
     shares one batched matmul for its A side (side by side, each adapter's alpha/rank folded in
@@ -219,18 +215,6 @@ def _grouped(lora: RowLoRA, layers: tuple[Any, ...], x: torch.Tensor, linear: Li
                             [linear(x, layer.base.weight, layer.base.bias) for layer in layers])
 
 
-def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """LlamaRMSNorm's forward without the module call: in float32 torch's own `rms_norm` (its
-    ops, one call), otherwise LlamaRMSNorm's ops in its order (it rounds to the input's dtype
-    before the weight)."""
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
-
-
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
             ) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v for one new token per row: q [rows, heads, dim], keys and
@@ -262,20 +246,14 @@ def _llama_step(base: BaseModel, ids: torch.Tensor, positions: torch.Tensor, mas
     keys, values = kv
     n = ids.shape[0]
     hidden = F.embedding(ids.view(n), inner.embed_tokens.weight)
-    cos, sin = inner.rotary_emb(hidden, positions)
-    half = cos.shape[-1] // 2
-    # rotary embedding as transformers applies it, x cos + rotate_half(x) sin, with rotate_half's
-    # sign moved onto sin (exact): x cos + roll(x) sin', for q and k of every layer in one pass
-    cos = cos.view(n, 1, -1)
-    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(n, 1, -1)
+    cos, sin = rotary(inner, hidden, positions.view(n))
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        q, k, v = _grouped(lora, (attn.q_proj, attn.k_proj, attn.v_proj), _rms_norm(layer.input_layernorm, hidden),
+        q, k, v = _grouped(lora, (attn.q_proj, attn.k_proj, attn.v_proj), rms_norm(layer.input_layernorm, hidden),
                            linear)
         dim = attn.head_dim
         heads, kv_heads = q.shape[-1] // dim, k.shape[-1] // dim
-        both = torch.cat((q, k), dim=-1).view(n, heads + kv_heads, dim)
-        both = both * cos + both.roll(half, -1) * sin
+        both = rotate(torch.cat((q, k), dim=-1).view(n, heads + kv_heads, dim), cos, sin)
         keys[i, :, :, at] = both[:, heads:]
         values[i, :, :, at] = v.view(n, kv_heads, dim)
         if mask.dtype == torch.bool or both.dtype != torch.float32:
@@ -288,10 +266,10 @@ def _llama_step(base: BaseModel, ids: torch.Tensor, positions: torch.Tensor, mas
             out = _attend(both[:, :heads], keys[i, :, :, :at + 1], values[i, :, :, :at + 1], mask, attn.scaling)
         hidden = hidden + _linear(attn.o_proj, out, lora, linear)
         mlp = layer.mlp
-        gate, up = _grouped(lora, (mlp.gate_proj, mlp.up_proj), _rms_norm(layer.post_attention_layernorm, hidden),
+        gate, up = _grouped(lora, (mlp.gate_proj, mlp.up_proj), rms_norm(layer.post_attention_layernorm, hidden),
                             linear)
         hidden = hidden + _linear(mlp.down_proj, mlp.act_fn(gate) * up, lora, linear)
-    return _linear(model.lm_head, _rms_norm(inner.norm, hidden), lora, linear)
+    return _linear(model.lm_head, rms_norm(inner.norm, hidden), lora, linear)
 
 
 # -- choosing tokens ------------------------------------------------------------------------
