@@ -49,20 +49,21 @@ def _adapter(base, rank: int, alpha: float, seed: int, mlp: bool = True) -> LoRA
     return adapter
 
 
-def _pass(base, adapters: list[LoRAAdapter | None], direct: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits of one packed row (sequence i through adapters[i]) and each adapter's gradient of
-    a fixed random weighting of them."""
+def _pass(base, adapters: list[LoRAAdapter | None], lengths: list[int], direct: bool
+          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits of one packed row (sequence i of lengths[i] tokens through adapters[i]) and each
+    adapter's gradient of a fixed random weighting of them."""
     generator = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, base.vocab_size, (sum(LENGTHS),), generator=generator)
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])
+    ids = torch.randint(3, base.vocab_size, (sum(lengths),), generator=generator)
+    positions = torch.cat([torch.arange(n) for n in lengths])
     segments, start = [], 0
-    for adapter, n in zip(adapters, LENGTHS):
+    for adapter, n in zip(adapters, lengths):
         if segments and segments[-1].adapter is adapter:
             segments[-1].end += n
         else:
             segments.append(Segment(start, start + n, adapter))
         start += n
-    plan = PackPlan(segments=segments, seq_lens=LENGTHS)
+    plan = PackPlan(segments=segments, seq_lens=lengths)
     distinct = list({id(a): a for a in adapters if a is not None}.values())
     for adapter in distinct:
         adapter.begin_pass()
@@ -77,20 +78,31 @@ def _pass(base, adapters: list[LoRAAdapter | None], direct: bool) -> tuple[torch
     return logits.detach(), [adapter.end_pass() for adapter in distinct]
 
 
-@pytest.mark.parametrize("row", ["one tenant", "one tenant, attention and head only", "several tenants"])
+# per row: each tenant's (rank, alpha, trains the MLP); each sequence's tenant (None: no adapter); lengths
+ROWS = {
+    "one tenant": ([(8, 16.0, True)], [0, 0, 0, 0], LENGTHS),
+    "one tenant, attention and head only": ([(8, 16.0, False)], [0, 0, 0, 0], LENGTHS),
+    # tenants of one rank with batches of one length (MultiLoRALinear's one batched product per layer)
+    "tenants' equal batches": ([(8, 16.0, True)] * 3, [0, 0, 1, 1, 2], [5, 7, 6, 6, 12]),
+    "tenants' equal batches, alphas differ": ([(8, 16.0, True), (8, 64.0, True), (8, 4.0, True)], [0, 0, 1, 1, 2],
+                                              [5, 7, 6, 6, 12]),
+    # the modules' grouping: ranks, lengths and trained layers differ; a sequence without an adapter,
+    # and one tenant's two sequences apart
+    "several tenants": ([(4, 8.0, True), (8, 32.0, False)], [0, 1, None, 0], LENGTHS),
+}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
 def test_the_direct_pass_gives_transformers_logits_and_gradients(base, row):
     assert is_llama(base.model)
-    if row == "several tenants":
-        a, b = _adapter(base, 4, 8.0, 1), _adapter(base, 8, 32.0, 2, mlp=False)
-        adapters: list[LoRAAdapter | None] = [a, b, None, a]
-    else:
-        one = _adapter(base, 8, 16.0, 3, mlp=row == "one tenant")
-        adapters = [one] * len(LENGTHS)
-    direct, direct_grads = _pass(base, adapters, direct=True)
-    reference, reference_grads = _pass(base, adapters, direct=False)
-    config = base.model.config
-    terms = model_terms(config, max(LENGTHS), batch_tokens=sum(LENGTHS))
+    specs, owners, lengths = ROWS[row]
+    tenants = [_adapter(base, rank, alpha, seed=1 + i, mlp=mlp) for i, (rank, alpha, mlp) in enumerate(specs)]
+    adapters = [None if owner is None else tenants[owner] for owner in owners]
+    direct, direct_grads = _pass(base, adapters, lengths, direct=True)
+    reference, reference_grads = _pass(base, adapters, lengths, direct=False)
+    terms = model_terms(base.model.config, max(lengths), batch_tokens=sum(lengths))
     assert_fp32_close(direct, reference, terms, "logits, direct vs transformers' forward")
+    assert len(direct_grads) == len(tenants)
     for got, want in zip(direct_grads, reference_grads, strict=True):
         assert float(want.abs().max()) > 0
         assert_fp32_close(got, want, terms, "LoRA gradient, direct vs transformers' forward")

@@ -97,6 +97,8 @@ def _project(plan: PackPlan, adapter: Any, layers: tuple[Any, ...], x: torch.Ten
     if grads is not None and torch.is_grad_enabled():
         # This pass's weights are autograd leaves; their gradients reach the adapter in
         # `plan.flush_grads` (the A side's split by layer), so no per-layer node is in the graph.
+        # (Tenants' equal batches stacked the same way, one batched matmul per layer group, were no
+        # faster than MultiLoRALinear's grouping: 8 x 128 tokens, built-in model, 1 and 2 threads.)
         a_side = a_side.detach().requires_grad_()
         bs = [b.detach().requires_grad_() for b in bs]
         plan.grad_leaves.append((a_side, [ga for ga, _ in grads]))

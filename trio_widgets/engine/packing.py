@@ -47,8 +47,8 @@ class PackPlan:
     seq_lens: list[int] | None = None
     _groups: list[tuple[int, torch.Tensor | None]] | None = field(default=None, repr=False)
     _cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
-    # (an autograd leaf of this pass: a stacked A or B of one layer's segment group [S, ...], or one
-    # tenant's A or B, or its A's of layers fed the same input stacked by rows; the gradient views it feeds)
+    # (an autograd leaf of this pass, the gradient views [rows, cols] it feeds, whose rows lie in its own
+    # in order: a stacked A or B of one layer's segments [S, r, in], or tenants' A's side by side)
     grad_leaves: list[tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=list, repr=False)
     # Decoding: one token per row, each row through its own adapter (then `segments` is unused)
     rows: RowLoRA | None = None
@@ -58,13 +58,9 @@ class PackPlan:
         pass buffer. Done after the backward, not inside it, so that the backward runs
         entirely in C++ and never waits for the GIL (a notebook's kernel thread holds it)."""
         for leaf, sinks in self.grad_leaves:
-            if leaf.grad is None:
-                continue
-            if leaf.dim() == 3:  # stacked segments [S, ...]: one sink each
-                parts = list(leaf.grad.unbind(0))
-            else:  # one tenant's weight, or its layers' A sides stacked by rows: split by layer
-                parts = [leaf.grad] if len(sinks) == 1 else list(leaf.grad.split([s.shape[0] for s in sinks]))
-            torch._foreach_add_(sinks, parts)
+            if leaf.grad is not None:  # the sinks' rows lie in the leaf's rows in order: [S, r, in] -> S x [r, in]
+                rows = leaf.grad.reshape(-1, leaf.shape[-1])
+                torch._foreach_add_(sinks, list(rows.split([sink.shape[0] for sink in sinks])))
         self.grad_leaves.clear()
 
     def cumulative_lengths(self, device: torch.device) -> torch.Tensor:
