@@ -69,7 +69,7 @@ def packed_logits(base: Any, ids: torch.Tensor, positions: torch.Tensor, plan: P
         both = rotate(torch.cat((q, k), dim=-1).view(n, -1, dim), cos, sin).transpose(0, 1)
         values = v.view(n, -1, dim).transpose(0, 1)[None]
         out, _ = packed_attention(attn, both[None, :heads], both[None, heads:], values, None, scaling=attn.scaling)
-        hidden = hidden + _project(plan, one, (attn.o_proj,), out.view(n, -1))[0]
+        hidden = hidden + _project(plan, one, (attn.o_proj,), out.reshape(n, -1))[0]
         mlp = layer.mlp
         gate, up = _project(plan, one, (mlp.gate_proj, mlp.up_proj), rms_norm(layer.post_attention_layernorm, hidden))
         hidden = hidden + _project(plan, one, (mlp.down_proj,), mlp.act_fn(gate) * up)[0]
