@@ -343,8 +343,8 @@ def test_close_and_context_manager(ckpool, transport):
 def test_optim_step_forms_give_the_same_weights(sc, look):
     batch = random_batch(3, n=2, length=10)
     clients = [sc.create_lora_training_client(trio.DEFAULT_MODEL, rank=4, seed=7) for _ in range(3)]
-    for tc in clients:
-        tc.forward_backward(batch)
+    for tc in clients:  # each alone in its cycle, over any transport: a pass of one tenant and a pass of
+        tc.forward_backward(batch).result()  # several agree to fp32 rounding, not to the bit (architecture.md)
     clients[0].optim_step(ADAM)
     clients[1].optim_step(optim_params=ADAM)
     clients[2].optim_step(adam_params=ADAM)
