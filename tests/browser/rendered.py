@@ -12,7 +12,8 @@ many lie in the x range). `check_rendered` asserts that a dashboard's main plots
   and the frame's outline are near-white and do not count);
 
 and `check_moved_on` that a second reading, taken later, shows the view moved on: the x range
-advanced and the plot's pixels changed (data or time axis).
+advanced and the plot's pixels changed (data or time axis). `drawn` reads and checks again while
+a stream the page got an instant before is not painted yet.
 """
 
 from __future__ import annotations
@@ -158,6 +159,22 @@ def plots(page: Any, within: str = ".trio-dashboard", *, name: str | None = None
                 Path(ARTIFACTS / f"{name}-{i}.png").write_bytes(p.shot)
         found.append(p)
     return found
+
+
+def drawn(page: Any, titles: list[str], within: str = ".trio-dashboard", *, name: str | None = None,
+          tries: int = 4) -> dict[str, Plot]:
+    """`check_rendered` of `plots`, read again (up to `tries` times, 0.5 s apart) while it fails: a
+    stream that reached the page an instant before the reading is not painted yet, and BokehJS moves
+    an auto-ranged view (the loss plots) on its next paint, so such a reading holds rows right of the
+    view. A view that never covers its data fails every time."""
+    for attempt in range(tries):
+        try:
+            return check_rendered(plots(page, within, name=name), titles)
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+            page.wait_for_timeout(500)
+    raise AssertionError("tries must be at least 1")
 
 
 def check_rendered(shown: list[Plot], titles: list[str]) -> dict[str, Plot]:

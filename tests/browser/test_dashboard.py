@@ -147,7 +147,7 @@ def test_dashboard_start_pause_resume_stop(lab: LabServer, browser: Any, subshel
 
         if full:  # what is drawn (issue 34): ranges cover the data, frames drawn, the view moves on
             rendered.show_whole(page)
-            first = rendered.check_rendered(rendered.plots(page, name="dashboard-first"), MAIN_PLOTS)
+            first = rendered.drawn(page, MAIN_PLOTS, name="dashboard-first")
             page.wait_for_timeout(2500)  # a dozen cycles at 0.05 s, a few updates
             rendered.check_moved_on(first, rendered.plots(page, name="dashboard-later"))
 

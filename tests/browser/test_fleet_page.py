@@ -79,7 +79,7 @@ def test_a_fleets_selected_pool_is_drawn_and_moves_on(lab: LabServer, browser: A
                     "() => /fleet-page[^\\n]*cycles?\\/update/.test((document.querySelector("
                     "'.trio-fleet .trio-dashboard .trio-status') || {innerText: ''}).innerText)", timeout=120_000)
                 rendered.show_whole(page, ".trio-fleet")
-                first = rendered.check_rendered(rendered.plots(page, within, name="fleet-first"), MAIN_PLOTS)
+                first = rendered.drawn(page, MAIN_PLOTS, within, name="fleet-first")
                 page.wait_for_timeout(2500)  # a couple of dozen cycles at 0.1 s
                 rendered.check_moved_on(first, rendered.plots(page, within, name="fleet-later"))
                 shot = nb.screenshot("fleet-page", selector=".trio-fleet")

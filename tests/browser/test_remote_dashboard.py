@@ -122,7 +122,7 @@ def test_remote_dashboard_shows_two_clients_of_two_other_processes(lab: LabServe
                     assert "disabled: this dashboard only watches" in dash.locator(".trio-why").inner_text()
                     # what is drawn (issue 34): ranges cover the data, frames drawn, the view moves on
                     rendered.show_whole(page)
-                    first_plots = rendered.check_rendered(rendered.plots(page, name="remote-first"), MAIN_PLOTS)
+                    first_plots = rendered.drawn(page, MAIN_PLOTS, name="remote-first")
                     page.wait_for_timeout(2500)  # a couple of dozen cycles at 0.1 s
                     rendered.check_moved_on(first_plots, rendered.plots(page, name="remote-later"))
                     shot = nb.screenshot("remote-dashboard", selector=".trio-dashboard")

@@ -151,7 +151,7 @@ def test_a_watched_sdk_loop_goes_live_in_the_page_and_unwatch_leaves_the_sdk_as_
         # what is drawn (issue 34: the two main plots stayed at x 0..1, empty): ranges cover the
         # requests, the frames have drawn pixels, and a few updates later the view moved on
         rendered.show_whole(page)
-        first = rendered.check_rendered(rendered.plots(page, name="watch-first"), WATCH_PLOTS)
+        first = rendered.drawn(page, WATCH_PLOTS, name="watch-first")
         page.wait_for_timeout(2500)
         rendered.check_moved_on(first, rendered.plots(page, name="watch-later"))
         nb.screenshot("watch-page", selector=".trio-dashboard")
